@@ -1,0 +1,50 @@
+"""Paged attention over gathered context, masked by positions, context lengths and sliding windows."""
+
+from __future__ import annotations
+
+import torch
+
+# Finite so fully masked (padding) rows give a uniform softmax instead of NaN.
+MASK_VALUE = -1e30
+
+
+def context_mask(
+    positions: torch.Tensor,  # [B, T] int64
+    context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
+    context: int,
+    window: int | None,
+) -> torch.Tensor:  # [B, T, C] bool
+    """Key j is visible to a query at position p iff lo <= j <= hi, lo = max(0, p - window + 1),
+    hi = min(p, context_len - 1).
+
+    Written as one comparison |2j - lo - hi| <= hi - lo instead of an AND of two broadcast masks:
+    neuronx-cc miscompiles a broadcast boolean AND of a large mask with a [1, N] mask (CHRS-985).
+    Padding rows (context_len 0) get hi = -1 < lo, so nothing is visible.
+    """
+    hi = torch.minimum(positions, (context_lens - 1).unsqueeze(1))  # [B, T]
+    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+    keys = torch.arange(context, device=positions.device)  # [C]
+    centre = (lo + hi).unsqueeze(-1)  # [B, T, 1]
+    radius = (hi - lo).unsqueeze(-1)  # [B, T, 1]
+    return (2 * keys - centre).abs() <= radius
+
+
+def paged_attention(
+    q: torch.Tensor,  # [B, T, H, D]
+    keys: torch.Tensor,  # [B, C, KV, D]
+    values: torch.Tensor,  # [B, C, KV, D]
+    mask: torch.Tensor,  # [B, T, C] bool
+    scale: float,
+) -> torch.Tensor:  # [B, T, H * D]
+    """Grouped-query attention: query head h reads KV head h // (H // KV), as HF's repeat_kv does."""
+    rows, tokens, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    q = q.reshape(rows, tokens, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [B, KV, G, T, D]
+    k = keys.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
+    v = values.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KV, G, T, C]
+    scores = torch.where(mask[:, None, None], scores.float(), MASK_VALUE)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v)  # [B, KV, G, T, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(rows, tokens, heads * dim)

@@ -1,0 +1,35 @@
+"""Paged KV cache writes and reads: one K and one V tensor per layer, block 0 is the null block."""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    k: torch.Tensor,  # [N, KV, D]
+    v: torch.Tensor,  # [N, KV, D]
+    slot_mapping: torch.Tensor,  # [N] int64, -1 = padding
+) -> None:
+    """Scatter new keys/values into their slots with index_put_ (becomes an io-aliased output).
+
+    Padding slots (-1) are clamped to the null block 0 *before* `//` and `%`: on Neuron a -1 slot turns
+    into an out-of-bounds DGE scatter that wedges the execution queue.
+    """
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.clamp(min=0)
+    block_idx = slots // block_size
+    offset = slots % block_size
+    k_cache.index_put_((block_idx, offset), k)
+    v_cache.index_put_((block_idx, offset), v)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    block_tables: torch.Tensor,  # [B, C // block_size] int64, -1 past the valid blocks
+) -> torch.Tensor:  # [B, C, KV, D]
+    """Read each row's context through its block table; -1 entries read block 0 (masked later)."""
+    rows, blocks = block_tables.shape
+    gathered = cache[block_tables.clamp(min=0)]  # [B, C/bs, bs, KV, D]
+    return gathered.reshape(rows, blocks * cache.shape[1], cache.shape[2], cache.shape[3])

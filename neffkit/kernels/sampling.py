@@ -1,0 +1,55 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, with a per-row seed and no RNG state.
+
+Randomness comes from a counter-based integer hash of (seed, position, candidate) turned into Gumbel
+noise, so a graph is a pure function of its inputs: same seed → same tokens on every target and rank,
+and nothing stateful is captured by torch.export. Sampling draws from the `max_top_k` most likely
+tokens (a static shape); `top_k <= 0` means all of them. Temperature 0 means greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32) on int64 tensors holding values below 2**32."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """[B] seeds, [B] positions → [B, width] floats in (0, 1), deterministic."""
+    row = _hash32(seed ^ _hash32(positions + 0x9E3779B9))  # [B]
+    lanes = torch.arange(width, device=seed.device, dtype=torch.int64)  # [width]
+    bits = _hash32(row.unsqueeze(1) * 0x10001 + lanes)  # [B, width]
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # [B] float32
+    top_k: torch.Tensor,  # [B] int64
+    top_p: torch.Tensor,  # [B] float32
+    seed: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B] int64, position of the sampled token's predecessor
+    max_top_k: int,
+) -> torch.Tensor:  # [B] int64
+    logits = logits.float()
+    greedy = torch.argmax(logits, dim=-1)  # [B]; first max, like HF
+    width = min(max_top_k, logits.shape[-1])
+    cand_logits, cand_ids = torch.topk(logits, width, dim=-1)  # [B, K], sorted descending
+    lane = torch.arange(width, device=logits.device)  # [K]
+    k_eff = torch.where(top_k > 0, top_k.clamp(max=width), width)  # [B]
+    scaled = cand_logits / temperature.clamp(min=1e-5).unsqueeze(1)  # [B, K]
+    scaled = torch.where(lane < k_eff.unsqueeze(1), scaled, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # [B, K]; lane 0 is always kept
+    scaled = torch.where(mass_before < top_p.unsqueeze(1), scaled, float("-inf"))
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, positions, width)))
+    choice = torch.argmax(scaled + gumbel, dim=-1, keepdim=True)  # [B, 1]
+    sampled = cand_ids.gather(1, choice).squeeze(1)
+    return torch.where(temperature > 0, sampled, greedy)

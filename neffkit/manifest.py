@@ -1,0 +1,385 @@
+"""The manifest (schema 1): YAML → frozen dataclasses, strictly validated.
+
+Every error names the field path and the bad value and says what was expected, e.g.
+`buckets.decode[1]: expected a positive int, got -4`. Unknown keys are errors. Relative paths resolve
+against the manifest's folder. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from neffkit.compile.backends import BACKENDS
+from neffkit.errors import ManifestError, ModelError
+from neffkit.models.config import ModelConfig, read_model_config
+
+SCHEMA_VERSION = 1
+DTYPES = ("float32", "bfloat16", "float16")
+NEURON_TARGETS = ("trn1", "trn2", "trn3")
+PHASES = ("prefill", "decode")
+# AOTInductor options a manifest may set (compiler.inductor), with their value types.
+INDUCTOR_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "max_autotune": bool,
+    "epilogue_fusion": bool,
+    "cpp.simdlen": int,
+    "cpp.threads": int,
+    "aot_inductor.debug_compile": bool,
+    "fallback_random": bool,
+}
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int = 1
+    ep: int = 1
+
+
+@dataclass(frozen=True)
+class KVCache:
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class Buckets:
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+    context: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_top_k: int = 64
+
+
+@dataclass(frozen=True)
+class NeuronOptions:
+    target: str = "trn2"
+    lnc: int = 2
+
+
+@dataclass(frozen=True)
+class GraphRule:
+    """A per-graph compiler rule; `match` keys: phase, tokens, batch, context (int or [lo, hi])."""
+
+    match: dict[str, Any]
+    flags: tuple[str, ...] = ()
+    inductor: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Compiler:
+    flags: tuple[str, ...] = ()
+    inductor: dict[str, Any] = field(default_factory=dict)
+    per_graph: tuple[GraphRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    model: Path
+    dtype: str
+    target: str
+    neuron: NeuronOptions | None
+    parallel: Parallel
+    kv_cache: KVCache
+    buckets: Buckets
+    sampling: Sampling
+    compiler: Compiler
+    model_config: ModelConfig
+    source: Path | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.buckets.context[-1]
+
+    def to_json(self) -> dict[str, Any]:
+        """The resolved manifest as stored in bundle.json (absolute model path, all defaults filled)."""
+        data = asdict(self)
+        data.pop("model_config")
+        data.pop("source")
+        data["neffkit"] = SCHEMA_VERSION
+        data["model"] = str(self.model)
+        return data
+
+
+# ---------------------------------------------------------------- field readers
+
+
+def _describe(value: Any) -> str:
+    return repr(value) if not isinstance(value, dict | list) else type(value).__name__
+
+
+def _mapping(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ManifestError(f"{path}: expected a mapping, got {_describe(value)}")
+    return value
+
+
+def _no_unknown(data: dict[str, Any], allowed: tuple[str, ...], path: str) -> None:
+    for key in data:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else str(key)
+            raise ManifestError(
+                f"{where}: unknown key; allowed here: {', '.join(allowed)}",
+                hint="check the spelling against the manifest schema in the README",
+            )
+
+
+def _positive_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ManifestError(f"{path}: expected a positive int, got {_describe(value)}")
+    return value
+
+
+def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
+    if value not in choices:
+        raise ManifestError(f"{path}: unknown value {value!r}; available: {', '.join(choices)}")
+    return value
+
+
+def _bucket_list(value: Any, path: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise ManifestError(f"{path}: expected a non-empty list of positive ints, got {_describe(value)}")
+    items = tuple(_positive_int(v, f"{path}[{i}]") for i, v in enumerate(value))
+    for i in range(1, len(items)):
+        if items[i] <= items[i - 1]:
+            raise ManifestError(
+                f"{path}[{i}]: buckets must be sorted and unique, got {list(items)}",
+                hint=f"write them ascending: {sorted(set(items))}",
+            )
+    return items
+
+
+def _string_list(value: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ManifestError(f"{path}: expected a list of strings, got {_describe(value)}")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise ManifestError(f"{path}[{i}]: expected a string, got {_describe(v)}")
+    return tuple(value)
+
+
+def _inductor_options(value: Any, path: str) -> dict[str, Any]:
+    data = _mapping(value, path)
+    for key, v in data.items():
+        if key not in INDUCTOR_OPTIONS:
+            raise ManifestError(
+                f"{path}.{key}: not an allowed AOTInductor option; allowed: "
+                f"{', '.join(INDUCTOR_OPTIONS)}"
+            )
+        expected = INDUCTOR_OPTIONS[key]
+        if isinstance(v, bool) and expected is int or not isinstance(v, expected):
+            name = expected.__name__ if isinstance(expected, type) else "value"
+            raise ManifestError(f"{path}.{key}: expected {name}, got {_describe(v)}")
+    return dict(data)
+
+
+def _match(value: Any, path: str) -> dict[str, Any]:
+    data = _mapping(value, path)
+    _no_unknown(data, ("phase", "tokens", "batch", "context"), path)
+    out: dict[str, Any] = {}
+    for key, v in data.items():
+        if key == "phase":
+            out[key] = _choice(v, PHASES, f"{path}.phase")
+        elif isinstance(v, list):
+            if len(v) != 2:
+                raise ManifestError(f"{path}.{key}: expected an int or [lo, hi], got {v!r}")
+            lo, hi = (_positive_int(x, f"{path}.{key}[{i}]") for i, x in enumerate(v))
+            if lo > hi:
+                raise ManifestError(f"{path}.{key}: range [{lo}, {hi}] is empty")
+            out[key] = [lo, hi]
+        else:
+            out[key] = _positive_int(v, f"{path}.{key}")
+    return out
+
+
+def _compiler(value: Any, path: str) -> Compiler:
+    data = _mapping(value, path)
+    _no_unknown(data, ("flags", "inductor", "per_graph"), path)
+    rules = []
+    raw_rules = data.get("per_graph", [])
+    if not isinstance(raw_rules, list):
+        raise ManifestError(f"{path}.per_graph: expected a list of rules, got {_describe(raw_rules)}")
+    for i, raw in enumerate(raw_rules):
+        rule_path = f"{path}.per_graph[{i}]"
+        rule = _mapping(raw, rule_path)
+        _no_unknown(rule, ("match", "flags", "inductor"), rule_path)
+        if "match" not in rule:
+            raise ManifestError(f"{rule_path}.match: required")
+        rules.append(
+            GraphRule(
+                match=_match(rule["match"], f"{rule_path}.match"),
+                flags=_string_list(rule.get("flags", []), f"{rule_path}.flags"),
+                inductor=_inductor_options(rule.get("inductor", {}), f"{rule_path}.inductor"),
+            )
+        )
+    return Compiler(
+        flags=_string_list(data.get("flags", []), f"{path}.flags"),
+        inductor=_inductor_options(data.get("inductor", {}), f"{path}.inductor"),
+        per_graph=tuple(rules),
+    )
+
+
+# ---------------------------------------------------------------- the manifest
+
+TOP_LEVEL = (
+    "neffkit", "name", "model", "dtype", "target", "neuron", "parallel", "kv_cache", "buckets",
+    "sampling", "compiler",
+)  # fmt: skip
+
+
+def _model_dir(value: Any, base: Path) -> tuple[Path, ModelConfig]:
+    if not isinstance(value, str) or not value:
+        raise ManifestError(f"model: expected a path to an HF model directory, got {_describe(value)}")
+    path = (base / value).resolve()
+    if not path.is_dir():
+        raise ManifestError(f"model: directory {path} does not exist")
+    if not (path / "config.json").exists():
+        raise ManifestError(f"model: {path} has no config.json (is it an HF model directory?)")
+    if not any(path.glob("*.safetensors")):
+        raise ManifestError(
+            f"model: {path} has no *.safetensors files",
+            hint="save the model with save_pretrained(..., safe_serialization=True)",
+        )
+    try:
+        return path, read_model_config(path)
+    except ModelError as exc:
+        raise ManifestError(f"model: {exc.message}", exc.hint) from exc
+
+
+def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
+    """Validate a parsed YAML document; `base` is the folder relative paths resolve against."""
+    data = _mapping(data, "manifest")
+    _no_unknown(data, TOP_LEVEL, "")
+    for key in ("neffkit", "model", "buckets"):
+        if key not in data:
+            raise ManifestError(f"{key}: required field is missing")
+    if data["neffkit"] != SCHEMA_VERSION:
+        raise ManifestError(
+            f"neffkit: unsupported manifest schema {data['neffkit']!r}; this neffkit reads schema "
+            f"{SCHEMA_VERSION}"
+        )
+    display_name = data.get("name", name)
+    if not isinstance(display_name, str) or not display_name:
+        raise ManifestError(f"name: expected a non-empty string, got {_describe(display_name)}")
+    dtype = _choice(data.get("dtype", "float32"), DTYPES, "dtype")
+    target = _choice(data.get("target", "cpu"), tuple(BACKENDS), "target")
+
+    neuron = None
+    if "neuron" in data:
+        raw = _mapping(data["neuron"], "neuron")
+        _no_unknown(raw, ("target", "lnc"), "neuron")
+        neuron = NeuronOptions(
+            target=_choice(raw.get("target", "trn2"), NEURON_TARGETS, "neuron.target"),
+            lnc=_positive_int(raw.get("lnc", 2), "neuron.lnc"),
+        )
+        if target != "neuron":
+            raise ManifestError(f"neuron: only valid with target: neuron (target is {target!r})")
+    elif target == "neuron":
+        neuron = NeuronOptions()
+
+    raw_par = _mapping(data.get("parallel", {}), "parallel")
+    _no_unknown(raw_par, ("tp", "ep"), "parallel")
+    parallel = Parallel(
+        tp=_positive_int(raw_par.get("tp", 1), "parallel.tp"),
+        ep=_positive_int(raw_par.get("ep", 1), "parallel.ep"),
+    )
+    if parallel.tp % parallel.ep:
+        raise ManifestError(f"parallel.ep: {parallel.ep} must divide parallel.tp ({parallel.tp})")
+
+    raw_b = _mapping(data["buckets"], "buckets")
+    _no_unknown(raw_b, ("prefill", "decode", "context"), "buckets")
+    for key in ("prefill", "decode", "context"):
+        if key not in raw_b:
+            raise ManifestError(f"buckets.{key}: required field is missing")
+    buckets = Buckets(
+        prefill=_bucket_list(raw_b["prefill"], "buckets.prefill"),
+        decode=_bucket_list(raw_b["decode"], "buckets.decode"),
+        context=_bucket_list(raw_b["context"], "buckets.context"),
+    )
+
+    raw_kv = _mapping(data.get("kv_cache", {}), "kv_cache")
+    _no_unknown(raw_kv, ("block_size", "num_blocks"), "kv_cache")
+    block_size = _positive_int(raw_kv.get("block_size", 16), "kv_cache.block_size")
+    for key in ("prefill", "context"):
+        for i, b in enumerate(getattr(buckets, key)):
+            if b % block_size:
+                raise ManifestError(
+                    f"buckets.{key}[{i}]: {b} is not a multiple of kv_cache.block_size ({block_size})"
+                )
+    # Default: every decode row can hold the largest context, plus the reserved null block 0.
+    default_blocks = buckets.context[-1] * buckets.decode[-1] // block_size + 1
+    num_blocks = _positive_int(raw_kv.get("num_blocks", default_blocks), "kv_cache.num_blocks")
+    if buckets.context[-1] > (num_blocks - 1) * block_size:
+        raise ManifestError(
+            f"kv_cache.num_blocks: {num_blocks} blocks of {block_size} tokens (block 0 is reserved) "
+            f"cannot hold the largest context bucket ({buckets.context[-1]} tokens)",
+            hint=f"use num_blocks >= {buckets.context[-1] // block_size + 1}",
+        )
+    if buckets.prefill[0] > buckets.context[-1]:
+        raise ManifestError(
+            f"buckets.prefill[0]: {buckets.prefill[0]} exceeds the largest context bucket "
+            f"({buckets.context[-1]})"
+        )
+
+    raw_s = _mapping(data.get("sampling", {}), "sampling")
+    _no_unknown(raw_s, ("max_top_k",), "sampling")
+    sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
+
+    compiler = _compiler(data.get("compiler", {}), "compiler")
+    model_path, model_config = _model_dir(data["model"], base)
+    _check_layout(model_config, parallel)
+
+    return Manifest(
+        name=display_name,
+        model=model_path,
+        dtype=dtype,
+        target=target,
+        neuron=neuron,
+        parallel=parallel,
+        kv_cache=KVCache(block_size=block_size, num_blocks=num_blocks),
+        buckets=buckets,
+        sampling=sampling,
+        compiler=compiler,
+        model_config=model_config,
+    )
+
+
+def _check_layout(cfg: ModelConfig, parallel: Parallel) -> None:
+    if cfg.num_heads % parallel.tp:
+        raise ManifestError(
+            f"parallel.tp: {parallel.tp} does not divide the model's {cfg.num_heads} attention heads"
+        )
+    kv = cfg.num_kv_heads
+    if kv % parallel.tp and parallel.tp % kv:
+        raise ManifestError(
+            f"parallel.tp: {parallel.tp} and the model's {kv} KV heads do not divide one another"
+        )
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{path}: manifest file not found") from exc
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read manifest: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{path}: invalid YAML: {exc}") from exc
+    manifest = parse_manifest(data, path.parent.resolve(), name=path.stem)
+    return _with_source(manifest, path.resolve())
+
+
+def _with_source(manifest: Manifest, source: Path) -> Manifest:
+    from dataclasses import replace
+
+    return replace(manifest, source=source)

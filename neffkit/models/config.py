@@ -1,0 +1,130 @@
+"""Read an HF `config.json` into a ModelConfig: the few numbers the graphs need, validated.
+
+Pure Python (no torch) so the manifest can validate a model directory without loading weights.
+Handles both transformers 4.x (`rope_theta` at the top level) and 5.x (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from neffkit.errors import ModelError
+
+# architecture name → family traits. The single list of what neffkit can build.
+ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qk_norm": False},
+    "MistralForCausalLM": {"qk_norm": False},
+    "Qwen2ForCausalLM": {"qk_norm": False},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+ROPE_TYPES = ("default",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        data["sliding_windows"] = tuple(data["sliding_windows"])
+        data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        return cls(**data)
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope(cfg: dict[str, Any], where: str) -> float:
+    """rope_theta from 5.x `rope_parameters` or 4.x top-level keys; refuse scaled variants by name."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(params, dict) and "rope_type" not in params and "type" in params:
+        params = {**params, "rope_type": params["type"]}
+    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    if rope_type not in ROPE_TYPES:
+        raise ModelError(
+            f"{where}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else cfg.get("rope_theta", 10000.0))
+
+
+def _sliding_windows(cfg: dict[str, Any], num_layers: int, arch: str) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if arch == "MistralForCausalLM" and window:
+        return (int(window),) * num_layers
+    if cfg.get("use_sliding_window") and window:
+        raise ModelError("config.json: use_sliding_window without layer_types is not supported")
+    return (None,) * num_layers
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """Parse `model_dir/config.json` (+ generation_config.json for EOS ids)."""
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ModelError(f"{path}: not found (an HF model directory needs config.json)") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: invalid JSON: {exc}") from exc
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+        )
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        num_layers = int(cfg["num_hidden_layers"])
+        eos = cfg.get("eos_token_id")
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.exists():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope(cfg, str(path)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=ARCHITECTURES[arch]["qk_norm"],
+            sliding_windows=_sliding_windows(cfg, num_layers, arch),
+            eos_token_ids=_as_ids(eos),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+    except KeyError as exc:
+        raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc

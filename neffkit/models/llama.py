@@ -1,0 +1,148 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one static-shape paged forward per graph.
+
+A graph is a full forward: embedding, all layers, final norm, LM head, sampling, KV writes. Inputs are
+flat and ordered as `graph_inputs` lists them: metadata, then one K and one V tensor per layer, then
+the weights. Weights as inputs let one copy in memory serve every graph, and are what neuronx-cc and
+torch-mlir expect. Nothing here reads a tensor value on the host: shapes are static per graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from neffkit.kernels.attention import context_mask, paged_attention
+from neffkit.kernels.kv import gather_context, write_kv
+from neffkit.kernels.norm import rms_norm
+from neffkit.kernels.rope import apply_rope, rope_cos_sin
+from neffkit.kernels.sampling import sample
+from neffkit.models.config import ModelConfig
+
+SAMPLING_INPUTS = (("temperature", "float32"), ("top_k", "int64"), ("top_p", "float32"),
+                   ("seed", "int64"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """Static shape of one graph: B rows of T tokens attending to at most C context tokens."""
+
+    phase: str  # "prefill" (one row, T tokens) or "decode" (B rows, one token each)
+    rows: int
+    tokens: int
+    context: int
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
+    b, t = shape.rows, shape.tokens
+    specs = [
+        TensorSpec("input_ids", (b, t), "int64"),
+        TensorSpec("positions", (b, t), "int64"),
+        TensorSpec("slot_mapping", (b, t), "int64"),
+        TensorSpec("block_tables", (b, shape.context // shape.block_size), "int64"),
+        TensorSpec("context_lens", (b,), "int64"),
+    ]
+    if shape.phase == "prefill":
+        specs.append(TensorSpec("last_token_index", (b,), "int64"))
+    specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
+    return specs
+
+
+def kv_inputs(cfg: ModelConfig, shape: GraphShape, kv_heads: int, dtype: str) -> list[TensorSpec]:
+    kv_shape = (shape.num_blocks, shape.block_size, kv_heads, cfg.head_dim)
+    specs = []
+    for layer in range(cfg.num_layers):
+        specs.append(TensorSpec(f"k_cache.{layer}", kv_shape, dtype))
+        specs.append(TensorSpec(f"v_cache.{layer}", kv_shape, dtype))
+    return specs
+
+
+class DecoderGraph(torch.nn.Module):
+    """forward(*flat_inputs) → next_tokens [B]; K/V caches are mutated in place (io-aliased)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shape: GraphShape,
+        weight_names: list[str],
+        num_meta: int,
+        max_top_k: int,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.shape = shape
+        self.weight_names = weight_names
+        self.num_meta = num_meta
+        self.max_top_k = max_top_k
+
+    def forward(self, *flat: torch.Tensor) -> torch.Tensor:
+        cfg, shape = self.cfg, self.shape
+        meta = flat[: self.num_meta]
+        kv = flat[self.num_meta : self.num_meta + 2 * cfg.num_layers]
+        w = dict(zip(self.weight_names, flat[self.num_meta + 2 * cfg.num_layers :], strict=True))
+        input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
+        temperature, top_k, top_p, seed = meta[-4:]
+        rows, tokens = input_ids.shape
+
+        h = w["model.embed_tokens.weight"][input_ids]  # [B, T, hidden]
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)  # [B, T, 1, D]
+        masks = {
+            window: context_mask(positions, context_lens, shape.context, window)
+            for window in set(cfg.sliding_windows)
+        }  # [B, T, C] per distinct window
+        slots = slot_mapping.reshape(-1)  # [B*T]
+        for layer in range(cfg.num_layers):
+            p = f"model.layers.{layer}"
+            x = rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
+            attn = self._attention(x, w, p, cos, sin, kv[2 * layer], kv[2 * layer + 1], slots,
+                                   block_tables, masks[cfg.sliding_windows[layer]])  # fmt: skip
+            h = h + attn
+            x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            gate = _linear(x, w, f"{p}.mlp.gate_proj")
+            up = _linear(x, w, f"{p}.mlp.up_proj")
+            h = h + _linear(torch.nn.functional.silu(gate) * up, w, f"{p}.mlp.down_proj")
+
+        if shape.phase == "prefill":
+            last = meta[5]  # [1]
+            h_last = h[0].index_select(0, last)  # [1, hidden]
+            last_pos = positions[0].index_select(0, last)  # [1]
+        else:
+            h_last = h[:, -1]  # [B, hidden]
+            last_pos = positions[:, -1]  # [B]
+        h_last = rms_norm(h_last, w["model.norm.weight"], cfg.rms_norm_eps)
+        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        logits = h_last @ head.t()  # [B, vocab]
+        return sample(logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k)
+
+    def _attention(self, x, w, p, cos, sin, k_cache, v_cache, slots, block_tables, mask):
+        cfg = self.cfg
+        rows, tokens, _ = x.shape
+        kv_heads = k_cache.shape[2]
+        heads = w[f"{p}.self_attn.q_proj.weight"].shape[0] // cfg.head_dim
+        q = _linear(x, w, f"{p}.self_attn.q_proj").view(rows, tokens, heads, cfg.head_dim)
+        k = _linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
+        v = _linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+            q = rms_norm(q, w[f"{p}.self_attn.q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, w[f"{p}.self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(k_cache, v_cache, k.reshape(-1, kv_heads, cfg.head_dim),
+                 v.reshape(-1, kv_heads, cfg.head_dim), slots)  # fmt: skip
+        keys = gather_context(k_cache, block_tables)  # [B, C, KV, D]
+        values = gather_context(v_cache, block_tables)
+        out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim))
+        return _linear(out, w, f"{p}.self_attn.o_proj")
+
+
+def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w[f"{prefix}.weight"], w.get(f"{prefix}.bias"))

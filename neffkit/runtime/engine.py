@@ -1,0 +1,331 @@
+"""Scheduler and generation loop over a bundle's graphs.
+
+Each step runs at most one prefill chunk (the smallest prefill bucket that fits, prompts longer than
+the largest bucket run as several chunks) and then one decode step over the running sequences (the
+smallest batch and context buckets that fit, rows padded). Metadata is built on the host with numpy;
+only the sampled tokens are read back. KV blocks for a request's whole budget (prompt + max_tokens)
+are reserved when it is admitted, so a running request never runs out of cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from neffkit.errors import RequestError
+from neffkit.runtime.kv import BlockAllocator
+
+Executable = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # <= 0: no top-k beyond the bundle's max_top_k
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One compiled graph as the engine sees it: its bucket and its metadata input order."""
+
+    name: str
+    phase: str
+    rows: int
+    tokens: int
+    context: int
+    meta_inputs: tuple[str, ...]
+    run: Executable
+
+
+@dataclass(frozen=True)
+class Layout:
+    block_size: int
+    num_blocks: int
+    prefill_buckets: tuple[int, ...]
+    decode_buckets: tuple[int, ...]
+    context_buckets: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class SequenceState:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    prefill_chunks: int = 0
+
+
+def _smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
+    i = bisect.bisect_left(buckets, need)
+    return buckets[i] if i < len(buckets) else None
+
+
+class Engine:
+    """Continuous batching over fixed-shape graphs. Not thread-safe: one caller drives `step`."""
+
+    def __init__(
+        self,
+        graphs: list[GraphEntry],
+        layout: Layout,
+        static_inputs: list[torch.Tensor],
+    ) -> None:
+        self.layout = layout
+        self.static_inputs = static_inputs  # KV caches then weights, shared by every graph
+        self.graphs = {(g.phase, g.tokens if g.phase == "prefill" else g.rows, g.context): g
+                       for g in graphs}  # fmt: skip
+        self.allocator = BlockAllocator(layout.num_blocks)
+        self.waiting: deque[SequenceState] = deque()
+        self.prefilling: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+        self.timings = Timings()
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng()
+
+    # ------------------------------------------------------------ requests
+
+    @property
+    def max_model_len(self) -> int:
+        return self.layout.context_buckets[-1]
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what no bucket can serve, with the buckets in the message."""
+        if not prompt_ids:
+            raise RequestError("prompt is empty: at least one token is needed")
+        if params.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be positive, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the largest context bucket ({self.max_model_len}); context buckets: "
+                f"{list(self.layout.context_buckets)}",
+                hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
+            )
+        if self._blocks_needed(total) > self.allocator.num_usable:
+            raise RequestError(
+                f"request needs {self._blocks_needed(total)} KV blocks; the bundle has "
+                f"{self.allocator.num_usable}"
+            )
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
+        self.validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        seq = SequenceState(next(self._ids), list(prompt_ids), params, seed & 0xFFFFFFFF)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: SequenceState) -> None:
+        """Drop a request wherever it is and free its blocks (client went away)."""
+        if seq.finished:
+            return
+        seq.finish_reason = "abort"
+        self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.allocator.num_free / self.allocator.num_usable
+
+    def _blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.layout.block_size)
+
+    def _release(self, seq: SequenceState) -> None:
+        for queue in (self.waiting, self.prefilling):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+
+    # ------------------------------------------------------------ scheduling
+
+    def step(self) -> list[SequenceState]:
+        """Admit what fits, run one prefill chunk and one decode step; return touched sequences."""
+        self._admit()
+        touched: list[SequenceState] = []
+        if self.prefilling:
+            touched += self._prefill_chunk(self.prefilling[0])
+        if self.running:
+            touched += self._decode_step()
+        return touched
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self._blocks_needed(len(seq.prompt_ids) + seq.params.max_tokens)
+            if need > self.allocator.num_free:
+                return
+            self.waiting.popleft()
+            seq.blocks = self.allocator.allocate(need)
+            self.prefilling.append(seq)
+
+    def _block_table(self, seq: SequenceState, context: int, tokens: int) -> np.ndarray:
+        row = np.full(context // self.layout.block_size, -1, dtype=np.int64)
+        used = self._blocks_needed(tokens)
+        row[:used] = seq.blocks[:used]
+        return row
+
+    def _slots(self, seq: SequenceState, positions: np.ndarray) -> np.ndarray:
+        blocks = np.asarray(seq.blocks, dtype=np.int64)
+        bs = self.layout.block_size
+        return blocks[positions // bs] * bs + positions % bs
+
+    def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
+        inputs = [torch.from_numpy(meta[name]) for name in graph.meta_inputs]
+        (next_tokens,) = graph.run(inputs + self.static_inputs)
+        return next_tokens.cpu().numpy()
+
+    def _sampling_meta(self, rows: list[SequenceState], bucket: int) -> dict[str, np.ndarray]:
+        meta = {
+            "temperature": np.zeros(bucket, dtype=np.float32),
+            "top_k": np.zeros(bucket, dtype=np.int64),
+            "top_p": np.ones(bucket, dtype=np.float32),
+            "seed": np.zeros(bucket, dtype=np.int64),
+        }
+        for i, seq in enumerate(rows):
+            meta["temperature"][i] = seq.params.temperature
+            meta["top_k"][i] = seq.params.top_k
+            meta["top_p"][i] = seq.params.top_p
+            meta["seed"][i] = seq.seed
+        return meta
+
+    def _prefill_chunk(self, seq: SequenceState) -> list[SequenceState]:
+        start = seq.num_prefilled
+        remaining = len(seq.prompt_ids) - start
+        largest = self.layout.prefill_buckets[-1]
+        n = min(remaining, largest)
+        tokens = _smallest_fitting(self.layout.prefill_buckets, n)
+        context = _smallest_fitting(self.layout.context_buckets, max(start + n, tokens))
+        graph = self.graphs[("prefill", tokens, context)]
+        positions = np.zeros((1, tokens), dtype=np.int64)
+        positions[0, :n] = np.arange(start, start + n)
+        slots = np.full((1, tokens), -1, dtype=np.int64)
+        slots[0, :n] = self._slots(seq, positions[0, :n])
+        input_ids = np.zeros((1, tokens), dtype=np.int64)
+        input_ids[0, :n] = seq.prompt_ids[start : start + n]
+        meta = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "block_tables": self._block_table(seq, context, start + n)[None],
+            "context_lens": np.array([start + n], dtype=np.int64),
+            "last_token_index": np.array([n - 1], dtype=np.int64),
+            **self._sampling_meta([seq], 1),
+        }
+        t0 = time.perf_counter()
+        next_tokens = self._run(graph, meta)
+        self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.prefill_chunks += 1
+        seq.num_prefilled += n
+        if seq.num_prefilled < len(seq.prompt_ids):
+            return []
+        self.prefilling.popleft()
+        self.running.append(seq)
+        self._append_token(seq, int(next_tokens[0]))
+        return [seq]
+
+    def _decode_step(self) -> list[SequenceState]:
+        largest = self.layout.decode_buckets[-1]
+        rows = self.running[:largest]
+        # Rotate so that more sequences than the largest bucket all make progress.
+        self.running = self.running[largest:] + rows
+        batch = _smallest_fitting(self.layout.decode_buckets, len(rows))
+        context = _smallest_fitting(self.layout.context_buckets, max(s.length for s in rows))
+        graph = self.graphs[("decode", batch, context)]
+        meta = {
+            "input_ids": np.zeros((batch, 1), dtype=np.int64),
+            "positions": np.zeros((batch, 1), dtype=np.int64),
+            "slot_mapping": np.full((batch, 1), -1, dtype=np.int64),
+            "block_tables": np.full((batch, context // self.layout.block_size), -1, np.int64),
+            "context_lens": np.zeros(batch, dtype=np.int64),
+            **self._sampling_meta(rows, batch),
+        }
+        for i, seq in enumerate(rows):
+            pos = seq.length - 1  # the last sampled token enters the cache at this position
+            meta["input_ids"][i, 0] = seq.output_ids[-1]
+            meta["positions"][i, 0] = pos
+            meta["slot_mapping"][i, 0] = self._slots(seq, np.array([pos]))[0]
+            meta["block_tables"][i] = self._block_table(seq, context, pos + 1)
+            meta["context_lens"][i] = pos + 1
+        t0 = time.perf_counter()
+        next_tokens = self._run(graph, meta)
+        self.timings.decode_s += time.perf_counter() - t0
+        self.timings.decode_steps += 1
+        self.timings.decode_tokens += len(rows)
+        for i, seq in enumerate(rows):
+            self._append_token(seq, int(next_tokens[i]))
+        return rows
+
+    def _append_token(self, seq: SequenceState, token: int) -> None:
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        seq.output_ids.append(token)
+        params = seq.params
+        if not params.ignore_eos and token in self.layout.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finished:
+            self._release(seq)
+
+    # ------------------------------------------------------------ offline generation
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[SequenceState]:
+        """Run prompts to completion together; results in the order given."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            self.validate(prompt, p)
+        seqs = [self.add_request(prompt, p) for prompt, p in zip(prompts, per_prompt, strict=True)]
+        while self.has_work():
+            self.step()
+        return seqs
