@@ -104,8 +104,10 @@ class Engine:
         graphs: list[GraphEntry],
         layout: Layout,
         static_inputs: list[torch.Tensor],
+        device: str = "cpu",
     ) -> None:
         self.layout = layout
+        self.device = device
         self.static_inputs = static_inputs  # KV caches then weights, shared by every graph
         self.graphs = {(g.phase, g.tokens if g.phase == "prefill" else g.rows, g.context): g
                        for g in graphs}  # fmt: skip
@@ -215,7 +217,7 @@ class Engine:
         return blocks[positions // bs] * bs + positions % bs
 
     def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
-        inputs = [torch.from_numpy(meta[name]) for name in graph.meta_inputs]
+        inputs = [torch.from_numpy(meta[name]).to(self.device) for name in graph.meta_inputs]
         (next_tokens,) = graph.run(inputs + self.static_inputs)
         return next_tokens.cpu().numpy()
 

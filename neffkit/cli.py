@@ -1,0 +1,119 @@
+"""The `neffkit` command: build, run, inspect. Thin: resolve arguments, call one library function.
+
+User errors (NeffkitError) print one message and a hint and exit 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from neffkit import __version__
+from neffkit.errors import NeffkitError
+
+
+def _fail(exc: NeffkitError) -> None:
+    click.echo(f"error: {exc.message}", err=True)
+    if exc.hint:
+        click.echo(f"hint: {exc.hint}", err=True)
+    sys.exit(2)
+
+
+@click.group()
+@click.version_option(__version__, prog_name="neffkit")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
+def cli(verbose: bool) -> None:
+    """Build LLM inference graphs ahead of time; serve the bundle with no compiler."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+
+
+@cli.command()
+@click.argument("manifest", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Bundle directory.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Worker processes (default: cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
+def build(manifest: Path, output: Path | None, jobs: int | None, as_json: bool) -> None:
+    """Build MANIFEST into a bundle; prints the bundle path."""
+    from neffkit.compile.build import build as run_build
+    from neffkit.compile.progress import Progress
+    from neffkit.manifest import load_manifest
+
+    result = run_build(load_manifest(manifest), output, jobs, Progress(enabled=not as_json))
+    if as_json:
+        click.echo(json.dumps({"bundle": str(result.bundle), "counters": result.counters,
+                               "seconds": result.seconds, "graphs": result.graphs}, indent=2))  # fmt: skip
+    else:
+        click.echo(str(result.bundle))
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as exc:
+        raise NeffkitError(f"--prompt-ids: expected comma-separated ints, got {text!r}") from exc
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids: 1,2,3.")
+@click.option("--max-tokens", default=32, type=int, show_default=True)
+@click.option("--temperature", default=0.0, type=float, show_default=True)
+@click.option("--top-k", default=0, type=int, show_default=True)
+@click.option("--top-p", default=1.0, type=float, show_default=True)
+@click.option("--seed", default=None, type=int)
+@click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens regardless of EOS.")
+@click.option("--json", "as_json", is_flag=True, help="Print outputs and timings as JSON.")
+def run(bundle: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_tokens: int,
+        temperature: float, top_k: int, top_p: float, seed: int | None, ignore_eos: bool,
+        as_json: bool) -> None:  # fmt: skip
+    """Generate from BUNDLE (with --prompt/--prompt-ids)."""
+    from neffkit.runtime.generate import GenerateRequest, generate
+
+    request = GenerateRequest(
+        texts=list(prompts), token_ids=[_parse_ids(p) for p in prompt_ids], max_tokens=max_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos,
+    )  # fmt: skip
+    report = generate(bundle, request)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for out in report["outputs"]:
+        click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(bundle: Path, as_json: bool) -> None:
+    """Show a bundle's versions, layout and graphs."""
+    from neffkit.bundle import read_bundle
+    from neffkit.inspect import render, summarize
+
+    summary = summarize(read_bundle(bundle))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(render(summary))
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except NeffkitError as exc:
+        _fail(exc)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)

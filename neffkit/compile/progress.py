@@ -1,0 +1,46 @@
+"""Build progress: a rich progress bar on a terminal, one plain line per finished graph otherwise."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+class Progress:
+    def __init__(self, enabled: bool = True, stream: Any = None) -> None:
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self._bar: Any = None
+        self._task: Any = None
+        self._stage = ""
+
+    def start(self, stage: str, items: list[str]) -> None:
+        self._stage = stage
+        if not self.enabled:
+            return
+        if self.stream.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(), transient=True)  # fmt: skip
+            self._bar.start()
+            self._task = self._bar.add_task(stage, total=len(items))
+        else:
+            print(f"{stage}: {len(items)} graph(s)", file=self.stream, flush=True)
+
+    def done(self, name: str, detail: dict[str, Any] | None = None) -> None:
+        if not self.enabled:
+            return
+        text = " ".join(f"{k} {v:.1f}s" for k, v in (detail or {}).items())
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=f"{self._stage}: {name}")
+            if self._bar.finished:
+                self._bar.stop()
+                self._bar = None
+        else:
+            print(f"  {name}: {text}", file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=self.stream, flush=True)

@@ -1,0 +1,146 @@
+"""GraphSpec → torch.export ExportedProgram, its canonical text, and the io-alias map.
+
+The io-alias map is read from the exported program's signature after `run_decompositions({})`
+(USER_INPUT_MUTATION outputs), never written by hand. The canonical text names nodes by position and
+carries no file paths or stack traces, so it is identical across ranks, processes and machines when
+the graphs are; its sha256 is the graph's identity (SPMD check, cache key, bundle diff).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from neffkit.compile.plan import GraphSpec
+from neffkit.errors import BuildError
+from neffkit.models.config import ModelConfig
+from neffkit.models.llama import DecoderGraph, GraphShape, TensorSpec, kv_inputs, metadata_inputs
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What a rank's graphs are built from: config, per-rank KV heads, weight specs in order."""
+
+    config: ModelConfig
+    dtype: str
+    kv_heads: int
+    weights: tuple[TensorSpec, ...]
+    block_size: int
+    num_blocks: int
+    max_top_k: int
+    device: str = "cpu"
+
+
+@dataclass
+class Traced:
+    spec: GraphSpec
+    program: ExportedProgram
+    canonical_text: str
+    graph_sha256: str
+    io_alias: list[dict[str, Any]]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
+    shape = GraphShape(spec.phase, spec.rows, spec.tokens, spec.context, layout.block_size,
+                       layout.num_blocks)  # fmt: skip
+    specs = metadata_inputs(shape) + kv_inputs(layout.config, shape, layout.kv_heads, layout.dtype)
+    return shape, specs + list(layout.weights)
+
+
+def example_inputs(specs: list[TensorSpec], device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Placeholder tensors of the right shapes; export specialises on shapes, never on values."""
+    return tuple(torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs)
+
+
+def trace_graph(layout: ModelLayout, spec: GraphSpec) -> Traced:
+    shape, specs = graph_inputs(layout, spec)
+    num_meta = len(metadata_inputs(shape))
+    module = DecoderGraph(layout.config, shape, [w.name for w in layout.weights], num_meta,
+                          layout.max_top_k)  # fmt: skip
+    try:
+        with torch.no_grad():
+            program = torch.export.export(module, example_inputs(specs, layout.device), strict=False)
+        program = program.run_decompositions({})
+    except Exception as exc:  # export failures are build failures with the graph named
+        raise BuildError(f"{spec.name}: torch.export failed: {exc}") from exc
+    io_alias = io_alias_map(program, [s.name for s in specs])
+    text = canonical_text(program, [s.name for s in specs])
+    out_val = [n for n in program.graph.nodes if n.op == "output"][0].args[0][-1].meta["val"]
+    outputs = [TensorSpec("next_tokens", tuple(out_val.shape), str(out_val.dtype).split(".")[-1])]
+    return Traced(spec, program, text, hashlib.sha256(text.encode()).hexdigest(), io_alias,
+                  specs, outputs)  # fmt: skip
+
+
+def _user_input_names(program: ExportedProgram) -> list[str]:
+    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def io_alias_map(program: ExportedProgram, contract_names: list[str]) -> list[dict[str, Any]]:
+    """[{"input": "k_cache.3", "output": i}]: which program output is written back to which input."""
+    placeholder_to_name = dict(zip(_user_input_names(program), contract_names, strict=True))
+    out = []
+    for index, spec in enumerate(program.graph_signature.output_specs):
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            out.append({"input": placeholder_to_name[spec.target], "output": index})
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise BuildError(f"unexpected output kind {spec.kind} in exported graph")
+    return out
+
+
+def _format_arg(arg: Any, names: dict[torch.fx.Node, str]) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return names[arg]
+    if isinstance(arg, list | tuple):
+        inner = ", ".join(_format_arg(a, names) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    if isinstance(arg, dict):
+        return "{" + ", ".join(f"{k}: {_format_arg(v, names)}" for k, v in arg.items()) + "}"
+    return repr(arg) if not isinstance(arg, torch.dtype | torch.device) else str(arg)
+
+
+def _format_meta(node: torch.fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).split('.')[-1]}{list(val.shape)}"
+    if isinstance(val, list | tuple):
+        return "(" + ", ".join(f"{str(v.dtype).split('.')[-1]}{list(v.shape)}"
+                               for v in val if isinstance(v, torch.Tensor)) + ")"  # fmt: skip
+    return ""
+
+
+def _lifted_label(program: ExportedProgram, target: str) -> str:
+    """Constants lifted out of the graph are identified by the hash of their values."""
+    value = program.constants.get(target, program.state_dict.get(target))
+    if not isinstance(value, torch.Tensor):
+        return f"const {target}"
+    data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return f"const sha256={hashlib.sha256(data).hexdigest()[:16]}"
+
+
+def canonical_text(program: ExportedProgram, contract_names: list[str]) -> str:
+    """One line per node, names by position; placeholders carry their contract names."""
+    contract = dict(zip(_user_input_names(program), contract_names, strict=True))
+    lifted = {s.arg.name: s.target for s in program.graph_signature.input_specs
+              if s.kind != InputKind.USER_INPUT}  # fmt: skip
+    names: dict[torch.fx.Node, str] = {}
+    lines = []
+    for i, node in enumerate(program.graph.nodes):
+        names[node] = f"%{i}"
+        if node.op == "placeholder":
+            label = contract.get(node.name) or _lifted_label(program, lifted[node.name])
+            lines.append(f"%{i} = input {label} : {_format_meta(node)}")
+            continue
+        target = str(node.target) if node.op != "output" else "output"
+        args = _format_arg(node.args, names)
+        kwargs = _format_arg(node.kwargs, names) if node.kwargs else ""
+        lines.append(f"%{i} = {target}{args}{' ' + kwargs if kwargs else ''} : {_format_meta(node)}")
+    signature = [f"out {s.kind.name} {contract.get(s.target, '') if s.target else ''}".rstrip()
+                 for s in program.graph_signature.output_specs]  # fmt: skip
+    return "\n".join(lines + signature) + "\n"

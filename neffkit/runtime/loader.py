@@ -1,0 +1,111 @@
+"""Open a bundle, check it fits this host, and load one executable per graph.
+
+Graphs load through `torch._C._aoti.AOTIModelPackageLoader` directly: `torch._inductor.
+aoti_load_package` imports the whole compile stack and is slow to start. Checks run before anything
+is loaded, each with the reason and a hint: target, torch version, CPU ISA, world size, file hashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from neffkit import host
+from neffkit.bundle import Bundle, read_bundle
+from neffkit.errors import BundleError
+from neffkit.runtime.engine import Engine, GraphEntry, Layout
+from neffkit.runtime.kv import allocate_kv_cache
+from neffkit.runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+KV_INPUT_PREFIXES = ("k_cache.", "v_cache.")
+
+
+def _base_version(version: str) -> str:
+    return version.split("+")[0]
+
+
+def check_host(bundle: Bundle, world_size: int = 1) -> None:
+    """Refuse a bundle this process cannot run, saying what differs and how to fix it."""
+    data = bundle.data
+    target = data["target"]
+    built_torch = data["versions"]["torch"]
+    if _base_version(built_torch) != _base_version(torch.__version__):
+        raise BundleError(
+            f"{bundle.root}: built with torch {built_torch}, this host has torch {torch.__version__}"
+            " (AOTInductor artifacts are tied to the torch version that compiled them)",
+            hint=f"install torch=={_base_version(built_torch)}, or rebuild the bundle here",
+        )
+    need = data.get("host", {})
+    if need.get("machine") and need["machine"] != host.machine():
+        raise BundleError(f"{bundle.root}: built for {need['machine']}, this host is "
+                          f"{host.machine()}", hint="rebuild the bundle on this kind of host")  # fmt: skip
+    if target == "cpu":
+        missing = sorted(set(need.get("cpu_flags", [])) - host.cpu_flags())
+        if missing:
+            raise BundleError(
+                f"{bundle.root}: compiled for a CPU with {', '.join(missing)}, which this CPU lacks",
+                hint="rebuild the bundle on (or for) this host's CPU",
+            )
+    elif target == "cuda" and not torch.cuda.is_available():
+        raise BundleError(f"{bundle.root}: a cuda bundle needs a CUDA device; none is visible")
+    elif target not in ("cpu", "cuda"):
+        raise BundleError(f"{bundle.root}: target {target!r} bundles cannot run in this runtime",
+                          hint="see the README's 'Targets' section")  # fmt: skip
+    expected = data["layout"]["world_size"]
+    if world_size != expected:
+        raise BundleError(f"{bundle.root}: built for {expected} rank(s), launched with "
+                          f"{world_size}", hint=f"launch {expected} rank(s)")  # fmt: skip
+
+
+@dataclass
+class LoadedBundle:
+    bundle: Bundle
+    engine: Engine
+    tokenizer: Tokenizer | None
+    load_seconds: float
+
+
+def _load_executable(path: Path, device: str) -> Any:
+    device_index = 0 if device == "cuda" else -1
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, device_index)
+    return loader.run
+
+
+def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = True) -> LoadedBundle:
+    t0 = time.perf_counter()
+    bundle = read_bundle(path, verify=verify)
+    check_host(bundle, world_size)
+    data = bundle.data
+    device = "cuda" if data["target"] == "cuda" else "cpu"
+    lay = data["layout"]
+    weights_record = next(w for w in data["weights"] if w["rank"] == rank)
+    tensors = load_file(str(bundle.path(weights_record["file"])), device=device)
+    weights = [tensors[name] for name in weights_record["names"]]
+    dtype = getattr(torch, lay["dtype"])
+    kv_shape = (lay["num_blocks"], lay["block_size"], lay["kv_heads_per_rank"], lay["head_dim"])
+    kv = allocate_kv_cache(lay["num_layers"], kv_shape, dtype, device)
+    entries = []
+    for g in data["graphs"]:
+        meta = tuple(i["name"] for i in g["inputs"]
+                     if not i["name"].startswith(KV_INPUT_PREFIXES) and i["name"] not in tensors)  # fmt: skip
+        b = g["buckets"]
+        entries.append(GraphEntry(g["name"], g["phase"], b["rows"], b["tokens"], b["context"],
+                                  meta, _load_executable(bundle.path(g["artifact"]), device)))  # fmt: skip
+    layout = Layout(
+        block_size=lay["block_size"],
+        num_blocks=lay["num_blocks"],
+        prefill_buckets=tuple(lay["buckets"]["prefill"]),
+        decode_buckets=tuple(lay["buckets"]["decode"]),
+        context_buckets=tuple(lay["buckets"]["context"]),
+        eos_token_ids=tuple(data["model"]["eos_token_ids"]),
+    )
+    engine = Engine(entries, layout, kv + weights, device=device)
+    tokenizer = Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
+    return LoadedBundle(bundle, engine, tokenizer, time.perf_counter() - t0)
