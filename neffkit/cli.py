@@ -38,11 +38,13 @@ def cli(verbose: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
 def build(manifest: Path, output: Path | None, jobs: int | None, as_json: bool) -> None:
     """Build MANIFEST into a bundle; prints the bundle path."""
-    from neffkit.compile.build import build as run_build
-    from neffkit.compile.progress import Progress
     from neffkit.manifest import load_manifest
 
-    result = run_build(load_manifest(manifest), output, jobs, Progress(enabled=not as_json))
+    resolved = load_manifest(manifest)  # validate before importing torch: bad input fails fast
+    from neffkit.compile.build import build as run_build
+    from neffkit.compile.progress import Progress
+
+    result = run_build(resolved, output, jobs, Progress(enabled=not as_json))
     if as_json:
         click.echo(json.dumps({"bundle": str(result.bundle), "counters": result.counters,
                                "seconds": result.seconds, "graphs": result.graphs}, indent=2))  # fmt: skip
@@ -100,7 +102,8 @@ def inspect(bundle: Path, as_json: bool) -> None:
     else:
         from rich.console import Console
 
-        Console().print(render(summary))
+        # piped output (CI logs) gets a wide console instead of rich's 80-column default
+        Console(width=None if sys.stdout.isatty() else 160).print(render(summary))
 
 
 def main() -> None:

@@ -1,0 +1,33 @@
+# make demo: set up and build + run the demo bundle.  make test: set up and run the tests.
+PY := .venv/bin/python
+VENV_STAMP := .venv/.neffkit-installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch first (it lies on this machine's disk; other versions pull CUDA wheels)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(VENV_STAMP)
+
+demo: setup
+	$(PY) -m neffkit build manifests/demo.yaml -o bundles/demo-llama
+	$(PY) -m neffkit inspect bundles/demo-llama
+	$(PY) -m neffkit run bundles/demo-llama --prompt "def main(" --max-tokens 48
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+lint: setup
+	.venv/bin/ruff check neffkit tests bench tools
+	.venv/bin/ruff format --check neffkit tests bench tools
+
+bench: setup
+	$(PY) bench/decode.py
+
+clean:
+	rm -rf bundles .pytest_cache

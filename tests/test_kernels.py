@@ -1,0 +1,73 @@
+"""Kernel behaviours the graph contract depends on, checked on plain torch tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from neffkit.kernels.attention import context_mask, paged_attention
+from neffkit.kernels.kv import gather_context, write_kv
+from neffkit.kernels.sampling import sample
+
+
+def test_padding_slot_writes_to_null_block():
+    k_cache = torch.zeros(4, 2, 1, 3)
+    v_cache = torch.zeros(4, 2, 1, 3)
+    k = torch.ones(2, 1, 3)
+    write_kv(k_cache, v_cache, k, 2 * k, torch.tensor([5, -1]))
+    assert k_cache[2, 1].eq(1).all() and v_cache[2, 1].eq(2).all()  # slot 5 = block 2, offset 1
+    assert k_cache[0, 0].eq(1).all()  # -1 went to the null block, not to block 3 offset 1
+    assert k_cache[3].eq(0).all()
+
+
+def test_mask_is_causal_bounded_and_windowed():
+    positions = torch.tensor([[0, 1, 2, 3]])
+    mask = context_mask(positions, torch.tensor([4]), context=6, window=None)
+    assert mask[0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0],
+                                      [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]  # fmt: skip
+    windowed = context_mask(positions, torch.tensor([4]), context=6, window=2)
+    assert windowed[0, 3].int().tolist() == [0, 0, 1, 1, 0, 0]
+
+
+def test_padded_rows_attend_to_nothing_and_stay_finite():
+    mask = context_mask(torch.tensor([[0]]), torch.tensor([0]), context=4, window=None)
+    assert not mask.any()
+    q = torch.randn(1, 1, 2, 4)
+    kv = torch.randn(1, 4, 1, 4)
+    out = paged_attention(q, kv, kv, mask, 0.5)
+    assert torch.isfinite(out).all()
+
+
+def test_gather_reads_block_table_order():
+    cache = torch.arange(3 * 2).float().reshape(3, 2, 1, 1)
+    ctx = gather_context(cache, torch.tensor([[2, 1, -1]]))
+    assert ctx.flatten().tolist() == [4, 5, 2, 3, 0, 1]
+
+
+def _sample(logits, temperature, top_k=0, top_p=1.0, seed=0, pos=0):
+    rows = logits.shape[0]
+    return sample(logits, torch.full((rows,), temperature), torch.full((rows,), top_k),
+                  torch.full((rows,), top_p), torch.full((rows,), seed), torch.full((rows,), pos),
+                  max_top_k=8)  # fmt: skip
+
+
+def test_sampling_greedy_seeded_and_top_k():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50)
+    assert torch.equal(_sample(logits, 0.0), logits.argmax(-1))
+    a = _sample(logits, 1.0, seed=7)
+    assert torch.equal(a, _sample(logits, 1.0, seed=7))
+    assert not torch.equal(a, _sample(logits, 1.0, seed=8))
+    assert not torch.equal(a, _sample(logits, 1.0, seed=7, pos=1))
+    top2 = logits.topk(2, dim=-1).indices
+    picked = _sample(logits, 5.0, top_k=2, seed=3)
+    assert (picked.unsqueeze(1) == top2).any(1).all()
+    assert not torch.equal(picked, logits.argmax(-1))  # hot temperature does pick the second
+    assert torch.equal(_sample(logits, 1.0, top_k=1, seed=3), logits.argmax(-1))
+
+
+def test_sampling_top_p_keeps_only_the_head():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]]).repeat(200, 1)
+    seeds = torch.arange(200)
+    out = sample(logits, torch.ones(200), torch.zeros(200, dtype=torch.long),
+                 torch.full((200,), 0.9), seeds, torch.zeros(200, dtype=torch.long), max_top_k=4)  # fmt: skip
+    assert set(out.tolist()) == {0, 1}  # p(0)+p(1) ≈ 0.97 > 0.9, lane 2 is cut

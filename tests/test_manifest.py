@@ -1,0 +1,138 @@
+"""Malformed manifests: exit 2, a message naming the field, no traceback, no output directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from neffkit.manifest import load_manifest
+from tests.conftest import run_cli
+
+VALID = {
+    "neffkit": 1,
+    "model": "MODEL",
+    "kv_cache": {"block_size": 16, "num_blocks": 20},
+    "buckets": {"prefill": [16, 32], "decode": [1, 4], "context": [64]},
+}
+
+
+def _with(path: str, value):
+    data = yaml.safe_load(yaml.safe_dump(VALID))
+    node = data
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    if value is _DELETE:
+        del node[keys[-1]]
+    else:
+        node[keys[-1]] = value
+    return data
+
+
+_DELETE = object()
+
+# (description, manifest data, text the error must contain)
+BAD = [
+    ("string bucket", _with("buckets.decode", [1, "auto"]), "buckets.decode[1]: expected a positive int, got 'auto'"),
+    ("negative bucket", _with("buckets.decode", [1, -4]), "buckets.decode[1]: expected a positive int, got -4"),
+    ("unsorted buckets", _with("buckets.prefill", [32, 16]), "buckets.prefill[1]: buckets must be sorted"),
+    ("duplicate buckets", _with("buckets.decode", [1, 1]), "buckets.decode[1]"),
+    ("empty buckets", _with("buckets.context", []), "buckets.context: expected a non-empty list"),
+    ("missing buckets", _with("buckets", _DELETE), "buckets: required field is missing"),
+    ("missing decode", _with("buckets.decode", _DELETE), "buckets.decode: required field is missing"),
+    ("unknown top-level key", _with("colour", "blue"), "colour: unknown key"),
+    ("unknown nested key", _with("kv_cache.blocksize", 16), "kv_cache.blocksize: unknown key"),
+    ("wrong dtype", _with("dtype", "float8"), "dtype: unknown value 'float8'"),
+    ("wrong target", _with("target", "nueron"), "target: unknown value 'nueron'; available: cpu, cuda, neuron"),
+    ("missing model", _with("model", _DELETE), "model: required field is missing"),
+    ("model dir absent", _with("model", "does/not/exist"), "model: directory"),
+    ("model not a string", _with("model", 42), "model: expected a path"),
+    ("prefill not multiple of block", _with("buckets.prefill", [24]), "buckets.prefill[0]: 24 is not a multiple of kv_cache.block_size (16)"),
+    ("too few kv blocks", _with("kv_cache.num_blocks", 4), "kv_cache.num_blocks: 4 blocks"),
+    ("bad block size", _with("kv_cache.block_size", 0), "kv_cache.block_size: expected a positive int, got 0"),
+    ("ep does not divide tp", _with("parallel", {"tp": 2, "ep": 3}), "parallel.ep: 3 must divide parallel.tp (2)"),
+    ("tp does not divide heads", _with("parallel", {"tp": 3}), "parallel.tp: 3 does not divide the model's 4 attention heads"),
+    ("schema version", _with("neffkit", 2), "neffkit: unsupported manifest schema 2"),
+    ("inductor option not allowed", _with("compiler", {"inductor": {"freezing": True}}), "compiler.inductor.freezing: not an allowed AOTInductor option"),
+    ("per_graph bad phase", _with("compiler", {"per_graph": [{"match": {"phase": "both"}}]}), "compiler.per_graph[0].match.phase: unknown value 'both'"),
+    ("flags not strings", _with("compiler", {"flags": ["-O2", 3]}), "compiler.flags[1]: expected a string, got 3"),
+    ("neuron block on cpu", _with("neuron", {"target": "trn2"}), "neuron: only valid with target: neuron"),
+    ("top-level not a mapping", ["just", "a", "list"], "manifest: expected a mapping"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(hf_model_dir) -> Path:
+    return hf_model_dir("llama")
+
+
+def _write(tmp_path: Path, data, model_dir: Path) -> Path:
+    if isinstance(data, dict) and data.get("model") == "MODEL":
+        data = {**data, "model": str(model_dir)}
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("desc,data,expected", BAD, ids=[b[0] for b in BAD])
+def test_bad_manifest_exits_2_naming_the_field(desc, data, expected, tmp_path, model_dir):
+    path = _write(tmp_path, data, model_dir)
+    out = tmp_path / "out"
+    proc = run_cli("build", str(path), "-o", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m.yaml"]  # no staging dir left behind
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path, model_dir):
+    import json
+    import shutil
+
+    bad_model = tmp_path / "gpt2"
+    shutil.copytree(model_dir, bad_model)
+    cfg = json.loads((bad_model / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad_model / "config.json").write_text(json.dumps(cfg))
+    path = _write(tmp_path, {**VALID, "model": str(bad_model)}, model_dir)
+    proc = run_cli("build", str(path), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "architecture 'GPT2LMHeadModel' is not supported" in proc.stderr
+
+
+def test_unsupported_rope_type_is_refused_by_name(tmp_path, model_dir):
+    import json
+    import shutil
+
+    bad_model = tmp_path / "yarn"
+    shutil.copytree(model_dir, bad_model)
+    cfg = json.loads((bad_model / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (bad_model / "config.json").write_text(json.dumps(cfg))
+    path = _write(tmp_path, {**VALID, "model": str(bad_model)}, model_dir)
+    proc = run_cli("build", str(path))
+    assert proc.returncode == 2 and "rope type 'yarn' is not supported" in proc.stderr
+
+
+def test_missing_manifest_file(tmp_path):
+    proc = run_cli("build", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "manifest file not found" in proc.stderr
+
+
+def test_defaults_and_relative_model_path(tmp_path, model_dir):
+    data = {"neffkit": 1, "model": "../" + model_dir.parent.name + "/" + model_dir.name,
+            "buckets": {"prefill": [16], "decode": [1, 2], "context": [32]}}  # fmt: skip
+    sub = model_dir.parent.parent / "manifests"
+    sub.mkdir(exist_ok=True)
+    path = sub / "rel.yaml"
+    path.write_text(yaml.safe_dump(data))
+    m = load_manifest(path)
+    assert m.model == model_dir.resolve()
+    assert (m.name, m.dtype, m.target) == ("rel", "float32", "cpu")
+    assert (m.parallel.tp, m.parallel.ep) == (1, 1)
+    # largest context x largest decode bucket, plus the null block
+    assert m.kv_cache.num_blocks == 32 * 2 // 16 + 1
+    assert m.model_config.num_kv_heads == 2

@@ -1,0 +1,28 @@
+"""Plan: graph names, bucket pairing and rule matching. Pure Python."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from neffkit.compile.plan import GraphSpec, graph_name
+
+
+def test_graph_names():
+    assert graph_name("prefill", 128, 1024) == "prefill_t128_c1024"
+    assert graph_name("decode", 4, 1024) == "decode_b4_c1024"
+
+
+def test_rule_matching():
+    spec = GraphSpec("decode_b4_c64", "decode", 4, 1, 64)
+    assert spec.matches({"phase": "decode"})
+    assert spec.matches({"batch": [2, 8], "context": 64})
+    assert not spec.matches({"tokens": 16})
+    assert not spec.matches({"phase": "prefill"})
+
+
+def test_plan_and_manifest_import_no_torch():
+    code = ("import sys, neffkit.compile.plan, neffkit.manifest, neffkit.bundle; "
+            "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,64 @@
+"""Runtime behaviour: import isolation, requests that cannot fit, stopping, KV accounting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO, run_cli
+
+
+def test_runtime_imports_no_compiler(bundle):
+    code = f"""
+import sys, json
+from neffkit.runtime.loader import load
+from neffkit.runtime.engine import SamplingParams
+loaded = load({str(bundle("llama_tied"))!r})
+out = loaded.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+bad = [m for m in sys.modules if m.startswith(("neffkit.compile", "neffkit.models",
+       "torch._dynamo", "torch._inductor"))]
+print(json.dumps({{"bad": bad, "n": len(out[0].output_ids)}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          check=True)  # fmt: skip
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"bad": [], "n": 3}
+
+
+def test_request_beyond_largest_context_lists_buckets(bundle):
+    prompt = ",".join(["5"] * 60)
+    proc = run_cli("run", str(bundle("llama")), "--prompt-ids", prompt, "--max-tokens", "10")
+    assert proc.returncode == 2
+    assert "exceeds the largest context bucket (64)" in proc.stderr
+    assert "[32, 64]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stop_tokens_and_kv_blocks_are_released(bundle):
+    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.loader import load
+
+    engine = load(bundle("llama_tied")).engine
+    free = engine.allocator.num_free
+    (ref,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8))
+    stop_at = ref.output_ids[3]
+    first = ref.output_ids.index(stop_at)
+    (seq,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,)))
+    assert seq.output_ids == ref.output_ids[: first + 1] and seq.finish_reason == "stop"
+    assert engine.allocator.num_free == free and engine.kv_usage == 0.0
+
+
+def test_more_prompts_than_largest_decode_bucket(bundle, hf_model_dir, hf_greedy):
+    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.loader import load
+
+    engine = load(bundle("llama_tied")).engine
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(6)]  # decode buckets are [1, 4]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    for prompt, seq in zip(prompts, outs, strict=True):
+        assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 6)
+
+
+def test_run_without_prompt_is_a_user_error(bundle):
+    proc = run_cli("run", str(bundle("llama_tied")))
+    assert proc.returncode == 2 and "--prompt" in proc.stderr
