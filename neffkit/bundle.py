@@ -1,8 +1,8 @@
 """The bundle on disk (format 1): write and read `bundle.json`, hash and verify every file.
 
 A bundle is a directory usable in place:
-  bundle.json   format, versions, target, host requirements, resolved manifest, model config, layout,
-                graphs, weights, files{path: sha256}
+  bundle.json   format, versions, target, host requirements, resolved manifest, model config,
+                layout, graphs, weights, files{path: sha256}
   graphs/       compiled artifacts, one per graph
   ir/           canonical graph text per graph, zstd-compressed
   weights/      rank{r}.safetensors, pre-sharded
@@ -96,10 +96,14 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
     root = Path(path)
     meta = root / BUNDLE_JSON
     if not root.is_dir():
-        raise BundleError(f"{root}: not a directory (a bundle is the directory `neffkit build` wrote)")
+        raise BundleError(
+            f"{root}: not a directory (a bundle is the directory `neffkit build` wrote)"
+        )
     if not meta.exists():
-        raise BundleError(f"{root}: no {BUNDLE_JSON}; this is not a neffkit bundle",
-                          hint="build one with `neffkit build MANIFEST`")  # fmt: skip
+        raise BundleError(
+            f"{root}: no {BUNDLE_JSON}; this is not a neffkit bundle",
+            hint="build one with `neffkit build MANIFEST`",
+        )
     try:
         data = json.loads(meta.read_text())
     except json.JSONDecodeError as exc:
@@ -123,8 +127,10 @@ def verify_files(bundle: Bundle) -> None:
     for rel, expected in files.items():
         file = bundle.root / rel
         if not file.is_file():
-            raise BundleError(f"{bundle.root}: file {rel} is missing",
-                              hint="the bundle is incomplete; copy it again or rebuild")  # fmt: skip
+            raise BundleError(
+                f"{bundle.root}: file {rel} is missing",
+                hint="the bundle is incomplete; copy it again or rebuild",
+            )
         actual = sha256_file(file)
         if actual != expected:
             raise BundleError(
@@ -146,8 +152,10 @@ def staging_dir(dest: Path) -> Iterator[Path]:
     """
     dest = dest.resolve()
     if dest.exists() and not (dest / BUNDLE_JSON).exists():
-        raise BundleError(f"{dest}: exists and is not a bundle; refusing to overwrite it",
-                          hint="choose another output directory with -o")  # fmt: skip
+        raise BundleError(
+            f"{dest}: exists and is not a bundle; refusing to overwrite it",
+            hint="choose another output directory with -o",
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:

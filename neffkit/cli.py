@@ -46,8 +46,17 @@ def build(manifest: Path, output: Path | None, jobs: int | None, as_json: bool) 
 
     result = run_build(resolved, output, jobs, Progress(enabled=not as_json))
     if as_json:
-        click.echo(json.dumps({"bundle": str(result.bundle), "counters": result.counters,
-                               "seconds": result.seconds, "graphs": result.graphs}, indent=2))  # fmt: skip
+        click.echo(
+            json.dumps(
+                {
+                    "bundle": str(result.bundle),
+                    "counters": result.counters,
+                    "seconds": result.seconds,
+                    "graphs": result.graphs,
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(str(result.bundle))
 
@@ -70,16 +79,31 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens regardless of EOS.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and timings as JSON.")
-def run(bundle: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_tokens: int,
-        temperature: float, top_k: int, top_p: float, seed: int | None, ignore_eos: bool,
-        as_json: bool) -> None:  # fmt: skip
+def run(
+    bundle: Path,
+    prompts: tuple[str, ...],
+    prompt_ids: tuple[str, ...],
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    ignore_eos: bool,
+    as_json: bool,
+) -> None:
     """Generate from BUNDLE (with --prompt/--prompt-ids)."""
     from neffkit.runtime.generate import GenerateRequest, generate
 
     request = GenerateRequest(
-        texts=list(prompts), token_ids=[_parse_ids(p) for p in prompt_ids], max_tokens=max_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, ignore_eos=ignore_eos,
-    )  # fmt: skip
+        texts=list(prompts),
+        token_ids=[_parse_ids(p) for p in prompt_ids],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
     report = generate(bundle, request)
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class NeffkitError(Exception):
-    """An error the user can fix: a bad manifest, a bundle that does not fit this host, a bad request."""
+    """An error the user can fix: bad manifest, bundle that does not fit this host, bad request."""
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)

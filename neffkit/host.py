@@ -1,4 +1,6 @@
-"""Facts about this host that a bundle depends on. Imports nothing heavy: used by build and runtime."""
+"""Facts about this host that a bundle depends on.
+
+Imports nothing heavy: both the build and the runtime use it."""
 
 from __future__ import annotations
 
@@ -7,9 +9,25 @@ from pathlib import Path
 
 # CPU features -march=native may use that matter for the code AOTInductor emits.
 ISA_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512dq", "avx512bw", "avx512vl",
-    "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve",
-)  # fmt: skip
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "bmi2",
+    "avx512f",
+    "avx512dq",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
 
 
 def cpu_flags() -> set[str]:

@@ -1,4 +1,4 @@
-"""`neffkit inspect`: a bundle's summary and graph table, as data (for --json) and as rich tables."""
+"""`neffkit inspect`: a bundle's summary and graph table, as data (--json) and as rich tables."""
 
 from __future__ import annotations
 
@@ -36,11 +36,16 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "versions": data["versions"],
         "target": data["target"],
         "host": data.get("host", {}),
-        "model": {"name": data["manifest"]["name"], "architecture": data["model"]["architecture"],
-                  "layers": data["model"]["num_layers"]},  # fmt: skip
+        "model": {
+            "name": data["manifest"]["name"],
+            "architecture": data["model"]["architecture"],
+            "layers": data["model"]["num_layers"],
+        },
         "layout": data["layout"],
-        "weights": [{"rank": w["rank"], "file": w["file"], "bytes": sizes.get(w["file"], 0)}
-                    for w in data["weights"]],  # fmt: skip
+        "weights": [
+            {"rank": w["rank"], "file": w["file"], "bytes": sizes.get(w["file"], 0)}
+            for w in data["weights"]
+        ],
         "total_bytes": sum(sizes.values()),
         "graphs": graphs,
     }
@@ -61,14 +66,20 @@ def render(summary: dict[str, Any]) -> Any:
         ("bundle", summary["bundle"]),
         ("versions", ", ".join(f"{k} {v}" for k, v in summary["versions"].items())),
         ("target", summary["target"]),
-        ("model", f"{summary['model']['name']} ({summary['model']['architecture']}, "
-                  f"{summary['model']['layers']} layers)"),
-        ("layout", f"tp={lay['tp']} ep={lay['ep']} dtype={lay['dtype']} "
-                   f"kv={lay['num_blocks']}x{lay['block_size']} tokens"),
+        (
+            "model",
+            f"{summary['model']['name']} ({summary['model']['architecture']}, "
+            f"{summary['model']['layers']} layers)",
+        ),
+        (
+            "layout",
+            f"tp={lay['tp']} ep={lay['ep']} dtype={lay['dtype']} "
+            f"kv={lay['num_blocks']}x{lay['block_size']} tokens",
+        ),
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
         ("total", _mib(summary["total_bytes"])),
-    ]  # fmt: skip
+    ]
     for key, value in rows:
         head.add_row(key, value)
     table = Table(title="graphs")
@@ -76,7 +87,14 @@ def render(summary: dict[str, Any]) -> Any:
         table.add_column(col)
     for g in summary["graphs"]:
         b = g["buckets"]
-        table.add_row(g["name"], g["phase"], str(b["rows"]), str(b["tokens"]), str(b["context"]),
-                      f"{len(g['io_alias'])} pairs", _mib(g["artifact_bytes"]),
-                      g["graph_sha256"][:12])  # fmt: skip
+        table.add_row(
+            g["name"],
+            g["phase"],
+            str(b["rows"]),
+            str(b["tokens"]),
+            str(b["context"]),
+            f"{len(g['io_alias'])} pairs",
+            _mib(g["artifact_bytes"]),
+            g["graph_sha256"][:12],
+        )
     return Group(head, table)

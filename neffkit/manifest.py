@@ -1,8 +1,8 @@
 """The manifest (schema 1): YAML → frozen dataclasses, strictly validated.
 
 Every error names the field path and the bad value and says what was expected, e.g.
-`buckets.decode[1]: expected a positive int, got -4`. Unknown keys are errors. Relative paths resolve
-against the manifest's folder. Imports no torch.
+`buckets.decode[1]: expected a positive int, got -4`. Unknown keys are errors. Relative paths
+resolve against the manifest's folder. Imports no torch.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class Manifest:
         return self.buckets.context[-1]
 
     def to_json(self) -> dict[str, Any]:
-        """The resolved manifest as stored in bundle.json (absolute model path, all defaults filled)."""
+        """The resolved manifest as bundle.json stores it: absolute model path, defaults filled."""
         data = asdict(self)
         data.pop("model_config")
         data.pop("source")
@@ -144,7 +144,9 @@ def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
 
 def _bucket_list(value: Any, path: str) -> tuple[int, ...]:
     if not isinstance(value, list) or not value:
-        raise ManifestError(f"{path}: expected a non-empty list of positive ints, got {_describe(value)}")
+        raise ManifestError(
+            f"{path}: expected a non-empty list of positive ints, got {_describe(value)}"
+        )
     items = tuple(_positive_int(v, f"{path}[{i}]") for i, v in enumerate(value))
     for i in range(1, len(items)):
         if items[i] <= items[i - 1]:
@@ -204,7 +206,9 @@ def _compiler(value: Any, path: str) -> Compiler:
     rules = []
     raw_rules = data.get("per_graph", [])
     if not isinstance(raw_rules, list):
-        raise ManifestError(f"{path}.per_graph: expected a list of rules, got {_describe(raw_rules)}")
+        raise ManifestError(
+            f"{path}.per_graph: expected a list of rules, got {_describe(raw_rules)}"
+        )
     for i, raw in enumerate(raw_rules):
         rule_path = f"{path}.per_graph[{i}]"
         rule = _mapping(raw, rule_path)
@@ -228,14 +232,25 @@ def _compiler(value: Any, path: str) -> Compiler:
 # ---------------------------------------------------------------- the manifest
 
 TOP_LEVEL = (
-    "neffkit", "name", "model", "dtype", "target", "neuron", "parallel", "kv_cache", "buckets",
-    "sampling", "compiler",
-)  # fmt: skip
+    "neffkit",
+    "name",
+    "model",
+    "dtype",
+    "target",
+    "neuron",
+    "parallel",
+    "kv_cache",
+    "buckets",
+    "sampling",
+    "compiler",
+)
 
 
 def _model_dir(value: Any, base: Path) -> tuple[Path, ModelConfig]:
     if not isinstance(value, str) or not value:
-        raise ManifestError(f"model: expected a path to an HF model directory, got {_describe(value)}")
+        raise ManifestError(
+            f"model: expected a path to an HF model directory, got {_describe(value)}"
+        )
     path = (base / value).resolve()
     if not path.is_dir():
         raise ManifestError(f"model: directory {path} does not exist")
@@ -310,14 +325,16 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         for i, b in enumerate(getattr(buckets, key)):
             if b % block_size:
                 raise ManifestError(
-                    f"buckets.{key}[{i}]: {b} is not a multiple of kv_cache.block_size ({block_size})"
+                    f"buckets.{key}[{i}]: {b} is not a multiple of kv_cache.block_size "
+                    f"({block_size})"
                 )
     # Default: every decode row can hold the largest context, plus the reserved null block 0.
     default_blocks = buckets.context[-1] * buckets.decode[-1] // block_size + 1
     num_blocks = _positive_int(raw_kv.get("num_blocks", default_blocks), "kv_cache.num_blocks")
     if buckets.context[-1] > (num_blocks - 1) * block_size:
         raise ManifestError(
-            f"kv_cache.num_blocks: {num_blocks} blocks of {block_size} tokens (block 0 is reserved) "
+            f"kv_cache.num_blocks: {num_blocks} blocks of {block_size} tokens "
+            "(block 0 is reserved) "
             f"cannot hold the largest context bucket ({buckets.context[-1]} tokens)",
             hint=f"use num_blocks >= {buckets.context[-1] // block_size + 1}",
         )
@@ -353,7 +370,8 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
 def _check_layout(cfg: ModelConfig, parallel: Parallel) -> None:
     if cfg.num_heads % parallel.tp:
         raise ManifestError(
-            f"parallel.tp: {parallel.tp} does not divide the model's {cfg.num_heads} attention heads"
+            f"parallel.tp: {parallel.tp} does not divide the model's "
+            f"{cfg.num_heads} attention heads"
         )
     kv = cfg.num_kv_heads
     if kv % parallel.tp and parallel.tp % kv:

@@ -20,9 +20,18 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "models" / "demo-llama"
 VOCAB = 1024  # matches the demo tokenizer, so test models can take text prompts
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.2, eos_token_id=None, bos_token_id=None)  # fmt: skip
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 
 # kind → (transformers config class, extra config, buckets)
 SMALL = {"prefill": [16], "decode": [1, 4], "context": [64]}
@@ -37,8 +46,13 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
     """The real CLI in a subprocess, as a user runs it."""
-    proc = subprocess.run([sys.executable, "-m", "neffkit", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "neffkit", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"neffkit {' '.join(args)} failed:\n{proc.stderr}")
     return proc
@@ -79,9 +93,14 @@ def hf_model_dir(session_dir: Path) -> Callable[[str], Path]:
 
 
 def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
-    data: dict[str, Any] = {"neffkit": 1, "name": path.stem, "model": str(model_dir),
-                            "kv_cache": {"block_size": 16}, "buckets": SMALL,
-                            "sampling": {"max_top_k": 16}}  # fmt: skip
+    data: dict[str, Any] = {
+        "neffkit": 1,
+        "name": path.stem,
+        "model": str(model_dir),
+        "kv_cache": {"block_size": 16},
+        "buckets": SMALL,
+        "sampling": {"max_top_k": 16},
+    }
     data.update(overrides)
     path.write_text(yaml.safe_dump(data))
     return path
@@ -98,11 +117,13 @@ def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[
     def get(kind: str) -> Path:
         if kind not in built:
             buckets = MODELS[kind][2]
-            manifest = write_manifest(session_dir / f"{kind}.yaml", hf_model_dir(kind),
-                                      buckets=buckets)  # fmt: skip
+            manifest = write_manifest(
+                session_dir / f"{kind}.yaml", hf_model_dir(kind), buckets=buckets
+            )
             jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
-            built[kind] = build(load_manifest(manifest), session_dir / "bundles" / kind,
-                                jobs=jobs).bundle  # fmt: skip
+            built[kind] = build(
+                load_manifest(manifest), session_dir / "bundles" / kind, jobs=jobs
+            ).bundle
         return built[kind]
 
     return get
@@ -119,8 +140,9 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
         if model_dir not in models:
             models[model_dir] = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
         ids = torch.tensor([prompt])
-        out = models[model_dir].generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                         attention_mask=torch.ones_like(ids))  # fmt: skip
+        out = models[model_dir].generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
         return out[0, len(prompt) :].tolist()
 
     return run

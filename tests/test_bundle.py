@@ -23,14 +23,25 @@ def test_bundle_layout_and_alias_map(bundle):
     data = b.data
     assert data["format"] == 1 and data["target"] == "cpu"
     names = [g["name"] for g in data["graphs"]]
-    assert names == ["prefill_t16_c32", "prefill_t16_c64", "decode_b1_c32", "decode_b1_c64",
-                     "decode_b4_c32", "decode_b4_c64"]  # fmt: skip
+    assert names == [
+        "prefill_t16_c32",
+        "prefill_t16_c64",
+        "decode_b1_c32",
+        "decode_b1_c64",
+        "decode_b4_c32",
+        "decode_b4_c64",
+    ]
     for g in data["graphs"]:
         aliased = sorted(a["input"] for a in g["io_alias"])
         assert aliased == sorted(f"{kv}_cache.{i}" for kv in "kv" for i in range(2))
         input_names = [i["name"] for i in g["inputs"]]
-        assert input_names[:5] == ["input_ids", "positions", "slot_mapping", "block_tables",
-                                   "context_lens"]  # fmt: skip
+        assert input_names[:5] == [
+            "input_ids",
+            "positions",
+            "slot_mapping",
+            "block_tables",
+            "context_lens",
+        ]
         assert g["ranks"] == "all"
         text = read_zst_text(b.path(g["ir"]))
         assert "aten.index_put" in text and "File" not in text
@@ -98,8 +109,11 @@ def test_not_a_bundle(tmp_path):
 def test_inspect_lists_graphs(bundle):
     proc = run_cli("inspect", str(bundle("llama_tied")), "--json", check=True)
     summary = json.loads(proc.stdout)
-    assert [g["name"] for g in summary["graphs"]] == ["prefill_t16_c64", "decode_b1_c64",
-                                                      "decode_b4_c64"]  # fmt: skip
+    assert [g["name"] for g in summary["graphs"]] == [
+        "prefill_t16_c64",
+        "decode_b1_c64",
+        "decode_b4_c64",
+    ]
     assert all(len(g["io_alias"]) == 4 for g in summary["graphs"])
     text = run_cli("inspect", str(bundle("llama_tied")), check=True).stdout
     assert "decode_b4_c64" in text and "tp=1" in text

@@ -35,7 +35,7 @@ def test_greedy_matches_hf(kind, bundle, hf_model_dir, hf_greedy):
 
 
 def test_context_bucket_switch_matches_hf(bundle, hf_model_dir, hf_greedy):
-    """llama has context buckets [32, 64]: a 28-token prompt crosses from the first to the second."""
+    """llama has context buckets [32, 64]: a 28-token prompt moves from the first to the second."""
     prompt = list(range(200, 228))
     out = _run(bundle("llama"), [prompt, SHORT])["outputs"]
     assert out[0]["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, MAX_NEW)

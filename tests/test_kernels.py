@@ -22,8 +22,12 @@ def test_padding_slot_writes_to_null_block():
 def test_mask_is_causal_bounded_and_windowed():
     positions = torch.tensor([[0, 1, 2, 3]])
     mask = context_mask(positions, torch.tensor([4]), context=6, window=None)
-    assert mask[0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0],
-                                      [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]  # fmt: skip
+    assert mask[0].int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+    ]
     windowed = context_mask(positions, torch.tensor([4]), context=6, window=2)
     assert windowed[0, 3].int().tolist() == [0, 0, 1, 1, 0, 0]
 
@@ -45,9 +49,15 @@ def test_gather_reads_block_table_order():
 
 def _sample(logits, temperature, top_k=0, top_p=1.0, seed=0, pos=0):
     rows = logits.shape[0]
-    return sample(logits, torch.full((rows,), temperature), torch.full((rows,), top_k),
-                  torch.full((rows,), top_p), torch.full((rows,), seed), torch.full((rows,), pos),
-                  max_top_k=8)  # fmt: skip
+    return sample(
+        logits,
+        torch.full((rows,), temperature),
+        torch.full((rows,), top_k),
+        torch.full((rows,), top_p),
+        torch.full((rows,), seed),
+        torch.full((rows,), pos),
+        max_top_k=8,
+    )
 
 
 def test_sampling_greedy_seeded_and_top_k():
@@ -68,6 +78,13 @@ def test_sampling_greedy_seeded_and_top_k():
 def test_sampling_top_p_keeps_only_the_head():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]]).repeat(200, 1)
     seeds = torch.arange(200)
-    out = sample(logits, torch.ones(200), torch.zeros(200, dtype=torch.long),
-                 torch.full((200,), 0.9), seeds, torch.zeros(200, dtype=torch.long), max_top_k=4)  # fmt: skip
+    out = sample(
+        logits,
+        torch.ones(200),
+        torch.zeros(200, dtype=torch.long),
+        torch.full((200,), 0.9),
+        seeds,
+        torch.zeros(200, dtype=torch.long),
+        max_top_k=4,
+    )
     assert set(out.tolist()) == {0, 1}  # p(0)+p(1) ≈ 0.97 > 0.9, lane 2 is cut

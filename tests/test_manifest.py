@@ -35,32 +35,84 @@ _DELETE = object()
 
 # (description, manifest data, text the error must contain)
 BAD = [
-    ("string bucket", _with("buckets.decode", [1, "auto"]), "buckets.decode[1]: expected a positive int, got 'auto'"),
-    ("negative bucket", _with("buckets.decode", [1, -4]), "buckets.decode[1]: expected a positive int, got -4"),
-    ("unsorted buckets", _with("buckets.prefill", [32, 16]), "buckets.prefill[1]: buckets must be sorted"),
+    (
+        "string bucket",
+        _with("buckets.decode", [1, "auto"]),
+        "buckets.decode[1]: expected a positive int, got 'auto'",
+    ),
+    (
+        "negative bucket",
+        _with("buckets.decode", [1, -4]),
+        "buckets.decode[1]: expected a positive int, got -4",
+    ),
+    (
+        "unsorted buckets",
+        _with("buckets.prefill", [32, 16]),
+        "buckets.prefill[1]: buckets must be sorted",
+    ),
     ("duplicate buckets", _with("buckets.decode", [1, 1]), "buckets.decode[1]"),
     ("empty buckets", _with("buckets.context", []), "buckets.context: expected a non-empty list"),
     ("missing buckets", _with("buckets", _DELETE), "buckets: required field is missing"),
-    ("missing decode", _with("buckets.decode", _DELETE), "buckets.decode: required field is missing"),
+    (
+        "missing decode",
+        _with("buckets.decode", _DELETE),
+        "buckets.decode: required field is missing",
+    ),
     ("unknown top-level key", _with("colour", "blue"), "colour: unknown key"),
     ("unknown nested key", _with("kv_cache.blocksize", 16), "kv_cache.blocksize: unknown key"),
     ("wrong dtype", _with("dtype", "float8"), "dtype: unknown value 'float8'"),
-    ("wrong target", _with("target", "nueron"), "target: unknown value 'nueron'; available: cpu, cuda, neuron"),
+    (
+        "wrong target",
+        _with("target", "nueron"),
+        "target: unknown value 'nueron'; available: cpu, cuda, neuron",
+    ),
     ("missing model", _with("model", _DELETE), "model: required field is missing"),
     ("model dir absent", _with("model", "does/not/exist"), "model: directory"),
     ("model not a string", _with("model", 42), "model: expected a path"),
-    ("prefill not multiple of block", _with("buckets.prefill", [24]), "buckets.prefill[0]: 24 is not a multiple of kv_cache.block_size (16)"),
+    (
+        "prefill not multiple of block",
+        _with("buckets.prefill", [24]),
+        "buckets.prefill[0]: 24 is not a multiple of kv_cache.block_size (16)",
+    ),
     ("too few kv blocks", _with("kv_cache.num_blocks", 4), "kv_cache.num_blocks: 4 blocks"),
-    ("bad block size", _with("kv_cache.block_size", 0), "kv_cache.block_size: expected a positive int, got 0"),
-    ("ep does not divide tp", _with("parallel", {"tp": 2, "ep": 3}), "parallel.ep: 3 must divide parallel.tp (2)"),
-    ("tp does not divide heads", _with("parallel", {"tp": 3}), "parallel.tp: 3 does not divide the model's 4 attention heads"),
+    (
+        "bad block size",
+        _with("kv_cache.block_size", 0),
+        "kv_cache.block_size: expected a positive int, got 0",
+    ),
+    (
+        "ep does not divide tp",
+        _with("parallel", {"tp": 2, "ep": 3}),
+        "parallel.ep: 3 must divide parallel.tp (2)",
+    ),
+    (
+        "tp does not divide heads",
+        _with("parallel", {"tp": 3}),
+        "parallel.tp: 3 does not divide the model's 4 attention heads",
+    ),
     ("schema version", _with("neffkit", 2), "neffkit: unsupported manifest schema 2"),
-    ("inductor option not allowed", _with("compiler", {"inductor": {"freezing": True}}), "compiler.inductor.freezing: not an allowed AOTInductor option"),
-    ("per_graph bad phase", _with("compiler", {"per_graph": [{"match": {"phase": "both"}}]}), "compiler.per_graph[0].match.phase: unknown value 'both'"),
-    ("flags not strings", _with("compiler", {"flags": ["-O2", 3]}), "compiler.flags[1]: expected a string, got 3"),
-    ("neuron block on cpu", _with("neuron", {"target": "trn2"}), "neuron: only valid with target: neuron"),
+    (
+        "inductor option not allowed",
+        _with("compiler", {"inductor": {"freezing": True}}),
+        "compiler.inductor.freezing: not an allowed AOTInductor option",
+    ),
+    (
+        "per_graph bad phase",
+        _with("compiler", {"per_graph": [{"match": {"phase": "both"}}]}),
+        "compiler.per_graph[0].match.phase: unknown value 'both'",
+    ),
+    (
+        "flags not strings",
+        _with("compiler", {"flags": ["-O2", 3]}),
+        "compiler.flags[1]: expected a string, got 3",
+    ),
+    (
+        "neuron block on cpu",
+        _with("neuron", {"target": "trn2"}),
+        "neuron: only valid with target: neuron",
+    ),
     ("top-level not a mapping", ["just", "a", "list"], "manifest: expected a mapping"),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +175,11 @@ def test_missing_manifest_file(tmp_path):
 
 
 def test_defaults_and_relative_model_path(tmp_path, model_dir):
-    data = {"neffkit": 1, "model": "../" + model_dir.parent.name + "/" + model_dir.name,
-            "buckets": {"prefill": [16], "decode": [1, 2], "context": [32]}}  # fmt: skip
+    data = {
+        "neffkit": 1,
+        "model": "../" + model_dir.parent.name + "/" + model_dir.name,
+        "buckets": {"prefill": [16], "decode": [1, 2], "context": [32]},
+    }
     sub = model_dir.parent.parent / "manifests"
     sub.mkdir(exist_ok=True)
     path = sub / "rel.yaml"

@@ -22,7 +22,9 @@ def test_rule_matching():
 
 
 def test_plan_and_manifest_import_no_torch():
-    code = ("import sys, neffkit.compile.plan, neffkit.manifest, neffkit.bundle; "
-            "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, neffkit.compile.plan, neffkit.manifest, neffkit.bundle; "
+        "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

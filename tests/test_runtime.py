@@ -20,8 +20,9 @@ bad = [m for m in sys.modules if m.startswith(("neffkit.compile", "neffkit.model
        "torch._dynamo", "torch._inductor"))]
 print(json.dumps({{"bad": bad, "n": len(out[0].output_ids)}}))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"bad": [], "n": 3}
 

@@ -1,5 +1,6 @@
-"""Write the demo checkpoint: a byte-level BPE tokenizer trained on the Python standard library's
-own source (shipped with every interpreter, PSF license) and a small random-weight Llama in HF format.
+"""Write the demo checkpoint: a byte-level BPE tokenizer trained on the Python standard
+library's own source (shipped with every interpreter, PSF license) and a small random-weight
+Llama in HF format.
 
 Deterministic for a given seed and Python version. Usage: python tools/make_demo_model.py OUT_DIR
 """
@@ -28,8 +29,12 @@ def train_tokenizer(vocab_size: int, files: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train(files, trainer)
     return tok
 
@@ -47,18 +52,34 @@ def main() -> None:
     tok = train_tokenizer(args.vocab, stdlib_files(120))
     tok.save(str(args.out / "tokenizer.json"))
     eos_id = tok.token_to_id(EOS)
-    (args.out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": None,
-        "add_bos_token": False, "model_max_length": 2048,
-    }, indent=2) + "\n")  # fmt: skip
+    (args.out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "bos_token": None,
+                "add_bos_token": False,
+                "model_max_length": 2048,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
     torch.manual_seed(args.seed)
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=eos_id,
-        bos_token_id=None, initializer_range=0.1,
-    )  # fmt: skip
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        initializer_range=0.1,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(args.out)
     print(f"wrote {args.out} (vocab {tok.get_vocab_size()}, eos {eos_id})")
 

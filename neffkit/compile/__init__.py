@@ -1,1 +1,3 @@
-"""The build side: plan → trace → check → compile → bundle. Nothing under neffkit.runtime imports this."""
+"""The build side: plan → trace → check → compile → bundle.
+
+Nothing under neffkit.runtime imports this package."""

@@ -33,8 +33,13 @@ from neffkit.models.llama import TensorSpec
 from neffkit.models.weights import iter_weights
 
 log = logging.getLogger(__name__)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,13 @@ def build(
         # 3. Trace + compile each graph in worker processes.
         t0 = time.perf_counter()
         jobs_list = [
-            GraphJob(manifest.target, layout, spec, resolve_options(manifest, spec).inductor,
-                     stage / "graphs" / f"{spec.name}{backend.artifact_suffix}")  # fmt: skip
+            GraphJob(
+                manifest.target,
+                layout,
+                spec,
+                resolve_options(manifest, spec).inductor,
+                stage / "graphs" / f"{spec.name}{backend.artifact_suffix}",
+            )
             for spec in plan.graphs
         ]
         graph_results = _run_jobs(jobs_list, jobs, progress)
@@ -110,18 +120,24 @@ def build(
             write_zst_text(stage / "ir" / f"{spec.name}.txt.zst", res.pop("canonical_text"))
             graphs.append(_graph_entry(manifest, spec, res, backend.artifact_suffix))
         _copy_tokenizer(manifest.model, stage / "tokenizer")
-        write_bundle_json(stage, {
-            "versions": {"neffkit": neffkit.__version__, "torch": torch.__version__,
-                         "backend": backend.version},
-            "target": manifest.target,
-            "host": host,
-            "manifest": manifest.to_json(),
-            "model": manifest.model_config.to_json(),
-            "layout": _layout_json(plan, layout),
-            "graphs": graphs,
-            "weights": weight_records,
-            "tokenizer": "tokenizer" if (stage / "tokenizer").exists() else None,
-        })  # fmt: skip
+        write_bundle_json(
+            stage,
+            {
+                "versions": {
+                    "neffkit": neffkit.__version__,
+                    "torch": torch.__version__,
+                    "backend": backend.version,
+                },
+                "target": manifest.target,
+                "host": host,
+                "manifest": manifest.to_json(),
+                "model": manifest.model_config.to_json(),
+                "layout": _layout_json(plan, layout),
+                "graphs": graphs,
+                "weights": weight_records,
+                "tokenizer": "tokenizer" if (stage / "tokenizer").exists() else None,
+            },
+        )
         result.seconds["write"] = time.perf_counter() - t0
         result.graphs = graphs
     result.counters = counters
@@ -160,7 +176,11 @@ def _layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
         "head_dim": layout.config.head_dim,
         "block_size": layout.block_size,
         "num_blocks": layout.num_blocks,
-        "buckets": {"prefill": list(b.prefill), "decode": list(b.decode), "context": list(b.context)},
+        "buckets": {
+            "prefill": list(b.prefill),
+            "decode": list(b.decode),
+            "context": list(b.context),
+        },
         "max_top_k": layout.max_top_k,
     }
 
@@ -244,4 +264,3 @@ def _run_jobs(jobs: list[GraphJob], workers: int, progress: Progress) -> dict[st
                 f.cancel()
             raise
     return results
-

@@ -44,4 +44,6 @@ def resolve_options(manifest: Manifest, spec: GraphSpec) -> ResolvedOptions:
     for rule in manifest.compiler.per_graph:
         if spec.matches(rule.match):
             flags += rule.flags
-    return ResolvedOptions(inductor=dict(sorted(options.items())), origins=origins, flags=tuple(flags))
+    return ResolvedOptions(
+        inductor=dict(sorted(options.items())), origins=origins, flags=tuple(flags)
+    )

@@ -26,8 +26,11 @@ class GraphSpec:
 
     def matches(self, match: dict) -> bool:
         """Per-graph rule matching on phase and bucket values or [lo, hi] ranges."""
-        values = {"phase": self.phase, "context": self.context,
-                  "tokens" if self.phase == "prefill" else "batch": self.bucket}  # fmt: skip
+        values = {
+            "phase": self.phase,
+            "context": self.context,
+            "tokens" if self.phase == "prefill" else "batch": self.bucket,
+        }
         for key, want in match.items():
             have = values.get(key)
             if have is None:
@@ -59,5 +62,9 @@ def make_plan(manifest: Manifest) -> Plan:
         for c in b.context
         if t <= c
     ]
-    graphs += [GraphSpec(graph_name("decode", n, c), "decode", n, 1, c) for n in b.decode for c in b.context]
+    graphs += [
+        GraphSpec(graph_name("decode", n, c), "decode", n, 1, c)
+        for n in b.decode
+        for c in b.context
+    ]
     return Plan(manifest=manifest, graphs=tuple(graphs), world_size=manifest.parallel.tp)

@@ -1,4 +1,4 @@
-"""Build progress: a rich progress bar on a terminal, one plain line per finished graph otherwise."""
+"""Build progress: a rich bar on a terminal, one plain line per finished graph otherwise."""
 
 from __future__ import annotations
 
@@ -22,8 +22,13 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as RichProgress
 
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(), transient=True)  # fmt: skip
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
             self._bar.start()
             self._task = self._bar.add_task(stage, total=len(items))
         else:

@@ -48,8 +48,9 @@ class Traced:
 
 
 def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
-    shape = GraphShape(spec.phase, spec.rows, spec.tokens, spec.context, layout.block_size,
-                       layout.num_blocks)  # fmt: skip
+    shape = GraphShape(
+        spec.phase, spec.rows, spec.tokens, spec.context, layout.block_size, layout.num_blocks
+    )
     specs = metadata_inputs(shape) + kv_inputs(layout.config, shape, layout.kv_heads, layout.dtype)
     return shape, specs + list(layout.weights)
 
@@ -62,11 +63,14 @@ def example_inputs(specs: list[TensorSpec], device: str = "cpu") -> tuple[torch.
 def trace_graph(layout: ModelLayout, spec: GraphSpec) -> Traced:
     shape, specs = graph_inputs(layout, spec)
     num_meta = len(metadata_inputs(shape))
-    module = DecoderGraph(layout.config, shape, [w.name for w in layout.weights], num_meta,
-                          layout.max_top_k)  # fmt: skip
+    module = DecoderGraph(
+        layout.config, shape, [w.name for w in layout.weights], num_meta, layout.max_top_k
+    )
     try:
         with torch.no_grad():
-            program = torch.export.export(module, example_inputs(specs, layout.device), strict=False)
+            program = torch.export.export(
+                module, example_inputs(specs, layout.device), strict=False
+            )
         program = program.run_decompositions({})
     except Exception as exc:  # export failures are build failures with the graph named
         raise BuildError(f"{spec.name}: torch.export failed: {exc}") from exc
@@ -74,16 +78,22 @@ def trace_graph(layout: ModelLayout, spec: GraphSpec) -> Traced:
     text = canonical_text(program, [s.name for s in specs])
     out_val = [n for n in program.graph.nodes if n.op == "output"][0].args[0][-1].meta["val"]
     outputs = [TensorSpec("next_tokens", tuple(out_val.shape), str(out_val.dtype).split(".")[-1])]
-    return Traced(spec, program, text, hashlib.sha256(text.encode()).hexdigest(), io_alias,
-                  specs, outputs)  # fmt: skip
+    return Traced(
+        spec, program, text, hashlib.sha256(text.encode()).hexdigest(), io_alias, specs, outputs
+    )
 
 
 def _user_input_names(program: ExportedProgram) -> list[str]:
-    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    return [
+        s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT
+    ]
 
 
 def io_alias_map(program: ExportedProgram, contract_names: list[str]) -> list[dict[str, Any]]:
-    """[{"input": "k_cache.3", "output": i}]: which program output is written back to which input."""
+    """Which program output is written back to which input: [{"input": "k_cache.3", "output": 4}]
+
+    Read from the signature's USER_INPUT_MUTATION specs, so it can never drift from the graph.
+    """
     placeholder_to_name = dict(zip(_user_input_names(program), contract_names, strict=True))
     out = []
     for index, spec in enumerate(program.graph_signature.output_specs):
@@ -110,8 +120,15 @@ def _format_meta(node: torch.fx.Node) -> str:
     if isinstance(val, torch.Tensor):
         return f"{str(val.dtype).split('.')[-1]}{list(val.shape)}"
     if isinstance(val, list | tuple):
-        return "(" + ", ".join(f"{str(v.dtype).split('.')[-1]}{list(v.shape)}"
-                               for v in val if isinstance(v, torch.Tensor)) + ")"  # fmt: skip
+        return (
+            "("
+            + ", ".join(
+                f"{str(v.dtype).split('.')[-1]}{list(v.shape)}"
+                for v in val
+                if isinstance(v, torch.Tensor)
+            )
+            + ")"
+        )
     return ""
 
 
@@ -127,8 +144,11 @@ def _lifted_label(program: ExportedProgram, target: str) -> str:
 def canonical_text(program: ExportedProgram, contract_names: list[str]) -> str:
     """One line per node, names by position; placeholders carry their contract names."""
     contract = dict(zip(_user_input_names(program), contract_names, strict=True))
-    lifted = {s.arg.name: s.target for s in program.graph_signature.input_specs
-              if s.kind != InputKind.USER_INPUT}  # fmt: skip
+    lifted = {
+        s.arg.name: s.target
+        for s in program.graph_signature.input_specs
+        if s.kind != InputKind.USER_INPUT
+    }
     names: dict[torch.fx.Node, str] = {}
     lines = []
     for i, node in enumerate(program.graph.nodes):
@@ -140,7 +160,11 @@ def canonical_text(program: ExportedProgram, contract_names: list[str]) -> str:
         target = str(node.target) if node.op != "output" else "output"
         args = _format_arg(node.args, names)
         kwargs = _format_arg(node.kwargs, names) if node.kwargs else ""
-        lines.append(f"%{i} = {target}{args}{' ' + kwargs if kwargs else ''} : {_format_meta(node)}")
-    signature = [f"out {s.kind.name} {contract.get(s.target, '') if s.target else ''}".rstrip()
-                 for s in program.graph_signature.output_specs]  # fmt: skip
+        lines.append(
+            f"%{i} = {target}{args}{' ' + kwargs if kwargs else ''} : {_format_meta(node)}"
+        )
+    signature = [
+        f"out {s.kind.name} {contract.get(s.target, '') if s.target else ''}".rstrip()
+        for s in program.graph_signature.output_specs
+    ]
     return "\n".join(lines + signature) + "\n"

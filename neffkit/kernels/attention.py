@@ -1,4 +1,4 @@
-"""Paged attention over gathered context, masked by positions, context lengths and sliding windows."""
+"""Paged attention over gathered context, masked by position, context length and window."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def paged_attention(
     mask: torch.Tensor,  # [B, T, C] bool
     scale: float,
 ) -> torch.Tensor:  # [B, T, H * D]
-    """Grouped-query attention: query head h reads KV head h // (H // KV), as HF's repeat_kv does."""
+    """Grouped-query attention: query head h reads KV head h // (H // KV), like HF repeat_kv."""
     rows, tokens, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads

@@ -14,8 +14,8 @@ def write_kv(
 ) -> None:
     """Scatter new keys/values into their slots with index_put_ (becomes an io-aliased output).
 
-    Padding slots (-1) are clamped to the null block 0 *before* `//` and `%`: on Neuron a -1 slot turns
-    into an out-of-bounds DGE scatter that wedges the execution queue.
+    Padding slots (-1) are clamped to the null block 0 *before* `//` and `%`: on Neuron a -1
+    slot turns into an out-of-bounds DGE scatter that wedges the execution queue.
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.clamp(min=0)

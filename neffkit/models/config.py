@@ -61,7 +61,7 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 
 
 def _rope(cfg: dict[str, Any], where: str) -> float:
-    """rope_theta from 5.x `rope_parameters` or 4.x top-level keys; refuse scaled variants by name."""
+    """rope_theta from 5.x `rope_parameters` or 4.x top-level keys; other rope types refused."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if isinstance(params, dict) and "rope_type" not in params and "type" in params:
         params = {**params, "rope_type": params["type"]}

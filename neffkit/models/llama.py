@@ -1,9 +1,10 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) as one static-shape paged forward per graph.
 
-A graph is a full forward: embedding, all layers, final norm, LM head, sampling, KV writes. Inputs are
-flat and ordered as `graph_inputs` lists them: metadata, then one K and one V tensor per layer, then
-the weights. Weights as inputs let one copy in memory serve every graph, and are what neuronx-cc and
-torch-mlir expect. Nothing here reads a tensor value on the host: shapes are static per graph.
+A graph is a full forward: embedding, all layers, final norm, LM head, sampling, KV writes. Inputs
+are flat and ordered as `graph_inputs` lists them: metadata, then one K and one V tensor per layer,
+then the weights. Weights as inputs let one copy in memory serve every graph, and are what neuronx-
+cc and torch-mlir expect. Nothing here reads a tensor value on the host: shapes are static per
+graph.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.kernels.sampling import sample
 from neffkit.models.config import ModelConfig
 
-SAMPLING_INPUTS = (("temperature", "float32"), ("top_k", "int64"), ("top_p", "float32"),
-                   ("seed", "int64"))  # fmt: skip
+SAMPLING_INPUTS = (
+    ("temperature", "float32"),
+    ("top_k", "int64"),
+    ("top_p", "float32"),
+    ("seed", "int64"),
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,18 @@ class DecoderGraph(torch.nn.Module):
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}"
             x = rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
-            attn = self._attention(x, w, p, cos, sin, kv[2 * layer], kv[2 * layer + 1], slots,
-                                   block_tables, masks[cfg.sliding_windows[layer]])  # fmt: skip
+            attn = self._attention(
+                x,
+                w,
+                p,
+                cos,
+                sin,
+                kv[2 * layer],
+                kv[2 * layer + 1],
+                slots,
+                block_tables,
+                masks[cfg.sliding_windows[layer]],
+            )
             h = h + attn
             x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
             gate = _linear(x, w, f"{p}.mlp.gate_proj")
@@ -136,8 +151,13 @@ class DecoderGraph(torch.nn.Module):
             q = rms_norm(q, w[f"{p}.self_attn.q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, w[f"{p}.self_attn.k_norm.weight"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(k_cache, v_cache, k.reshape(-1, kv_heads, cfg.head_dim),
-                 v.reshape(-1, kv_heads, cfg.head_dim), slots)  # fmt: skip
+        write_kv(
+            k_cache,
+            v_cache,
+            k.reshape(-1, kv_heads, cfg.head_dim),
+            v.reshape(-1, kv_heads, cfg.head_dim),
+            slots,
+        )
         keys = gather_context(k_cache, block_tables)  # [B, C, KV, D]
         values = gather_context(v_cache, block_tables)
         out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim))

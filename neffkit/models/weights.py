@@ -66,7 +66,9 @@ def weight_names(cfg: ModelConfig, available: set[str]) -> list[str]:
     return names
 
 
-def iter_weights(model_dir: Path, cfg: ModelConfig, dtype: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    model_dir: Path, cfg: ModelConfig, dtype: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) in graph order, each read lazily and cast to `dtype`."""
     index = checkpoint_index(model_dir)
     torch_dtype = DTYPES[dtype]

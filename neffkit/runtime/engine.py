@@ -109,8 +109,9 @@ class Engine:
         self.layout = layout
         self.device = device
         self.static_inputs = static_inputs  # KV caches then weights, shared by every graph
-        self.graphs = {(g.phase, g.tokens if g.phase == "prefill" else g.rows, g.context): g
-                       for g in graphs}  # fmt: skip
+        self.graphs = {
+            (g.phase, g.tokens if g.phase == "prefill" else g.rows, g.context): g for g in graphs
+        }
         self.allocator = BlockAllocator(layout.num_blocks)
         self.waiting: deque[SequenceState] = deque()
         self.prefilling: deque[SequenceState] = deque()

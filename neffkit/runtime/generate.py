@@ -34,9 +34,14 @@ def generate(bundle_path: Path, request: GenerateRequest) -> dict[str, Any]:
         raise RequestError("this bundle has no tokenizer: use --prompt-ids")
     prompts = [tok.encode(t) for t in request.texts] if request.texts else []
     prompts += request.token_ids
-    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature,
-                            top_k=request.top_k, top_p=request.top_p, seed=request.seed,
-                            ignore_eos=request.ignore_eos)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        seed=request.seed,
+        ignore_eos=request.ignore_eos,
+    )
     engine = loaded.engine
     t0 = time.perf_counter()
     seqs = engine.generate(prompts, params)
@@ -44,8 +49,11 @@ def generate(bundle_path: Path, request: GenerateRequest) -> dict[str, Any]:
     t = engine.timings
     return {
         "outputs": [
-            {"token_ids": s.output_ids, "text": tok.decode(s.output_ids) if tok else None,
-             "finish_reason": s.finish_reason}
+            {
+                "token_ids": s.output_ids,
+                "text": tok.decode(s.output_ids) if tok else None,
+                "finish_reason": s.finish_reason,
+            }
             for s in seqs
         ],
         "timings": {
@@ -56,4 +64,4 @@ def generate(bundle_path: Path, request: GenerateRequest) -> dict[str, Any]:
             "decode_ms_per_token": round(1000 * t.decode_s / max(t.decode_steps, 1), 4),
             "wall_s": round(wall, 4),
         },
-    }  # fmt: skip
+    }

@@ -38,30 +38,38 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
     built_torch = data["versions"]["torch"]
     if _base_version(built_torch) != _base_version(torch.__version__):
         raise BundleError(
-            f"{bundle.root}: built with torch {built_torch}, this host has torch {torch.__version__}"
+            f"{bundle.root}: built with torch {built_torch}, this host has torch "
+            f"{torch.__version__}"
             " (AOTInductor artifacts are tied to the torch version that compiled them)",
             hint=f"install torch=={_base_version(built_torch)}, or rebuild the bundle here",
         )
     need = data.get("host", {})
     if need.get("machine") and need["machine"] != host.machine():
-        raise BundleError(f"{bundle.root}: built for {need['machine']}, this host is "
-                          f"{host.machine()}", hint="rebuild the bundle on this kind of host")  # fmt: skip
+        raise BundleError(
+            f"{bundle.root}: built for {need['machine']}, this host is {host.machine()}",
+            hint="rebuild the bundle on this kind of host",
+        )
     if target == "cpu":
         missing = sorted(set(need.get("cpu_flags", [])) - host.cpu_flags())
         if missing:
             raise BundleError(
-                f"{bundle.root}: compiled for a CPU with {', '.join(missing)}, which this CPU lacks",
+                f"{bundle.root}: compiled for a CPU with {', '.join(missing)}, "
+                "which this CPU lacks",
                 hint="rebuild the bundle on (or for) this host's CPU",
             )
     elif target == "cuda" and not torch.cuda.is_available():
         raise BundleError(f"{bundle.root}: a cuda bundle needs a CUDA device; none is visible")
     elif target not in ("cpu", "cuda"):
-        raise BundleError(f"{bundle.root}: target {target!r} bundles cannot run in this runtime",
-                          hint="see the README's 'Targets' section")  # fmt: skip
+        raise BundleError(
+            f"{bundle.root}: target {target!r} bundles cannot run in this runtime",
+            hint="see the README's 'Targets' section",
+        )
     expected = data["layout"]["world_size"]
     if world_size != expected:
-        raise BundleError(f"{bundle.root}: built for {expected} rank(s), launched with "
-                          f"{world_size}", hint=f"launch {expected} rank(s)")  # fmt: skip
+        raise BundleError(
+            f"{bundle.root}: built for {expected} rank(s), launched with {world_size}",
+            hint=f"launch {expected} rank(s)",
+        )
 
 
 @dataclass
@@ -93,11 +101,23 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
     kv = allocate_kv_cache(lay["num_layers"], kv_shape, dtype, device)
     entries = []
     for g in data["graphs"]:
-        meta = tuple(i["name"] for i in g["inputs"]
-                     if not i["name"].startswith(KV_INPUT_PREFIXES) and i["name"] not in tensors)  # fmt: skip
+        meta = tuple(
+            i["name"]
+            for i in g["inputs"]
+            if not i["name"].startswith(KV_INPUT_PREFIXES) and i["name"] not in tensors
+        )
         b = g["buckets"]
-        entries.append(GraphEntry(g["name"], g["phase"], b["rows"], b["tokens"], b["context"],
-                                  meta, _load_executable(bundle.path(g["artifact"]), device)))  # fmt: skip
+        entries.append(
+            GraphEntry(
+                g["name"],
+                g["phase"],
+                b["rows"],
+                b["tokens"],
+                b["context"],
+                meta,
+                _load_executable(bundle.path(g["artifact"]), device),
+            )
+        )
     layout = Layout(
         block_size=lay["block_size"],
         num_blocks=lay["num_blocks"],
@@ -107,5 +127,7 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
         eos_token_ids=tuple(data["model"]["eos_token_ids"]),
     )
     engine = Engine(entries, layout, kv + weights, device=device)
-    tokenizer = Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
+    tokenizer = (
+        Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
+    )
     return LoadedBundle(bundle, engine, tokenizer, time.perf_counter() - t0)

@@ -22,6 +22,7 @@ from neffkit.errors import BuildError
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class ArtifactRecord:
     path: Path
@@ -56,8 +57,9 @@ class CpuBackend:
 
         out_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            aoti_compile_and_package(program, package_path=str(out_path),
-                                     inductor_configs=dict(options))  # fmt: skip
+            aoti_compile_and_package(
+                program, package_path=str(out_path), inductor_configs=dict(options)
+            )
         except Exception as exc:
             raise BuildError(f"AOTInductor failed for {out_path.stem}: {exc}") from exc
         metadata = torch._C._aoti.AOTIModelPackageLoader(str(out_path), "model", False, 1, -1)
@@ -71,7 +73,9 @@ class CudaBackend(CpuBackend):
 
     def host_requirements(self) -> dict[str, Any]:
         if not torch.cuda.is_available():
-            raise BuildError("target 'cuda' needs a CUDA device and a CUDA build of torch",
-                             hint="build on a GPU host, or use target: cpu")  # fmt: skip
+            raise BuildError(
+                "target 'cuda' needs a CUDA device and a CUDA build of torch",
+                hint="build on a GPU host, or use target: cpu",
+            )
         major, minor = torch.cuda.get_device_capability()
         return {"machine": host.machine(), "cuda_capability": f"{major}.{minor}"}
