@@ -2,9 +2,9 @@
 
 A graph is a full forward: embedding, all layers, final norm, LM head, sampling, KV writes. Inputs
 are flat and ordered as `graph_inputs` lists them: metadata, then one K and one V tensor per layer,
-then the weights. Weights as inputs let one copy in memory serve every graph, and are what neuronx-
-cc and torch-mlir expect. Nothing here reads a tensor value on the host: shapes are static per
-graph.
+then the weights. Weights as inputs let one copy in memory serve every graph, and are what
+neuronx-cc and torch-mlir expect. Nothing here reads a tensor value on the host: shapes are static
+per graph.
 """
 
 from __future__ import annotations

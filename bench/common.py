@@ -1,0 +1,91 @@
+"""Helpers shared by the benchmark scripts: build-if-missing, HF decode loops, timing, reports."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def ensure_bundle(manifest: Path, bundle: Path) -> Path:
+    """Build the bundle once; benchmarks reuse it."""
+    if not (bundle / "bundle.json").exists():
+        cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", str(bundle)]
+        subprocess.run(cmd, check=True, cwd=REPO)
+    return bundle
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine_description() -> dict[str, Any]:
+    from neffkit import host
+
+    return {"cpu": host.cpu_description(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}  # fmt: skip
+
+
+def write_result(name: str, data: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_description(), **data}, indent=2) + "\n")
+    return path
+
+
+class HFDecoder:
+    """Greedy decode with an HF model: eager with a dynamic cache, or compiled with a static cache."""
+
+    def __init__(self, model_dir: Path, compiled: bool, max_len: int) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.compiled = compiled
+        self.max_len = max_len
+        self.forward = (
+            torch.compile(self.model.forward, fullgraph=True, dynamic=False)
+            if compiled
+            else self.model.forward
+        )
+
+    def _cache(self, batch: int) -> Any:
+        import transformers
+
+        if self.compiled:
+            return transformers.StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        return transformers.DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def decode_times(self, prompt: torch.Tensor, steps: int) -> list[float]:
+        """Prefill `prompt` [B, S], then time each of `steps` greedy decode steps (seconds)."""
+        batch, length = prompt.shape
+        cache = self._cache(batch)
+        out = self.model(prompt, past_key_values=cache, use_cache=True,
+                         cache_position=torch.arange(length))  # fmt: skip
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for i in range(steps):
+            pos = torch.tensor([length + i])
+            t0 = time.perf_counter()
+            logits = self.forward(token, past_key_values=cache, use_cache=True,
+                                  cache_position=pos).logits  # fmt: skip
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            _ = token.tolist()  # the host reads the token, as a server must
+            times.append(time.perf_counter() - t0)
+        return times

@@ -1,0 +1,93 @@
+"""Per-token decode latency: neffkit bundle vs HF transformers eager vs torch.compile of HF.
+
+Same checkpoint, same dtype (float32), same process and thread count; the three runs alternate for
+`--rounds` rounds and medians are reported with ratios. Usage:
+
+    python bench/decode.py [--manifest manifests/demo.yaml] [--batch 1 4] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, HFDecoder, ensure_bundle, machine_description, median, write_result  # noqa: E402
+
+from neffkit.runtime.engine import SamplingParams  # noqa: E402
+from neffkit.runtime.loader import load  # noqa: E402
+
+
+def neffkit_decode_times(engine, prompts: list[list[int]], steps: int) -> list[float]:
+    """Wall time of each engine step once every sequence is decoding (host work included)."""
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    times = []
+    while engine.has_work():
+        times.append(_timed_step(engine))
+    return times
+
+
+def _timed_step(engine) -> float:
+    import time
+
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "demo.yaml")
+    parser.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    bundle = ensure_bundle(args.manifest, args.bundle)
+    loaded = load(bundle)
+    model_dir = Path(loaded.bundle.data["manifest"]["model"])
+    max_len = args.prompt_len + args.steps + 8
+    eager = HFDecoder(model_dir, compiled=False, max_len=max_len)
+    compiled = HFDecoder(model_dir, compiled=True, max_len=max_len)
+    vocab = loaded.bundle.data["model"]["vocab_size"]
+    rng = np.random.default_rng(0)
+
+    rows = []
+    for batch in args.batch:
+        prompts = rng.integers(1, vocab, size=(batch, args.prompt_len))
+        prompt_t = torch.tensor(prompts)
+        compiled.decode_times(prompt_t, 4)  # compile + warm-up, not timed
+        samples = {"neffkit": [], "hf_eager": [], "hf_compile": []}
+        for _ in range(args.rounds):
+            samples["neffkit"] += neffkit_decode_times(loaded.engine, prompts.tolist(), args.steps)
+            samples["hf_eager"] += eager.decode_times(prompt_t, args.steps)
+            samples["hf_compile"] += compiled.decode_times(prompt_t, args.steps)
+        ms = {k: 1000 * median(v) for k, v in samples.items()}
+        rows.append({"batch": batch, "ms_per_step": ms,
+                     "speedup_vs_hf_eager": ms["hf_eager"] / ms["neffkit"],
+                     "speedup_vs_hf_compile": ms["hf_compile"] / ms["neffkit"]})  # fmt: skip
+
+    print(f"decode latency per step (median of {args.rounds}x{args.steps} steps), "
+          f"{machine_description()['cpu']}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'batch':>5} {'neffkit ms':>11} {'HF eager ms':>12} {'HF compile ms':>14} "
+          f"{'vs eager':>9} {'vs compile':>11}")  # fmt: skip
+    for r in rows:
+        m = r["ms_per_step"]
+        print(f"{r['batch']:>5} {m['neffkit']:>11.3f} {m['hf_eager']:>12.3f} {m['hf_compile']:>14.3f}"
+              f" {r['speedup_vs_hf_eager']:>8.2f}x {r['speedup_vs_hf_compile']:>10.2f}x")  # fmt: skip
+    path = write_result("decode", {"bundle": str(bundle), "steps": args.steps,
+                                   "prompt_len": args.prompt_len, "rows": rows})  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
