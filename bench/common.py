@@ -38,8 +38,11 @@ def timed(fn: Callable[[], Any]) -> float:
 def machine_description() -> dict[str, Any]:
     from neffkit import host
 
-    return {"cpu": host.cpu_description(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}  # fmt: skip
+    return {
+        "cpu": host.cpu_description(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def write_result(name: str, data: dict[str, Any]) -> Path:
@@ -50,7 +53,7 @@ def write_result(name: str, data: dict[str, Any]) -> Path:
 
 
 class HFDecoder:
-    """Greedy decode with an HF model: eager with a dynamic cache, or compiled with a static cache."""
+    """Greedy decode with an HF model: eager (dynamic cache) or compiled (static cache)."""
 
     def __init__(self, model_dir: Path, compiled: bool, max_len: int) -> None:
         import transformers
@@ -76,15 +79,17 @@ class HFDecoder:
         """Prefill `prompt` [B, S], then time each of `steps` greedy decode steps (seconds)."""
         batch, length = prompt.shape
         cache = self._cache(batch)
-        out = self.model(prompt, past_key_values=cache, use_cache=True,
-                         cache_position=torch.arange(length))  # fmt: skip
+        out = self.model(
+            prompt, past_key_values=cache, use_cache=True, cache_position=torch.arange(length)
+        )
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         times = []
         for i in range(steps):
             pos = torch.tensor([length + i])
             t0 = time.perf_counter()
-            logits = self.forward(token, past_key_values=cache, use_cache=True,
-                                  cache_position=pos).logits  # fmt: skip
+            logits = self.forward(
+                token, past_key_values=cache, use_cache=True, cache_position=pos
+            ).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
             _ = token.tolist()  # the host reads the token, as a server must
             times.append(time.perf_counter() - t0)

@@ -72,20 +72,33 @@ def main() -> None:
             samples["hf_eager"] += eager.decode_times(prompt_t, args.steps)
             samples["hf_compile"] += compiled.decode_times(prompt_t, args.steps)
         ms = {k: 1000 * median(v) for k, v in samples.items()}
-        rows.append({"batch": batch, "ms_per_step": ms,
-                     "speedup_vs_hf_eager": ms["hf_eager"] / ms["neffkit"],
-                     "speedup_vs_hf_compile": ms["hf_compile"] / ms["neffkit"]})  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "ms_per_step": ms,
+                "speedup_vs_hf_eager": ms["hf_eager"] / ms["neffkit"],
+                "speedup_vs_hf_compile": ms["hf_compile"] / ms["neffkit"],
+            }
+        )
 
-    print(f"decode latency per step (median of {args.rounds}x{args.steps} steps), "
-          f"{machine_description()['cpu']}, {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'batch':>5} {'neffkit ms':>11} {'HF eager ms':>12} {'HF compile ms':>14} "
-          f"{'vs eager':>9} {'vs compile':>11}")  # fmt: skip
+    print(
+        f"decode latency per step (median of {args.rounds}x{args.steps} steps), "
+        f"{machine_description()['cpu']}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'batch':>5} {'neffkit ms':>11} {'HF eager ms':>12} {'HF compile ms':>14} "
+        f"{'vs eager':>9} {'vs compile':>11}"
+    )
     for r in rows:
         m = r["ms_per_step"]
-        print(f"{r['batch']:>5} {m['neffkit']:>11.3f} {m['hf_eager']:>12.3f} {m['hf_compile']:>14.3f}"
-              f" {r['speedup_vs_hf_eager']:>8.2f}x {r['speedup_vs_hf_compile']:>10.2f}x")  # fmt: skip
-    path = write_result("decode", {"bundle": str(bundle), "steps": args.steps,
-                                   "prompt_len": args.prompt_len, "rows": rows})  # fmt: skip
+        print(
+            f"{r['batch']:>5} {m['neffkit']:>11.3f} {m['hf_eager']:>12.3f} {m['hf_compile']:>14.3f}"
+            f" {r['speedup_vs_hf_eager']:>8.2f}x {r['speedup_vs_hf_compile']:>10.2f}x"
+        )
+    path = write_result(
+        "decode",
+        {"bundle": str(bundle), "steps": args.steps, "prompt_len": args.prompt_len, "rows": rows},
+    )
     print(f"wrote {path}")
 
 

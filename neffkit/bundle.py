@@ -143,6 +143,26 @@ def verify_files(bundle: Bundle) -> None:
             raise BundleError(f"{bundle.root}: graph {graph['name']} has no listed artifact")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(parent: Path, prefix: str) -> None:
+    """Remove `<prefix><pid>-*` temp dirs whose process is gone (a SIGKILLed build)."""
+    if not parent.is_dir():
+        return
+    for path in parent.glob(f"{prefix}*"):
+        pid_text = path.name[len(prefix) :].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @contextmanager
 def staging_dir(dest: Path) -> Iterator[Path]:
     """A temp directory beside `dest`, renamed onto `dest` only if the block completes.
@@ -157,11 +177,14 @@ def staging_dir(dest: Path) -> Iterator[Path]:
             hint="choose another output directory with -o",
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    remove_stale_temp_dirs(dest.parent, f".{dest.name}.tmp-")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
     try:
         yield tmp
         if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            old = Path(
+                tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-old-", dir=dest.parent)
+            )
             os.replace(dest, old / "bundle")
             os.replace(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)

@@ -35,30 +35,63 @@ def cli(verbose: bool) -> None:
 @click.argument("manifest", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Bundle directory.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), help="Worker processes (default: cores).")
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(path_type=Path),
+    help="Artifact cache directory (default: $NEFFKIT_CACHE or ~/.cache/neffkit).",
+)
+@click.option("--no-cache", is_flag=True, help="Compile everything; read and write no cache.")
+@click.option("--dry-run", is_flag=True, help="Trace and print the graph table; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
-def build(manifest: Path, output: Path | None, jobs: int | None, as_json: bool) -> None:
+def build(
+    manifest: Path,
+    output: Path | None,
+    jobs: int | None,
+    cache_dir: Path | None,
+    no_cache: bool,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
     """Build MANIFEST into a bundle; prints the bundle path."""
     from neffkit.manifest import load_manifest
 
     resolved = load_manifest(manifest)  # validate before importing torch: bad input fails fast
     from neffkit.compile.build import build as run_build
+    from neffkit.compile.cache import default_cache_dir
     from neffkit.compile.progress import Progress
 
-    result = run_build(resolved, output, jobs, Progress(enabled=not as_json))
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    result = run_build(resolved, output, jobs, Progress(enabled=not as_json), cache, dry_run)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "bundle": str(result.bundle),
-                    "counters": result.counters,
-                    "seconds": result.seconds,
-                    "graphs": result.graphs,
-                },
-                indent=2,
-            )
-        )
+        click.echo(json.dumps(result.report(), indent=2))
+    elif dry_run:
+        _print_plan(result.graphs)
     else:
         click.echo(str(result.bundle))
+
+
+def _print_plan(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="build plan (dry run: nothing written)")
+    for col in ("graph", "phase", "rows", "tokens", "context", "options / flags", "cache"):
+        table.add_column(col)
+    for r in rows:
+        b = r["buckets"]
+        opts = " ".join([f"{k}={v}" for k, v in r["options"].items()] + r["flags"]) or "-"
+        cache = r["cache"] + (f" ({r['miss_reason']})" if r.get("miss_reason") else "")
+        table.add_row(
+            r["name"], r["phase"], str(b["rows"]), str(b["tokens"]), str(b["context"]), opts, cache
+        )
+    _console().print(table)
+
+
+def _console():
+    from rich.console import Console
+
+    # piped output (CI logs) gets a wide console instead of rich's 80-column default
+    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -124,10 +157,7 @@ def inspect(bundle: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
-        from rich.console import Console
-
-        # piped output (CI logs) gets a wide console instead of rich's 80-column default
-        Console(width=None if sys.stdout.isatty() else 160).print(render(summary))
+        _console().print(render(summary))
 
 
 def main() -> None:
@@ -135,12 +165,12 @@ def main() -> None:
         cli.main(standalone_mode=False)
     except NeffkitError as exc:
         _fail(exc)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except click.exceptions.Abort:  # click's form of KeyboardInterrupt (Ctrl-C, SIGTERM in builds)
+        click.echo("interrupted: nothing was written", err=True)
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        click.echo("interrupted: nothing was written", err=True)
         sys.exit(130)

@@ -62,6 +62,11 @@ def run_json(*args: str) -> dict[str, Any]:
     return json.loads(run_cli(*args, "--json", check=True).stdout)
 
 
+def session_cache(session_dir: Path) -> Path:
+    """One artifact cache for the whole session: rebuilds in tests reuse its entries."""
+    return session_dir / "cache"
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("neffkit")
@@ -121,9 +126,11 @@ def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[
                 session_dir / f"{kind}.yaml", hf_model_dir(kind), buckets=buckets
             )
             jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
-            built[kind] = build(
-                load_manifest(manifest), session_dir / "bundles" / kind, jobs=jobs
-            ).bundle
+            out = session_dir / "bundles" / kind
+            result = build(
+                load_manifest(manifest), out, jobs=jobs, cache_dir=session_cache(session_dir)
+            )
+            built[kind] = result.bundle
         return built[kind]
 
     return get

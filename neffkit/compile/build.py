@@ -1,19 +1,26 @@
-"""The build orchestrator: manifest → plan → weights → trace + compile per graph → bundle.
+"""The build orchestrator: manifest → plan → trace → check → cache → compile → bundle.
 
-Read it as numbered steps. Graphs are traced and compiled in worker processes (tracing holds global
-state, so processes, not threads); everything is written into a staging directory that is renamed
-onto the destination only when the whole bundle is complete.
+Read it as numbered steps. Tracing and compiling run in worker processes (tracing holds global
+state, so processes, not threads). Compile workers retrace their graph and check its sha256 against
+the traced one, so the artifact is provably built from the graph that was checked. Everything is
+written into a staging directory renamed onto the destination only when the bundle is complete; an
+interrupt (Ctrl-C, SIGTERM) terminates the workers and removes the staging directory.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
+import resource
 import shutil
+import signal
+import sys
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +29,17 @@ import torch
 from safetensors.torch import save_file
 
 import neffkit
-from neffkit.bundle import staging_dir, write_bundle_json, write_zst_text
+from neffkit.bundle import FORMAT_VERSION, staging_dir, write_bundle_json, write_zst_text
 from neffkit.compile.backends import get_backend
-from neffkit.compile.flags import resolve_options
+from neffkit.compile.cache import ArtifactCache, CacheKey, explain_change
+from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, Plan, make_plan
 from neffkit.compile.progress import Progress
 from neffkit.compile.trace import ModelLayout, trace_graph
+from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 from neffkit.models.llama import TensorSpec
-from neffkit.models.weights import iter_weights
+from neffkit.models.weights import iter_weights, weight_shapes
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = (
@@ -42,31 +51,41 @@ TOKENIZER_FILES = (
 )
 
 
-@dataclass(frozen=True)
-class GraphJob:
-    """Everything a worker needs to trace and compile one graph (picklable)."""
+@dataclass
+class GraphPlan:
+    """One graph's journey through the build."""
 
-    target: str
-    layout: ModelLayout
     spec: GraphSpec
-    options: dict[str, Any]
-    artifact: Path
+    options: ResolvedOptions
+    traced: dict[str, Any] = field(default_factory=dict)
+    key: CacheKey | None = None
+    cached: Path | None = None
+    miss_reason: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class BuildResult:
-    bundle: Path
+    bundle: Path | None
     counters: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     graphs: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "bundle": str(self.bundle) if self.bundle else None,
+            "counters": self.counters,
+            "seconds": self.seconds,
+            "graphs": self.graphs,
+            "warnings": self.warnings,
+            "peak_rss_mb": self.peak_rss_mb,
+        }
 
 
 def default_output(manifest: Manifest) -> Path:
     return Path("bundles") / manifest.name
-
-
-def default_jobs() -> int:
-    return max(1, os.cpu_count() or 1)
 
 
 def build(
@@ -74,84 +93,164 @@ def build(
     output: Path | None = None,
     jobs: int | None = None,
     progress: Progress | None = None,
+    cache_dir: Path | None = None,
+    dry_run: bool = False,
 ) -> BuildResult:
+    """Build `manifest` into a bundle at `output` (or only report the plan with `dry_run`).
+
+    `cache_dir=None` disables the artifact cache.
+    """
     progress = progress or Progress(enabled=False)
+    jobs = jobs or os.cpu_count() or 1
     dest = Path(output) if output else default_output(manifest)
-    jobs = jobs or default_jobs()
-    result = BuildResult(bundle=dest.resolve())
-    counters = {"traced": 0, "compiled": 0, "cache_hits": 0, "graphs": 0}
+    result = BuildResult(bundle=None if dry_run else dest.resolve())
+    counters = {"graphs": 0, "traced": 0, "compiled": 0, "cache_hits": 0}
     backend = get_backend(manifest.target)
     host = backend.host_requirements()
+    cache = ArtifactCache(cache_dir) if cache_dir else None
+    clock = _Clock(result.seconds)
 
-    # 1. Plan: which graphs, with which options.
-    t0 = time.perf_counter()
-    plan = make_plan(manifest)
-    counters["graphs"] = len(plan.graphs)
-    result.seconds["plan"] = time.perf_counter() - t0
+    # 1. Plan: graphs and their resolved compiler options.
+    with clock("plan"):
+        plan = make_plan(manifest)
+        graphs = [GraphPlan(spec, resolve_options(manifest, spec)) for spec in plan.graphs]
+        layout = model_layout(manifest, backend.device)
+        for g in graphs:
+            result.warnings += g.options.warnings
+        for w in result.warnings:
+            progress.message(f"warning: {w}")
+        counters["graphs"] = len(graphs)
 
-    with staging_dir(dest) as stage:
-        # 2. Weights: cast, (shard), write weights/rank{r}.safetensors.
-        t0 = time.perf_counter()
-        layout, weight_records = _write_weights(manifest, stage, backend.device)
-        result.seconds["weights"] = time.perf_counter() - t0
+    with _worker_pool(jobs) as run_parallel:
+        # 2. Trace every graph (in parallel).
+        with clock("trace"):
+            progress.start("trace", [g.spec.name for g in graphs])
+            for g, traced in zip(
+                graphs,
+                run_parallel(trace_job, [(layout, g.spec) for g in graphs], progress, "trace"),
+                strict=True,
+            ):
+                g.traced = traced
+                g.seconds["trace"] = traced.pop("seconds")
+            counters["traced"] = len(graphs)
 
-        # 3. Trace + compile each graph in worker processes.
-        t0 = time.perf_counter()
-        jobs_list = [
-            GraphJob(
-                manifest.target,
-                layout,
-                spec,
-                resolve_options(manifest, spec).inductor,
-                stage / "graphs" / f"{spec.name}{backend.artifact_suffix}",
-            )
-            for spec in plan.graphs
-        ]
-        graph_results = _run_jobs(jobs_list, jobs, progress)
-        counters["traced"] += len(graph_results)
-        counters["compiled"] += len(graph_results)
-        result.seconds["trace_compile"] = time.perf_counter() - t0
+        # 3. Check: one artifact serves all ranks (tp=1: trivially; SPMD check for tp>1).
+        # 4. Cache: look each graph up by every factor that changes its artifact.
+        with clock("cache"):
+            for g in graphs:
+                g.key = cache_key(g, backend, host)
+                if cache is None:
+                    continue
+                g.cached = cache.lookup(g.key)
+                if g.cached is None:
+                    previous = cache.previous_factors(_label(manifest, g.spec))
+                    if previous is not None:
+                        g.miss_reason = explain_change(previous, g.key.factors)
+                        progress.message(f"{g.spec.name}: recompiling, {g.miss_reason}")
+            counters["cache_hits"] = sum(g.cached is not None for g in graphs)
+        if dry_run:
+            result.graphs = [_dry_run_row(g, cache is not None) for g in graphs]
+            result.counters = counters
+            return result
 
-        # 4. Bundle: ir/, tokenizer/, bundle.json.
-        t0 = time.perf_counter()
-        graphs = []
-        for spec in plan.graphs:
-            res = graph_results[spec.name]
-            write_zst_text(stage / "ir" / f"{spec.name}.txt.zst", res.pop("canonical_text"))
-            graphs.append(_graph_entry(manifest, spec, res, backend.artifact_suffix))
-        _copy_tokenizer(manifest.model, stage / "tokenizer")
-        write_bundle_json(
-            stage,
-            {
-                "versions": {
-                    "neffkit": neffkit.__version__,
-                    "torch": torch.__version__,
-                    "backend": backend.version,
-                },
-                "target": manifest.target,
-                "host": host,
-                "manifest": manifest.to_json(),
-                "model": manifest.model_config.to_json(),
-                "layout": _layout_json(plan, layout),
-                "graphs": graphs,
-                "weights": weight_records,
-                "tokenizer": "tokenizer" if (stage / "tokenizer").exists() else None,
-            },
-        )
-        result.seconds["write"] = time.perf_counter() - t0
-        result.graphs = graphs
+        with staging_dir(dest) as stage:
+            # 5. Weights: cast (and shard) into weights/rank{r}.safetensors.
+            with clock("weights"):
+                weight_records = write_weights(manifest, stage)
+
+            # 6. Compile the misses (in parallel); hits are copied from the cache.
+            with clock("compile"):
+                misses = [g for g in graphs if g.cached is None]
+                suffix = backend.artifact_suffix
+                work = [
+                    (
+                        manifest.target,
+                        layout,
+                        g.spec,
+                        g.options.inductor,
+                        stage / "work" / f"{g.spec.name}{suffix}",
+                        g.traced["graph_sha256"],
+                    )
+                    for g in misses
+                ]
+                progress.start("compile", [g.spec.name for g in misses])
+                for g, compiled in zip(
+                    misses, run_parallel(compile_job, work, progress, "compile"), strict=True
+                ):
+                    g.seconds["compile"] = compiled["seconds"]
+                    g.traced["artifact_metadata"] = compiled["artifact_metadata"]
+                    artifact = stage / "work" / f"{g.spec.name}{suffix}"
+                    if cache is not None:
+                        cache.store(
+                            g.key, artifact, {"artifact_metadata": compiled["artifact_metadata"]}
+                        )
+                    _place(artifact, stage / "graphs" / artifact.name)
+                for g in graphs:
+                    if g.cached is not None:
+                        _place(g.cached, stage / "graphs" / f"{g.spec.name}{suffix}", copy=True)
+                        g.traced["artifact_metadata"] = _cached_metadata(g.cached)
+                    if cache is not None:
+                        cache.remember(_label(manifest, g.spec), g.key)
+                shutil.rmtree(stage / "work", ignore_errors=True)
+                counters["compiled"] = len(misses)
+
+            # 7. Bundle: ir/, tokenizer/, bundle.json; then the staging dir is renamed into place.
+            with clock("write"):
+                entries = []
+                for g in graphs:
+                    write_zst_text(
+                        stage / "ir" / f"{g.spec.name}.txt.zst", g.traced["canonical_text"]
+                    )
+                    entries.append(graph_entry(g, backend.artifact_suffix))
+                copy_tokenizer(manifest.model, stage / "tokenizer")
+                write_bundle_json(
+                    stage,
+                    {
+                        "versions": {
+                            "neffkit": neffkit.__version__,
+                            "torch": torch.__version__,
+                            "backend": backend.version,
+                        },
+                        "target": manifest.target,
+                        "host": host,
+                        "manifest": manifest.to_json(),
+                        "model": manifest.model_config.to_json(),
+                        "layout": layout_json(plan, layout),
+                        "graphs": entries,
+                        "weights": weight_records,
+                        "tokenizer": "tokenizer" if (stage / "tokenizer").exists() else None,
+                    },
+                )
+    result.graphs = [_report_row(g) for g in graphs]
     result.counters = counters
+    result.peak_rss_mb = _peak_rss_mb()
     return result
 
 
-def _write_weights(manifest: Manifest, stage: Path, device: str) -> tuple[ModelLayout, list[dict]]:
+# ---------------------------------------------------------------- steps
+
+
+class _Clock:
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = round(time.perf_counter() - t0, 3)
+
+
+def model_layout(manifest: Manifest, device: str) -> ModelLayout:
+    """Shapes only (safetensors headers): tracing never needs the weight values."""
     cfg = manifest.model_config
-    tensors = dict(iter_weights(manifest.model, cfg, manifest.dtype))
-    (stage / "weights").mkdir(parents=True)
-    file = "weights/rank0.safetensors"
-    save_file(tensors, str(stage / file))
-    specs = tuple(TensorSpec(name, tuple(t.shape), manifest.dtype) for name, t in tensors.items())
-    layout = ModelLayout(
+    specs = tuple(
+        TensorSpec(name, shape, manifest.dtype)
+        for name, shape in weight_shapes(manifest.model, cfg)
+    )
+    return ModelLayout(
         config=cfg,
         dtype=manifest.dtype,
         kv_heads=cfg.num_kv_heads,
@@ -161,10 +260,51 @@ def _write_weights(manifest: Manifest, stage: Path, device: str) -> tuple[ModelL
         max_top_k=manifest.sampling.max_top_k,
         device=device,
     )
-    return layout, [{"rank": 0, "file": file, "names": list(tensors)}]
 
 
-def _layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
+def write_weights(manifest: Manifest, stage: Path) -> list[dict[str, Any]]:
+    tensors = dict(iter_weights(manifest.model, manifest.model_config, manifest.dtype))
+    (stage / "weights").mkdir(parents=True)
+    file = "weights/rank0.safetensors"
+    save_file(tensors, str(stage / file))
+    return [{"rank": 0, "file": file, "names": list(tensors)}]
+
+
+def cache_key(g: GraphPlan, backend: Any, host: dict[str, Any]) -> CacheKey:
+    return CacheKey(
+        {
+            "graph": g.traced["graph_sha256"],
+            "inputs": g.traced["inputs"],
+            "outputs": g.traced["outputs"],
+            "options": g.options.inductor,
+            "flags": list(g.options.cache_flags()),
+            "backend": f"{backend.name} {backend.version}",
+            "torch": torch.__version__,
+            "host": host,
+            "format": FORMAT_VERSION,
+        }
+    )
+
+
+def _label(manifest: Manifest, spec: GraphSpec) -> str:
+    return f"{manifest.name}/{spec.name}"
+
+
+def _place(src: Path, dst: Path, copy: bool = False) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if copy:
+        shutil.copyfile(src, dst)
+    else:
+        os.replace(src, dst)
+
+
+def _cached_metadata(artifact: Path) -> dict[str, Any]:
+    import json
+
+    return json.loads((artifact.parent / "key.json").read_text()).get("artifact_metadata", {})
+
+
+def layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
     b = plan.manifest.buckets
     return {
         "world_size": plan.world_size,
@@ -185,28 +325,53 @@ def _layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
     }
 
 
-def _graph_entry(manifest: Manifest, spec: GraphSpec, res: dict[str, Any], suffix: str) -> dict:
-    options = resolve_options(manifest, spec)
+def graph_entry(g: GraphPlan, suffix: str) -> dict[str, Any]:
+    """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
+    spec, t = g.spec, g.traced
     return {
         "name": spec.name,
         "phase": spec.phase,
         "buckets": {"rows": spec.rows, "tokens": spec.tokens, "context": spec.context},
         "artifact": f"graphs/{spec.name}{suffix}",
         "ir": f"ir/{spec.name}.txt.zst",
-        "graph_sha256": res["graph_sha256"],
-        "options": options.inductor,
-        "option_origins": options.origins,
-        "flags": list(options.flags),
-        "io_alias": res["io_alias"],
-        "inputs": res["inputs"],
-        "outputs": res["outputs"],
+        "graph_sha256": t["graph_sha256"],
+        "cache_key": g.key.digest if g.key else None,
+        "options": g.options.inductor,
+        "option_origins": g.options.origins,
+        "flags": list(g.options.flags),
+        "flag_origins": g.options.flag_origins,
+        "io_alias": t["io_alias"],
+        "inputs": t["inputs"],
+        "outputs": t["outputs"],
         "ranks": "all",
-        "artifact_metadata": res["artifact_metadata"],
-        "seconds": res["seconds"],
+        "artifact_metadata": t.get("artifact_metadata", {}),
     }
 
 
-def _copy_tokenizer(model_dir: Path, out: Path) -> None:
+def _report_row(g: GraphPlan) -> dict[str, Any]:
+    return {
+        "name": g.spec.name,
+        "cache": "hit" if g.cached else "miss",
+        "miss_reason": g.miss_reason,
+        "seconds": g.seconds,
+        "graph_sha256": g.traced["graph_sha256"],
+    }
+
+
+def _dry_run_row(g: GraphPlan, caching: bool) -> dict[str, Any]:
+    return {
+        "name": g.spec.name,
+        "phase": g.spec.phase,
+        "buckets": {"rows": g.spec.rows, "tokens": g.spec.tokens, "context": g.spec.context},
+        "options": g.options.inductor,
+        "flags": list(g.options.flags),
+        "cache": ("hit" if g.cached else "miss") if caching else "disabled",
+        "miss_reason": g.miss_reason,
+        "graph_sha256": g.traced["graph_sha256"],
+    }
+
+
+def copy_tokenizer(model_dir: Path, out: Path) -> None:
     present = [name for name in TOKENIZER_FILES if (model_dir / name).exists()]
     if not present:
         return
@@ -215,52 +380,138 @@ def _copy_tokenizer(model_dir: Path, out: Path) -> None:
         shutil.copyfile(model_dir / name, out / name)
 
 
+def _peak_rss_mb() -> dict[str, float]:
+    return {
+        "main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
+
+
 # ---------------------------------------------------------------- workers
 
 
-def build_graph(job: GraphJob) -> dict[str, Any]:
-    """Trace and compile one graph; runs in a worker process."""
+def _quiet() -> None:
     # torch's own pytree deprecation noise, emitted while AOTInductor pickles specs
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-    t0 = time.perf_counter()
-    traced = trace_graph(job.layout, job.spec)
-    t1 = time.perf_counter()
-    record = get_backend(job.target).compile(traced.program, job.artifact, job.options)
-    t2 = time.perf_counter()
-    return {
-        "name": job.spec.name,
-        "canonical_text": traced.canonical_text,
-        "graph_sha256": traced.graph_sha256,
-        "io_alias": traced.io_alias,
-        "inputs": [_spec_json(s) for s in traced.inputs],
-        "outputs": [_spec_json(s) for s in traced.outputs],
-        "artifact_metadata": record.metadata,
-        "seconds": {"trace": round(t1 - t0, 3), "compile": round(t2 - t1, 3)},
-    }
+
+
+def _worker_init() -> None:
+    _quiet()
+    # Ctrl-C goes to the whole process group: the parent decides, workers are terminated by it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _spec_json(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
 
 
-def _run_jobs(jobs: list[GraphJob], workers: int, progress: Progress) -> dict[str, dict]:
-    results: dict[str, dict] = {}
-    progress.start("trace+compile", [job.spec.name for job in jobs])
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            results[job.spec.name] = build_graph(job)
-            progress.done(job.spec.name, results[job.spec.name]["seconds"])
+def trace_job(layout: ModelLayout, spec: GraphSpec) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    traced = trace_graph(layout, spec)
+    return {
+        "canonical_text": traced.canonical_text,
+        "graph_sha256": traced.graph_sha256,
+        "io_alias": traced.io_alias,
+        "inputs": [_spec_json(s) for s in traced.inputs],
+        "outputs": [_spec_json(s) for s in traced.outputs],
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def compile_job(
+    target: str,
+    layout: ModelLayout,
+    spec: GraphSpec,
+    options: dict[str, Any],
+    out: Path,
+    expected_sha: str,
+) -> dict[str, Any]:
+    _quiet()
+    t0 = time.perf_counter()
+    traced = trace_graph(layout, spec)
+    if traced.graph_sha256 != expected_sha:
+        raise BuildError(
+            f"{spec.name}: tracing is not deterministic (the graph changed between "
+            "the trace and compile steps)"
+        )
+    record = get_backend(target).compile(traced.program, out, options)
+    return {"artifact_metadata": record.metadata, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _call(args: tuple[Callable[..., Any], int, tuple]) -> tuple[int, Any]:
+    fn, index, fn_args = args
+    return index, fn(*fn_args)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _start_quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker with its leak warning silenced.
+
+    Workers terminated mid-compile (Ctrl-C, SIGTERM) cannot unregister the semaphores they made;
+    the tracker unlinks them, which is the cleanup we want, but then prints a multi-line
+    "leaked semaphore" warning after our one-line message. The tracker takes its warning filters
+    from sys.warnoptions when it starts (checked on CPython 3.10-3.12).
+    """
+    from multiprocessing import resource_tracker
+
+    option = "ignore::UserWarning:multiprocessing.resource_tracker"
+    sys.warnoptions.append(option)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(option)
+
+
+@contextmanager
+def _worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
+    """Yield run(fn, arg_tuples, progress, stage) → results in order; workers start lazily.
+
+    SIGTERM is turned into KeyboardInterrupt so both end the same way: workers terminated, staging
+    directory removed by the caller's context managers, nothing left at the destination.
+    """
+    pool: Any = None
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+
+    def run(fn: Callable[..., Any], arg_list: list[tuple], progress: Progress, stage: str) -> list:
+        nonlocal pool
+        results: list[Any] = [None] * len(arg_list)
+        names = [a[1].name if isinstance(a[1], GraphSpec) else a[2].name for a in arg_list]
+        if jobs <= 1 or len(arg_list) <= 1:
+            for i, args in enumerate(arg_list):
+                results[i] = fn(*args)
+                progress.done(names[i], _seconds(results[i]))
+            return results
+        if pool is None:
+            _start_quiet_resource_tracker()
+            ctx = multiprocessing.get_context("spawn")
+            pool = ctx.Pool(processes=min(jobs, len(arg_list)), initializer=_worker_init)
+        tasks = [(fn, i, args) for i, args in enumerate(arg_list)]
+        for index, value in pool.imap_unordered(_call, tasks):
+            results[index] = value
+            progress.done(names[index], _seconds(value))
         return results
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-        futures = {pool.submit(build_graph, job): job for job in jobs}
-        try:
-            for future in as_completed(futures):
-                res = future.result()
-                results[res["name"]] = res
-                progress.done(res["name"], res["seconds"])
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
-    return results
+
+    try:
+        yield run
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+            # release the pool's queues now (their semaphores), not at interpreter exit, where
+            # the resource tracker would report them as leaked
+            del pool
+            pool = None
+            gc.collect()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
+def _seconds(value: Any) -> float | None:
+    return value.get("seconds") if isinstance(value, dict) else None

@@ -1,49 +1,176 @@
-"""Compiler options as data: merged base → manifest → per-graph rules, rendered once per graph.
+"""Compiler options as data: parsed, merged base → manifest → per-graph rules, rendered once.
 
-For cpu/cuda the options are AOTInductor config keys from the manifest's allow-list; each resolved
-option records its origin ("base", "manifest", "rule N") so bundle.json and inspect can say why a
-graph got what it got.
+Two kinds of options, one resolution:
+- AOTInductor config keys (cpu/cuda), from the manifest's allow-list; later layers override.
+- neuronx-cc argv (neuron). Rules from the field notes (seed 000, section 1):
+  * one optimisation level: `-O1`/`-O2`/`-O3` (or `--optlevel N`); the last one wins;
+  * every `--internal-hlo2tensorizer-options` is merged into ONE string, because neuronx-cc keeps
+    only the last occurrence and silently drops the others;
+  * `--model-type` last wins, with a warning when it overrides the injected (base) value;
+  * any other flag repeated with the same value is reported as a duplicate, with another value as
+    a conflict (the last wins).
+Each rendered flag records its origin ("base", "manifest", "rule N"). Path-bearing flags (log files,
+work dirs) are kept in the argv but left out of cache keys. Imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from neffkit.compile.plan import GraphSpec
+from neffkit.errors import ManifestError
 from neffkit.manifest import Manifest
 
-# Options every cpu/cuda graph gets before the manifest is read.
+HLO2TENSORIZER = "--internal-hlo2tensorizer-options"
+MODEL_TYPE = "--model-type"
+OPT_LEVEL = "-O"
+PATH_FLAGS = ("--logfile", "--log-file", "--workdir", "--compile_workdir", "--dump", "--output")
+
+# What every neuron graph gets before the manifest is read (vllm-neuron's native-route set).
+BASE_NEURON_FLAGS: tuple[str, ...] = (
+    "--auto-cast=none",
+    "-O2",
+    f"{HLO2TENSORIZER}=--modular-flow-mac-threshold=10",
+    "--internal-backend-options=--enable-verifier=false --enable-nested-dynamic-loop",
+    f"{MODEL_TYPE}=transformer",
+)
 BASE_INDUCTOR_OPTIONS: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # "-O", "--model-type", "--auto-cast", ...
+    value: str | None
+    origin: str
+
+    def render(self) -> str:
+        if self.name == OPT_LEVEL:
+            return f"-O{self.value}"
+        return self.name if self.value is None else f"{self.name}={self.value}"
 
 
 @dataclass(frozen=True)
 class ResolvedOptions:
     inductor: dict[str, Any]
-    origins: dict[str, str]  # option → "base" | "manifest" | "rule N"
-    flags: tuple[str, ...]  # compiler argv (neuron target)
+    origins: dict[str, str]  # inductor option → origin
+    flags: tuple[str, ...]  # rendered compiler argv (neuron)
+    flag_origins: dict[str, str]  # rendered flag → origin(s)
+    warnings: tuple[str, ...] = field(default=())
+
+    def cache_flags(self) -> tuple[str, ...]:
+        """The rendered flags that can change the artifact (path-bearing ones removed)."""
+        return tuple(f for f in self.flags if not f.startswith(PATH_FLAGS))
+
+
+def parse_flags(argv: tuple[str, ...] | list[str], origin: str, where: str = "") -> list[Flag]:
+    """argv → Flags. Accepts `--k=v`, `--k v`, bare `--k`, `-O3` and `--optlevel N`.
+
+    `where` names the manifest field for errors (e.g. `compiler.per_graph[1].flags`).
+    """
+    where = where or origin
+    flags: list[Flag] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-"):
+            raise ManifestError(f"{where}: {token!r} is not a flag (flags start with '-')")
+        if token.startswith("-O") and not token.startswith("--"):
+            level = token[2:]
+            if level not in ("1", "2", "3"):
+                raise ManifestError(f"{where}: {token!r}: optimisation level must be 1, 2 or 3")
+            flags.append(Flag(OPT_LEVEL, level, origin))
+            i += 1
+            continue
+        if "=" in token:
+            name, value = token.split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            name, value = token, argv[i + 1]
+            i += 1
+        else:
+            name, value = token, None
+        if name == "--optlevel":
+            name = OPT_LEVEL
+        flags.append(Flag(name, value, origin))
+        i += 1
+    return flags
+
+
+def merge_flags(flags: list[Flag]) -> tuple[list[Flag], list[str]]:
+    """Apply the documented rules; return the merged flags (first-seen order) and warnings."""
+    merged: dict[str, Flag] = {}
+    warnings: list[str] = []
+    h2t_parts: list[str] = []
+    h2t_origins: list[str] = []
+    for flag in flags:
+        if flag.name == HLO2TENSORIZER:
+            for part in (flag.value or "").split():
+                if part not in h2t_parts:
+                    h2t_parts.append(part)
+            if flag.origin not in h2t_origins:
+                h2t_origins.append(flag.origin)
+            merged.setdefault(HLO2TENSORIZER, flag)
+            continue
+        old = merged.get(flag.name)
+        if old is not None:
+            if old.value == flag.value:
+                warnings.append(f"duplicate flag {flag.render()} ({old.origin}, {flag.origin})")
+            elif flag.name == MODEL_TYPE and old.origin == "base":
+                warnings.append(
+                    f"--model-type={flag.value} ({flag.origin}) overrides the injected "
+                    f"--model-type={old.value}"
+                )
+            elif flag.name not in (OPT_LEVEL, MODEL_TYPE):
+                warnings.append(
+                    f"conflicting flags {old.render()} ({old.origin}) and "
+                    f"{flag.render()} ({flag.origin}); the last wins"
+                )
+        merged[flag.name] = flag if old is None else Flag(flag.name, flag.value, flag.origin)
+    if HLO2TENSORIZER in merged:
+        merged[HLO2TENSORIZER] = Flag(HLO2TENSORIZER, " ".join(h2t_parts), "+".join(h2t_origins))
+    return list(merged.values()), warnings
+
+
+def _layers(manifest: Manifest, spec: GraphSpec) -> list[tuple[str, str, tuple[str, ...], dict]]:
+    """(origin, manifest field, flags, inductor options) from lowest to highest precedence."""
+    base_flags = BASE_NEURON_FLAGS if manifest.target == "neuron" else ()
+    layers = [
+        ("base", "base flags", base_flags, BASE_INDUCTOR_OPTIONS),
+        ("manifest", "compiler.flags", manifest.compiler.flags, manifest.compiler.inductor),
+    ]
+    layers += [
+        (f"rule {i}", f"compiler.per_graph[{i}].flags", rule.flags, rule.inductor)
+        for i, rule in enumerate(manifest.compiler.per_graph)
+        if spec.matches(rule.match)
+    ]
+    return layers
 
 
 def resolve_options(manifest: Manifest, spec: GraphSpec) -> ResolvedOptions:
     options: dict[str, Any] = {}
     origins: dict[str, str] = {}
-    layers: list[tuple[str, dict[str, Any]]] = [
-        ("base", BASE_INDUCTOR_OPTIONS),
-        ("manifest", manifest.compiler.inductor),
-    ]
-    layers += [
-        (f"rule {i}", rule.inductor)
-        for i, rule in enumerate(manifest.compiler.per_graph)
-        if spec.matches(rule.match)
-    ]
-    for origin, layer in layers:
-        for key, value in layer.items():
+    raw_flags: list[Flag] = []
+    for origin, where, flags, inductor in _layers(manifest, spec):
+        for key, value in inductor.items():
             options[key] = value
             origins[key] = origin
-    flags = list(manifest.compiler.flags)
-    for rule in manifest.compiler.per_graph:
-        if spec.matches(rule.match):
-            flags += rule.flags
+        raw_flags += parse_flags(flags, origin, where)
+    merged, warnings = merge_flags(raw_flags)
+    rendered = [f.render() for f in merged]
     return ResolvedOptions(
-        inductor=dict(sorted(options.items())), origins=origins, flags=tuple(flags)
+        inductor=dict(sorted(options.items())),
+        origins=origins,
+        flags=tuple(rendered),
+        flag_origins={r: f.origin for r, f in zip(rendered, merged, strict=True)},
+        warnings=tuple(f"{spec.name}: {w}" for w in warnings),
     )
+
+
+def neuronx_cc_argv(
+    hlo: str, neff: str, neuron_target: str, lnc: int, options: ResolvedOptions
+) -> list[str]:
+    """The full neuronx-cc command for one graph: the only place that argv is assembled."""
+    return [
+        "neuronx-cc", "compile", hlo, "--framework", "XLA", "--target", neuron_target,
+        "--lnc", str(lnc), "--output", neff, *options.flags,
+    ]  # fmt: skip

@@ -16,7 +16,7 @@ class Progress:
 
     def start(self, stage: str, items: list[str]) -> None:
         self._stage = stage
-        if not self.enabled:
+        if not self.enabled or not items:
             return
         if self.stream.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -34,18 +34,21 @@ class Progress:
         else:
             print(f"{stage}: {len(items)} graph(s)", file=self.stream, flush=True)
 
-    def done(self, name: str, detail: dict[str, Any] | None = None) -> None:
+    def done(self, name: str, seconds: float | None = None) -> None:
         if not self.enabled:
             return
-        text = " ".join(f"{k} {v:.1f}s" for k, v in (detail or {}).items())
+        text = f"{seconds:.1f}s" if seconds is not None else "done"
         if self._bar is not None:
             self._bar.update(self._task, advance=1, description=f"{self._stage}: {name}")
             if self._bar.finished:
                 self._bar.stop()
                 self._bar = None
         else:
-            print(f"  {name}: {text}", file=self.stream, flush=True)
+            print(f"  {self._stage} {name}: {text}", file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
-        if self.enabled:
+        """Always shown (warnings, recompile reasons), also when the bar is off (--json)."""
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
             print(text, file=self.stream, flush=True)

@@ -85,3 +85,13 @@ def iter_weights(
 
 def load_weights(model_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
     return dict(iter_weights(model_dir, cfg, dtype))
+
+
+def weight_shapes(model_dir: Path, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) in graph order, read from the safetensors headers without loading tensors."""
+    index = checkpoint_index(model_dir)
+    out = []
+    for name in weight_names(cfg, set(index)):
+        with safe_open(str(index[name]), framework="pt") as handle:
+            out.append((name, tuple(handle.get_slice(name).get_shape())))
+    return out

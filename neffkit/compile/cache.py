@@ -1,0 +1,131 @@
+"""Content-addressed artifact cache.
+
+An entry is `entries/<sha256 of the key factors>/` holding the artifact and `key.json` (the factors
+and the artifact's sha256). Entries are written into `tmp/` and renamed into place, so a killed
+build never leaves a half-written entry and builds sharing one directory are safe (if two builds
+race to the same key, the first rename wins and the second discards its copy). `labels/` remembers
+the factors each graph was last compiled with, so a miss can say which factor changed. Environment
+variables never enter a key; only what changes the artifact does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neffkit.bundle import remove_stale_temp_dirs, sha256_file
+
+log = logging.getLogger(__name__)
+KEY_JSON = "key.json"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("NEFFKIT_CACHE") or Path.home() / ".cache" / "neffkit")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Every factor that changes a compiled artifact, and nothing else."""
+
+    factors: dict[str, Any]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.factors, sort_keys=True).encode()).hexdigest()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return " ".join(map(str, value)) or "(none)"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+    return str(value)
+
+
+def explain_change(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """`flags changed: -O2 → -O3; torch changed: 2.12.0 → 2.13.0`."""
+    parts = []
+    for name in sorted(set(old) | set(new)):
+        if old.get(name) == new.get(name):
+            continue
+        before, after = old.get(name), new.get(name)
+        if name in ("graph", "inputs", "outputs"):
+            parts.append(f"{name} changed")
+        else:
+            parts.append(f"{name} changed: {_describe(before)} → {_describe(after)}")
+    return "; ".join(parts) or "no factor changed (entry missing or corrupt)"
+
+
+class ArtifactCache:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.entries = self.root / "entries"
+        self.labels = self.root / "labels"
+        self.tmp = self.root / "tmp"
+        for d in (self.entries, self.labels, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_dirs(self.tmp, "")
+
+    def _entry(self, key: CacheKey) -> Path:
+        return self.entries / key.digest
+
+    def lookup(self, key: CacheKey) -> Path | None:
+        """The cached artifact for `key`, or None. A corrupt entry is removed: a miss."""
+        entry = self._entry(key)
+        meta_path = entry / KEY_JSON
+        if not meta_path.exists():
+            return None
+        try:
+            meta = json.loads(meta_path.read_text())
+            artifact = entry / meta["artifact"]
+            if sha256_file(artifact) == meta["artifact_sha256"]:
+                return artifact
+        except (OSError, ValueError, KeyError):
+            pass
+        log.warning("cache entry %s is corrupt; recompiling", entry.name)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+    def store(self, key: CacheKey, artifact: Path, extra: dict[str, Any] | None = None) -> Path:
+        """Copy `artifact` into a new entry atomically; return the cached artifact's path."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.tmp))
+        try:
+            shutil.copyfile(artifact, tmp / artifact.name)
+            meta = {
+                "factors": key.factors,
+                "artifact": artifact.name,
+                "artifact_sha256": sha256_file(tmp / artifact.name),
+                **(extra or {}),
+            }
+            (tmp / KEY_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            try:
+                os.replace(tmp, self._entry(key))
+            except OSError:  # another build stored the same key first: keep theirs
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return self._entry(key) / artifact.name
+
+    def _label_path(self, label: str) -> Path:
+        return self.labels / (hashlib.sha256(label.encode()).hexdigest()[:32] + ".json")
+
+    def previous_factors(self, label: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self._label_path(label).read_text())["factors"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def remember(self, label: str, key: CacheKey) -> None:
+        """Record (atomically) the factors `label` (manifest/graph) was last built with."""
+        path = self._label_path(label)
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.getpid()}-", dir=self.tmp)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"label": label, "factors": key.factors}, f, sort_keys=True)
+        os.replace(tmp, path)

@@ -1,0 +1,161 @@
+"""Incremental, explainable, interruptible builds (content-addressed cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neffkit.bundle import read_bundle
+from neffkit.compile.cache import KEY_JSON, ArtifactCache, CacheKey
+from tests.conftest import MODELS, REPO, session_cache, write_manifest
+
+
+def _cli_build(manifest: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "build",
+        str(manifest),
+        "-o",
+        str(out),
+        "--cache",
+        str(cache),
+        *extra,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+
+
+def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp_path):
+    first = bundle("llama_tied")
+    manifest = session_dir / "llama_tied.yaml"
+    proc = _cli_build(manifest, tmp_path / "again", session_cache(session_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["counters"] == {"graphs": 3, "traced": 3, "compiled": 0, "cache_hits": 3}
+    assert all(g["cache"] == "hit" for g in report["graphs"])
+    assert set(report["seconds"]) >= {"plan", "trace", "compile", "write"}
+    assert report["peak_rss_mb"]["main"] > 0
+    second = Path(report["bundle"])
+    assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
+    for ir in (first / "ir").iterdir():
+        assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
+
+
+def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_model_dir, tmp_path):
+    bundle("llama_tied")  # the cache holds this manifest's graphs
+    rule = {"match": {"phase": "decode", "batch": 4}, "inductor": {"epilogue_fusion": False}}
+    manifest = write_manifest(
+        tmp_path / "llama_tied.yaml",
+        hf_model_dir("llama_tied"),
+        buckets=MODELS["llama_tied"][2],
+        compiler={"per_graph": [rule]},
+    )
+    proc = _cli_build(manifest, tmp_path / "out", session_cache(session_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["counters"]["compiled"] == 1
+    rows = {g["name"]: g for g in report["graphs"]}
+    assert rows["decode_b4_c64"]["cache"] == "miss"
+    assert rows["decode_b1_c64"]["cache"] == rows["prefill_t16_c64"]["cache"] == "hit"
+    assert "decode_b4_c64: recompiling, options changed: (none) → epilogue_fusion=False" in (
+        proc.stderr
+    )
+    graph = next(g for g in read_bundle(tmp_path / "out").graphs if g["name"] == "decode_b4_c64")
+    assert graph["options"] == {"epilogue_fusion": False}
+    assert graph["option_origins"] == {"epilogue_fusion": "rule 0"}
+
+
+def test_dry_run_writes_nothing(bundle, session_dir, tmp_path):
+    bundle("llama_tied")
+    out = tmp_path / "never"
+    proc = _cli_build(session_dir / "llama_tied.yaml", out, session_cache(session_dir), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "decode_b4_c64" in proc.stdout and "hit" in proc.stdout
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def _entries_valid(cache: Path) -> int:
+    entries = list((cache / "entries").iterdir()) if (cache / "entries").exists() else []
+    for entry in entries:
+        meta = json.loads((entry / KEY_JSON).read_text())
+        assert (entry / meta["artifact"]).exists()
+    ArtifactCache(cache)  # opening it validates nothing away
+    for entry in entries:
+        key = CacheKey(json.loads((entry / KEY_JSON).read_text())["factors"])
+        assert ArtifactCache(cache).lookup(key) is not None, entry
+    return len(entries)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_killed_build_leaves_nothing_half_written(sig, hf_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    manifest = write_manifest(
+        tmp_path / "kill.yaml",
+        hf_model_dir("llama_tied"),
+        buckets={"prefill": [32], "decode": [2], "context": [64]},
+    )
+    out = tmp_path / "bundles" / "kill"
+    log = tmp_path / "log.txt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "build",
+        str(manifest),
+        "-o",
+        str(out),
+        "--cache",
+        str(cache),
+        "-j",
+        "2",
+    ]
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
+    deadline = time.time() + 300
+    while "compile:" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert "compile:" in log.read_text(), log.read_text()
+    time.sleep(3)  # g++ is running now
+    os.killpg(proc.pid, sig)
+    rc = proc.wait(timeout=60)
+    assert rc != 0
+    assert not out.exists()
+    if sig == signal.SIGINT:
+        text = log.read_text()
+        assert "interrupted: nothing was written" in text and "Traceback" not in text
+        assert "leaked" not in text
+        assert [p.name for p in out.parent.iterdir()] == []  # staging dir removed
+        assert not list((cache / "tmp").iterdir())
+    _entries_valid(cache)
+    # the next build succeeds and clears what a SIGKILL left behind
+    again = _cli_build(manifest, out, cache, "--json")
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in out.parent.iterdir()] == ["kill"]
+    assert not list((cache / "tmp").iterdir())
+    assert _entries_valid(cache) == 2
+
+
+def test_cache_entry_corruption_is_a_miss(tmp_path):
+    cache = ArtifactCache(tmp_path / "c")
+    artifact = tmp_path / "a.pt2"
+    artifact.write_bytes(b"compiled")
+    key = CacheKey({"graph": "x", "flags": ["-O2"]})
+    stored = cache.store(key, artifact)
+    assert cache.lookup(key) == stored
+    stored.write_bytes(b"damaged")
+    assert cache.lookup(key) is None and not stored.parent.exists()
+    # storing the same key twice (two builds racing) keeps one valid entry
+    cache.store(key, artifact)
+    cache.store(key, artifact)
+    assert cache.lookup(key) is not None
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []
