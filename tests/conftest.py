@@ -40,7 +40,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, SMALL),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
-    "qwen2": ("Qwen2Config", {}, SMALL),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 1}, SMALL),  # MQA + qkv bias
 }
 
 
@@ -77,7 +77,7 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
 
     config_cls, extra, _ = MODELS[kind]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
