@@ -112,6 +112,13 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens regardless of EOS.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and timings as JSON.")
+@click.option(
+    "--dist-timeout",
+    default=60.0,
+    show_default=True,
+    type=float,
+    help="Seconds a rank waits for the others before failing (tp > 1).",
+)
 def run(
     bundle: Path,
     prompts: tuple[str, ...],
@@ -123,6 +130,7 @@ def run(
     seed: int | None,
     ignore_eos: bool,
     as_json: bool,
+    dist_timeout: float,
 ) -> None:
     """Generate from BUNDLE (with --prompt/--prompt-ids)."""
     from neffkit.runtime.generate import GenerateRequest, generate
@@ -137,7 +145,9 @@ def run(
         seed=seed,
         ignore_eos=ignore_eos,
     )
-    report = generate(bundle, request)
+    report = generate(bundle, request, dist_timeout)
+    if report is None:  # a follower rank of a torchrun launch: rank 0 prints
+        return
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

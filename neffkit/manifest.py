@@ -16,6 +16,8 @@ import yaml
 from neffkit.compile.backends import BACKENDS
 from neffkit.errors import ManifestError, ModelError
 from neffkit.models.config import ModelConfig, read_model_config
+from neffkit.models.parallel import Parallelism as ParallelLayout
+from neffkit.models.parallel import check_parallelism
 
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -350,7 +352,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
 
     compiler = _compiler(data.get("compiler", {}), "compiler")
     model_path, model_config = _model_dir(data["model"], base)
-    _check_layout(model_config, parallel)
+    check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
 
     return Manifest(
         name=display_name,
@@ -365,19 +367,6 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         compiler=compiler,
         model_config=model_config,
     )
-
-
-def _check_layout(cfg: ModelConfig, parallel: Parallel) -> None:
-    if cfg.num_heads % parallel.tp:
-        raise ManifestError(
-            f"parallel.tp: {parallel.tp} does not divide the model's "
-            f"{cfg.num_heads} attention heads"
-        )
-    kv = cfg.num_kv_heads
-    if kv % parallel.tp and parallel.tp % kv:
-        raise ManifestError(
-            f"parallel.tp: {parallel.tp} and the model's {kv} KV heads do not divide one another"
-        )
 
 
 def load_manifest(path: str | Path) -> Manifest:

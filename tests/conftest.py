@@ -41,6 +41,28 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 1}, SMALL),  # MQA + qkv bias
+    # layer 0 dense, layer 1 sparse; renormalised top-2 of 4 experts
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [0],
+            "norm_topk_prob": True,
+        },
+        SMALL,
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, SMALL),
+}
+# kind → (parallel layout, buckets) of the tp > 1 bundles
+PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
+    "llama": ({"tp": 2}, {"prefill": [16], "decode": [1, 4], "context": [256]}),
+    "qwen3": ({"tp": 2}, SMALL),
+    "qwen2": ({"tp": 2}, SMALL),  # one KV head: replicated on both ranks
+    "qwen3_moe": ({"tp": 2, "ep": 2}, SMALL),
+    "mixtral": ({"tp": 2, "ep": 2}, SMALL),
 }
 
 
@@ -131,6 +153,33 @@ def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[
                 load_manifest(manifest), out, jobs=jobs, cache_dir=session_cache(session_dir)
             )
             built[kind] = result.bundle
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tp_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[str], Any]:
+    """kind → the BuildResult of that kind's tp > 1 bundle (built once per session)."""
+    from neffkit.compile.build import build
+    from neffkit.manifest import load_manifest
+
+    built: dict[str, Any] = {}
+
+    def get(kind: str) -> Any:
+        if kind not in built:
+            parallel, buckets = PARALLEL[kind]
+            name = f"{kind}_tp{parallel['tp']}"
+            manifest = write_manifest(
+                session_dir / f"{name}.yaml", hf_model_dir(kind), buckets=buckets, parallel=parallel
+            )
+            jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
+            built[kind] = build(
+                load_manifest(manifest),
+                session_dir / "bundles" / name,
+                jobs=jobs,
+                cache_dir=session_cache(session_dir),
+            )
         return built[kind]
 
     return get

@@ -39,7 +39,13 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     proc = _cli_build(manifest, tmp_path / "again", session_cache(session_dir), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["counters"] == {"graphs": 3, "traced": 3, "compiled": 0, "cache_hits": 3}
+    assert report["counters"] == {
+        "graphs": 3,
+        "traced": 3,
+        "spmd_groups": 0,
+        "compiled": 0,
+        "cache_hits": 3,
+    }
     assert all(g["cache"] == "hit" for g in report["graphs"])
     assert set(report["seconds"]) >= {"plan", "trace", "compile", "write"}
     assert report["peak_rss_mb"]["main"] > 0

@@ -35,11 +35,13 @@ from neffkit.compile.cache import ArtifactCache, CacheKey, explain_change
 from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, Plan, make_plan
 from neffkit.compile.progress import Progress
+from neffkit.compile.spmd import RankTrace, check_spmd
 from neffkit.compile.trace import ModelLayout, trace_graph
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 from neffkit.models.llama import TensorSpec
-from neffkit.models.weights import iter_weights, weight_shapes
+from neffkit.models.parallel import Parallelism
+from neffkit.models.weights import iter_rank_weights, rank_weight_shapes
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = (
@@ -104,7 +106,7 @@ def build(
     jobs = jobs or os.cpu_count() or 1
     dest = Path(output) if output else default_output(manifest)
     result = BuildResult(bundle=None if dry_run else dest.resolve())
-    counters = {"graphs": 0, "traced": 0, "compiled": 0, "cache_hits": 0}
+    counters = {"graphs": 0, "traced": 0, "spmd_groups": 0, "compiled": 0, "cache_hits": 0}
     backend = get_backend(manifest.target)
     host = backend.host_requirements()
     cache = ArtifactCache(cache_dir) if cache_dir else None
@@ -122,19 +124,35 @@ def build(
         counters["graphs"] = len(graphs)
 
     with _worker_pool(jobs) as run_parallel:
-        # 2. Trace every graph (in parallel).
+        # 2. Trace every graph on every rank (in parallel).
+        ranks = range(plan.world_size)
         with clock("trace"):
-            progress.start("trace", [g.spec.name for g in graphs])
-            for g, traced in zip(
-                graphs,
-                run_parallel(trace_job, [(layout, g.spec) for g in graphs], progress, "trace"),
-                strict=True,
-            ):
-                g.traced = traced
-                g.seconds["trace"] = traced.pop("seconds")
-            counters["traced"] = len(graphs)
+            pairs = [(g, r) for g in graphs for r in ranks]
+            names = [
+                g.spec.name if plan.world_size == 1 else f"{g.spec.name}@rank{r}" for g, r in pairs
+            ]
+            progress.start("trace", names)
+            traced = run_parallel(
+                trace_job, [(layout, g.spec, r) for g, r in pairs], names, progress
+            )
+            counters["traced"] = len(pairs)
 
-        # 3. Check: one artifact serves all ranks (tp=1: trivially; SPMD check for tp>1).
+        # 3. Check: every rank's graph is byte-identical, so one artifact serves all (SPMD).
+        with clock("check"):
+            for i, g in enumerate(graphs):
+                per_rank = traced[i * plan.world_size : (i + 1) * plan.world_size]
+                check_spmd(
+                    g.spec.name,
+                    [
+                        RankTrace(r, t["graph_sha256"], t["canonical_text"], t["sources"])
+                        for r, t in enumerate(per_rank)
+                    ],
+                )
+                g.traced = per_rank[0]
+                g.traced.pop("sources")
+                g.seconds["trace"] = g.traced.pop("seconds")
+            counters["spmd_groups"] = len(graphs) if plan.world_size > 1 else 0
+
         # 4. Cache: look each graph up by every factor that changes its artifact.
         with clock("cache"):
             for g in graphs:
@@ -156,7 +174,7 @@ def build(
         with staging_dir(dest) as stage:
             # 5. Weights: cast (and shard) into weights/rank{r}.safetensors.
             with clock("weights"):
-                weight_records = write_weights(manifest, stage)
+                weight_records = write_weights(manifest, stage, layout)
 
             # 6. Compile the misses (in parallel); hits are copied from the cache.
             with clock("compile"):
@@ -173,10 +191,10 @@ def build(
                     )
                     for g in misses
                 ]
-                progress.start("compile", [g.spec.name for g in misses])
-                for g, compiled in zip(
-                    misses, run_parallel(compile_job, work, progress, "compile"), strict=True
-                ):
+                names = [g.spec.name for g in misses]
+                progress.start("compile", names)
+                compiled_all = run_parallel(compile_job, work, names, progress)
+                for g, compiled in zip(misses, compiled_all, strict=True):
                     g.seconds["compile"] = compiled["seconds"]
                     g.traced["artifact_metadata"] = compiled["artifact_metadata"]
                     artifact = stage / "work" / f"{g.spec.name}{suffix}"
@@ -244,30 +262,46 @@ class _Clock:
 
 
 def model_layout(manifest: Manifest, device: str) -> ModelLayout:
-    """Shapes only (safetensors headers): tracing never needs the weight values."""
+    """Shapes only (safetensors headers): tracing never needs the weight values.
+
+    Every rank's shard has the same names and shapes (that is what makes SPMD possible); this is
+    checked here, before any tracing.
+    """
     cfg = manifest.model_config
-    specs = tuple(
-        TensorSpec(name, shape, manifest.dtype)
-        for name, shape in weight_shapes(manifest.model, cfg)
-    )
+    par = Parallelism(manifest.parallel.tp, manifest.parallel.ep)
+    shapes = rank_weight_shapes(manifest.model, cfg, par, 0)
+    for rank in range(1, par.tp):
+        if rank_weight_shapes(manifest.model, cfg, par, rank) != shapes:
+            raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
+    specs = tuple(TensorSpec(name, shape, manifest.dtype) for name, shape in shapes)
     return ModelLayout(
         config=cfg,
         dtype=manifest.dtype,
-        kv_heads=cfg.num_kv_heads,
+        kv_heads=par.kv_heads_per_rank(cfg),
         weights=specs,
         block_size=manifest.kv_cache.block_size,
         num_blocks=manifest.kv_cache.num_blocks,
         max_top_k=manifest.sampling.max_top_k,
         device=device,
+        par=par,
     )
 
 
-def write_weights(manifest: Manifest, stage: Path) -> list[dict[str, Any]]:
-    tensors = dict(iter_weights(manifest.model, manifest.model_config, manifest.dtype))
+def write_weights(manifest: Manifest, stage: Path, layout: ModelLayout) -> list[dict[str, Any]]:
+    """weights/rank{r}.safetensors: each rank's pre-cut shard; a rank reads only its own file."""
     (stage / "weights").mkdir(parents=True)
-    file = "weights/rank0.safetensors"
-    save_file(tensors, str(stage / file))
-    return [{"rank": 0, "file": file, "names": list(tensors)}]
+    records = []
+    for rank in range(layout.par.tp):
+        tensors = dict(
+            iter_rank_weights(
+                manifest.model, manifest.model_config, manifest.dtype, layout.par, rank
+            )
+        )
+        file = f"weights/rank{rank}.safetensors"
+        save_file(tensors, str(stage / file))
+        records.append({"rank": rank, "file": file, "names": list(tensors)})
+        del tensors
+    return records
 
 
 def cache_key(g: GraphPlan, backend: Any, host: dict[str, Any]) -> CacheKey:
@@ -313,6 +347,7 @@ def layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
         "dtype": layout.dtype,
         "num_layers": layout.config.num_layers,
         "kv_heads_per_rank": layout.kv_heads,
+        "rank_input": layout.par.needs_rank_input(layout.config),
         "head_dim": layout.config.head_dim,
         "block_size": layout.block_size,
         "num_blocks": layout.num_blocks,
@@ -405,10 +440,11 @@ def _spec_json(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
 
 
-def trace_job(layout: ModelLayout, spec: GraphSpec) -> dict[str, Any]:
+def trace_job(layout: ModelLayout, spec: GraphSpec, rank: int) -> dict[str, Any]:
     t0 = time.perf_counter()
-    traced = trace_graph(layout, spec)
+    traced = trace_graph(layout, spec, rank)
     return {
+        "sources": traced.sources,
         "canonical_text": traced.canonical_text,
         "graph_sha256": traced.graph_sha256,
         "io_alias": traced.io_alias,
@@ -467,7 +503,7 @@ def _start_quiet_resource_tracker() -> None:
 
 @contextmanager
 def _worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
-    """Yield run(fn, arg_tuples, progress, stage) → results in order; workers start lazily.
+    """Yield run(fn, arg_tuples, names, progress) → results in order; workers start lazily.
 
     SIGTERM is turned into KeyboardInterrupt so both end the same way: workers terminated, staging
     directory removed by the caller's context managers, nothing left at the destination.
@@ -475,10 +511,11 @@ def _worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
     pool: Any = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
 
-    def run(fn: Callable[..., Any], arg_list: list[tuple], progress: Progress, stage: str) -> list:
+    def run(
+        fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress
+    ) -> list:
         nonlocal pool
         results: list[Any] = [None] * len(arg_list)
-        names = [a[1].name if isinstance(a[1], GraphSpec) else a[2].name for a in arg_list]
         if jobs <= 1 or len(arg_list) <= 1:
             for i, args in enumerate(arg_list):
                 results[i] = fn(*args)

@@ -20,6 +20,7 @@ from neffkit.compile.plan import GraphSpec
 from neffkit.errors import BuildError
 from neffkit.models.config import ModelConfig
 from neffkit.models.llama import DecoderGraph, GraphShape, TensorSpec, kv_inputs, metadata_inputs
+from neffkit.models.parallel import Parallelism
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ModelLayout:
     num_blocks: int
     max_top_k: int
     device: str = "cpu"
+    par: Parallelism = Parallelism()
 
 
 @dataclass
@@ -45,14 +47,35 @@ class Traced:
     io_alias: list[dict[str, Any]]
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    sources: list[str]  # per canonical line: the model source line that made the node
 
 
 def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
     shape = GraphShape(
         spec.phase, spec.rows, spec.tokens, spec.context, layout.block_size, layout.num_blocks
     )
-    specs = metadata_inputs(shape) + kv_inputs(layout.config, shape, layout.kv_heads, layout.dtype)
+    specs = metadata_inputs(shape)
+    if layout.par.needs_rank_input(layout.config):
+        specs.append(TensorSpec("rank", (1,), "int64"))
+    specs += kv_inputs(layout.config, shape, layout.kv_heads, layout.dtype)
     return shape, specs + list(layout.weights)
+
+
+def ensure_fake_process_group(rank: int, world_size: int) -> None:
+    """Trace rank `rank` of `world_size` under torch's fake process group (no peers, no traffic).
+
+    The graph then names the default group, which a real gloo/nccl group resolves at run time, so
+    one artifact serves every rank. `fake_pg` lives in torch.testing._internal: the one private
+    import neffkit needs (checked on torch 2.9-2.13).
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) == (rank, world_size):
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def example_inputs(specs: list[TensorSpec], device: str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -60,11 +83,43 @@ def example_inputs(specs: list[TensorSpec], device: str = "cpu") -> tuple[torch.
     return tuple(torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs)
 
 
-def trace_graph(layout: ModelLayout, spec: GraphSpec) -> Traced:
+def _anchor_model_source() -> None:
+    """Make node stack traces reach into neffkit's model and kernel functions.
+
+    Non-strict export keeps only frames of functions named `forward`, plus registered anchors,
+    so without this a node's source is the top-level call in forward, not the line that made it.
+    `_register_stack_trace_anchor` is private (torch.fx.proxy, checked on torch 2.13); on
+    versions without it, sources stay at forward-level, which is still correct, only coarser.
+    """
+    import inspect
+
+    from neffkit.kernels import attention, kv, norm, rope, sampling
+    from neffkit.models import llama
+
+    register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if register is None:
+        return
+    for module in (attention, kv, norm, rope, sampling, llama):
+        for _, fn in inspect.getmembers(module, inspect.isfunction):
+            register(fn)
+    for _, fn in inspect.getmembers(DecoderGraph, inspect.isfunction):
+        register(fn)
+
+
+def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
+    """Export one graph as rank `rank` sees it (tp > 1: under the fake process group)."""
+    if layout.par.tp > 1:
+        ensure_fake_process_group(rank, layout.par.tp)
+    _anchor_model_source()
     shape, specs = graph_inputs(layout, spec)
     num_meta = len(metadata_inputs(shape))
     module = DecoderGraph(
-        layout.config, shape, [w.name for w in layout.weights], num_meta, layout.max_top_k
+        layout.config,
+        shape,
+        [w.name for w in layout.weights],
+        num_meta,
+        layout.max_top_k,
+        layout.par,
     )
     try:
         with torch.no_grad():
@@ -78,9 +133,23 @@ def trace_graph(layout: ModelLayout, spec: GraphSpec) -> Traced:
     text = canonical_text(program, [s.name for s in specs])
     out_val = [n for n in program.graph.nodes if n.op == "output"][0].args[0][-1].meta["val"]
     outputs = [TensorSpec("next_tokens", tuple(out_val.shape), str(out_val.dtype).split(".")[-1])]
-    return Traced(
-        spec, program, text, hashlib.sha256(text.encode()).hexdigest(), io_alias, specs, outputs
-    )
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    sources = [node_source(n) for n in program.graph.nodes]
+    return Traced(spec, program, text, digest, io_alias, specs, outputs, sources)
+
+
+def node_source(node: torch.fx.Node) -> str:
+    """`file.py:123: code` of the innermost frame that created the node ("" for inputs)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip()]
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) else ""
+            where = frames[i].split('"')
+            file = where[1] if len(where) > 1 else "?"
+            line = frames[i].split(", line ")[-1].split(",")[0]
+            return f"{file}:{line}: {code}"
+    return ""
 
 
 def _user_input_names(program: ExportedProgram) -> list[str]:

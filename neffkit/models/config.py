@@ -15,10 +15,12 @@ from neffkit.errors import ModelError
 
 # architecture name → family traits. The single list of what neffkit can build.
 ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qk_norm": False},
-    "MistralForCausalLM": {"qk_norm": False},
-    "Qwen2ForCausalLM": {"qk_norm": False},
-    "Qwen3ForCausalLM": {"qk_norm": True},
+    "LlamaForCausalLM": {"qk_norm": False, "moe": False},
+    "MistralForCausalLM": {"qk_norm": False, "moe": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "moe": False},
+    "Qwen3ForCausalLM": {"qk_norm": True, "moe": False},
+    "MixtralForCausalLM": {"qk_norm": False, "moe": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
 }
 ROPE_TYPES = ("default",)
 
@@ -40,6 +42,16 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Mixture of experts (num_experts 0 = dense). sparse_layers[i]: layer i uses the MoE block.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,6 +61,7 @@ class ModelConfig:
         data = dict(data)
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
+        data["sparse_layers"] = tuple(data.get("sparse_layers", ()))
         return cls(**data)
 
 
@@ -79,11 +92,36 @@ def _sliding_windows(cfg: dict[str, Any], num_layers: int, arch: str) -> tuple[i
     layer_types = cfg.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch == "MistralForCausalLM" and window:
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") and window:
         return (int(window),) * num_layers
     if cfg.get("use_sliding_window") and window:
         raise ModelError("config.json: use_sliding_window without layer_types is not supported")
     return (None,) * num_layers
+
+
+def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """MoE fields as HF computes them (Mixtral: every layer, always renormalised top-k;
+    Qwen3-MoE: `decoder_sparse_step`, `mlp_only_layers`, `norm_topk_prob`)."""
+    if not ARCHITECTURES[arch]["moe"]:
+        return {}
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if arch == "MixtralForCausalLM":
+        sparse = (True,) * num_layers
+        inter, norm = int(cfg["intermediate_size"]), True
+    else:
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(
+            i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        )
+        inter, norm = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False))
+    return {
+        "num_experts": experts,
+        "experts_per_token": int(cfg["num_experts_per_tok"]),
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": norm,
+        "sparse_layers": sparse,
+    }
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -125,6 +163,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             sliding_windows=_sliding_windows(cfg, num_layers, arch),
             eos_token_ids=_as_ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
+            **_moe(cfg, arch, num_layers),
         )
     except KeyError as exc:
         raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc

@@ -20,6 +20,7 @@ from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.kernels.sampling import sample
 from neffkit.models.config import ModelConfig
+from neffkit.models.parallel import Parallelism
 
 SAMPLING_INPUTS = (
     ("temperature", "float32"),
@@ -82,6 +83,7 @@ class DecoderGraph(torch.nn.Module):
         weight_names: list[str],
         num_meta: int,
         max_top_k: int,
+        par: Parallelism | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -89,12 +91,17 @@ class DecoderGraph(torch.nn.Module):
         self.weight_names = weight_names
         self.num_meta = num_meta
         self.max_top_k = max_top_k
+        self.par = par or Parallelism()
+        self.has_rank = self.par.needs_rank_input(cfg)
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         cfg, shape = self.cfg, self.shape
         meta = flat[: self.num_meta]
-        kv = flat[self.num_meta : self.num_meta + 2 * cfg.num_layers]
-        w = dict(zip(self.weight_names, flat[self.num_meta + 2 * cfg.num_layers :], strict=True))
+        rest = flat[self.num_meta :]
+        self.rank = rest[0] if self.has_rank else None  # [1] int64: this graph's rank, as data
+        rest = rest[1:] if self.has_rank else rest
+        kv = rest[: 2 * cfg.num_layers]
+        w = dict(zip(self.weight_names, rest[2 * cfg.num_layers :], strict=True))
         input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
         temperature, top_k, top_p, seed = meta[-4:]
         rows, tokens = input_ids.shape
@@ -123,9 +130,15 @@ class DecoderGraph(torch.nn.Module):
             )
             h = h + attn
             x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            if cfg.is_moe and cfg.sparse_layers[layer]:
+                h = h + self._reduce(self._moe(x, w, p), None)
+                continue
             gate = _linear(x, w, f"{p}.mlp.gate_proj")
             up = _linear(x, w, f"{p}.mlp.up_proj")
-            h = h + _linear(torch.nn.functional.silu(gate) * up, w, f"{p}.mlp.down_proj")
+            down = torch.nn.functional.silu(gate) * up
+            h = h + self._reduce(
+                down @ w[f"{p}.mlp.down_proj.weight"].t(), w.get(f"{p}.mlp.down_proj.bias")
+            )
 
         if shape.phase == "prefill":
             last = meta[5]  # [1]
@@ -161,7 +174,52 @@ class DecoderGraph(torch.nn.Module):
         keys = gather_context(k_cache, block_tables)  # [B, C, KV, D]
         values = gather_context(v_cache, block_tables)
         out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim))
-        return _linear(out, w, f"{p}.self_attn.o_proj")
+        partial = out @ w[f"{p}.self_attn.o_proj.weight"].t()  # row-parallel: a partial sum
+        return self._reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
+
+    def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Sum row-parallel partial outputs over ranks, then add the (whole) bias once.
+
+        The collective's result feeds the residual add and is never itself a graph output: a
+        graph that returns a collective's buffer deadlocks its next call under gloo.
+        """
+        if self.par.tp > 1:
+            import torch.distributed as dist
+            from torch.distributed import _functional_collectives as fc
+
+            partial = fc.all_reduce(partial, "sum", dist.group.WORLD)  # string op: picklable
+        return partial if bias is None else partial + bias
+
+    def _moe(self, x: torch.Tensor, w: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+        """Top-k routed experts, computed densely over this rank's experts (no all-to-all).
+
+        Routing is HF's: softmax in float32, top-k, optional renormalisation. Every local expert
+        runs on every token and is weighted by its routing weight (0 when not selected); the
+        partial sums of all ranks are added by the same all-reduce as the dense layers.
+        """
+        cfg = self.cfg
+        rows, tokens, hidden = x.shape
+        x2 = x.reshape(-1, hidden)  # [N, hidden]
+        logits = x2 @ w[f"{p}.moe.router"].t()  # [N, E]
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_w, top_i = torch.topk(probs, cfg.experts_per_token, dim=-1)  # [N, k]
+        if cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if cfg.architecture != "MixtralForCausalLM":
+            top_w = top_w.to(x.dtype)  # Qwen3-MoE casts routing weights; Mixtral keeps float32
+        dense = torch.zeros_like(probs, dtype=top_w.dtype).scatter(1, top_i, top_w)  # [N, E]
+        gate_up = w[f"{p}.moe.gate_up"]  # [E_local, 2*I, hidden]
+        local = gate_up.shape[0]
+        if self.rank is not None:  # this rank's experts, chosen by a tensor: SPMD-identical
+            group = torch.div(self.rank, self.par.moe_tp, rounding_mode="floor")
+            ids = group * local + torch.arange(local, device=x.device)  # [E_local]
+            dense = dense.index_select(1, ids)
+        h = torch.einsum("nh,eih->eni", x2, gate_up)  # [E_local, N, 2*I]
+        g, u = h.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(g) * u  # [E_local, N, I]
+        out = torch.einsum("eni,ehi->enh", act, w[f"{p}.moe.down"])  # [E_local, N, hidden]
+        out = torch.einsum("enh,ne->nh", out.to(dense.dtype), dense).to(x.dtype)
+        return out.reshape(rows, tokens, hidden)
 
 
 def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""HF safetensors → the ordered weight list the graphs take as inputs.
+"""HF safetensors → each rank's ordered weight list (the graphs' weight inputs).
 
-Tensors are read one at a time through safetensors' mmap (never the whole checkpoint at once) and
-cast to the bundle dtype. Tied embeddings contribute one tensor, not two. Order is fixed here and
-recorded in bundle.json; graphs and the runtime both follow it.
+Tensors are read one at a time through safetensors' mmap (never the whole checkpoint at once), cut
+for the rank by `sharding.rank_weights` and cast to the bundle dtype. Shapes alone come from the
+safetensors headers through meta tensors, with the same cutting code. Order is fixed by
+`rank_weights` and recorded in bundle.json; graphs and the runtime both follow it.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from safetensors import safe_open
 
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
+from neffkit.models.sharding import Parallelism, rank_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_OPTIONAL_BIASES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, Path]:
@@ -34,64 +34,49 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            out.update({name: file for name in handle.keys()})  # noqa: SIM118 (not a dict)
+            out.update(dict.fromkeys(handle.keys(), file))
     return out
 
 
-def weight_names(cfg: ModelConfig, available: set[str]) -> list[str]:
-    """The graph's weight inputs in order; optional biases included when the checkpoint has them."""
-    names = ["model.embed_tokens.weight"]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}"
-        names.append(f"{p}.input_layernorm.weight")
-        for proj in _OPTIONAL_BIASES:
-            names.append(f"{p}.self_attn.{proj}.weight")
-            if f"{p}.self_attn.{proj}.bias" in available:
-                names.append(f"{p}.self_attn.{proj}.bias")
-        if cfg.qk_norm:
-            names += [f"{p}.self_attn.q_norm.weight", f"{p}.self_attn.k_norm.weight"]
-        names.append(f"{p}.post_attention_layernorm.weight")
-        for proj in _MLP:
-            names.append(f"{p}.mlp.{proj}.weight")
-            if f"{p}.mlp.{proj}.bias" in available:
-                names.append(f"{p}.mlp.{proj}.bias")
-    names.append("model.norm.weight")
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    missing = [n for n in names if n not in available]
-    if missing:
-        raise ModelError(
-            f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[0]!r}"
-        )
-    return names
-
-
-def iter_weights(
-    model_dir: Path, cfg: ModelConfig, dtype: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) in graph order, each read lazily and cast to `dtype`."""
+def rank_weight_shapes(
+    model_dir: Path, cfg: ModelConfig, par: Parallelism, rank: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of one rank's weights, from headers only: tracing never needs values."""
     index = checkpoint_index(model_dir)
-    torch_dtype = DTYPES[dtype]
+    shapes: dict[str, list[int]] = {}
+    for file in set(index.values()):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                shapes[name] = handle.get_slice(name).get_shape()
+
+    def meta(name: str) -> torch.Tensor:
+        return torch.empty(shapes[name], device="meta")
+
+    return [(n, tuple(t.shape)) for n, t in rank_weights(cfg, par, rank, meta, set(index))]
+
+
+def iter_rank_weights(
+    model_dir: Path, cfg: ModelConfig, dtype: str, par: Parallelism, rank: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield one rank's (name, tensor) in graph order, read lazily, cut, cast, contiguous."""
+    index = checkpoint_index(model_dir)
     handles: dict[Path, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        file = index[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(name)
+
+    torch_dtype = DTYPES[dtype]
     try:
-        for name in weight_names(cfg, set(index)):
-            file = index[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
-            yield name, handles[file].get_tensor(name).to(torch_dtype).contiguous()
+        for name, tensor in rank_weights(cfg, par, rank, get, set(index)):
+            # a fresh compact tensor: slices must not drag their parent's storage into the file
+            yield name, tensor.to(torch_dtype).clone(memory_format=torch.contiguous_format)
     finally:
         handles.clear()
 
 
 def load_weights(model_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
-    return dict(iter_weights(model_dir, cfg, dtype))
-
-
-def weight_shapes(model_dir: Path, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) in graph order, read from the safetensors headers without loading tensors."""
-    index = checkpoint_index(model_dir)
-    out = []
-    for name in weight_names(cfg, set(index)):
-        with safe_open(str(index[name]), framework="pt") as handle:
-            out.append((name, tuple(handle.get_slice(name).get_shape())))
-    return out
+    """All weights for tp=1 (tests and tools)."""
+    return dict(iter_rank_weights(model_dir, cfg, dtype, Parallelism(), 0))

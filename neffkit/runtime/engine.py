@@ -45,8 +45,12 @@ class GraphEntry:
     rows: int
     tokens: int
     context: int
-    meta_inputs: tuple[str, ...]
+    meta_specs: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in input order
     run: Executable
+
+    @property
+    def meta_inputs(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.meta_specs)
 
 
 @dataclass(frozen=True)
@@ -105,9 +109,14 @@ class Engine:
         layout: Layout,
         static_inputs: list[torch.Tensor],
         device: str = "cpu",
+        on_run: Callable[[int, dict[str, np.ndarray]], None] | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
+        self.graph_list = list(graphs)
+        self._graph_index = {g.name: i for i, g in enumerate(graphs)}
+        # called with (graph index, metadata) before every graph call: multi-rank broadcast
+        self.on_run = on_run
         self.static_inputs = static_inputs  # KV caches then weights, shared by every graph
         self.graphs = {
             (g.phase, g.tokens if g.phase == "prefill" else g.rows, g.context): g for g in graphs
@@ -218,6 +227,12 @@ class Engine:
         return blocks[positions // bs] * bs + positions % bs
 
     def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
+        if self.on_run is not None:
+            self.on_run(self._graph_index[graph.name], meta)
+        return self.execute(graph, meta)
+
+    def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one graph on host metadata; returns the sampled tokens."""
         inputs = [torch.from_numpy(meta[name]).to(self.device) for name in graph.meta_inputs]
         (next_tokens,) = graph.run(inputs + self.static_inputs)
         return next_tokens.cpu().numpy()

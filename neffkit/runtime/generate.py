@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neffkit.bundle import read_bundle
 from neffkit.errors import RequestError
+from neffkit.runtime.distributed import DEFAULT_TIMEOUT_S, launched_by_torchrun, run_ranks
 from neffkit.runtime.engine import SamplingParams
-from neffkit.runtime.loader import load
+from neffkit.runtime.loader import LoadedBundle, load
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,28 @@ class GenerateRequest:
     ignore_eos: bool = False
 
 
-def generate(bundle_path: Path, request: GenerateRequest) -> dict[str, Any]:
-    """Prompts run together (continuous batching); outputs come back in the order given."""
+def generate(
+    bundle_path: Path, request: GenerateRequest, dist_timeout_s: float = DEFAULT_TIMEOUT_S
+) -> dict[str, Any] | None:
+    """Prompts run together (continuous batching); outputs come back in the order given.
+
+    A bundle built for several ranks runs one process per rank (rank 0 returns the report, other
+    ranks of a torchrun launch return None).
+    """
     if not request.texts and not request.token_ids:
         raise RequestError("nothing to generate: give --prompt TEXT or --prompt-ids 1,2,3")
-    loaded = load(bundle_path)
+    world_size = read_bundle(bundle_path, verify=False).data["layout"]["world_size"]
+    if world_size > 1 or launched_by_torchrun():
+        return run_ranks(
+            bundle_path,
+            world_size,
+            lambda loaded: _generate(loaded, request),
+            timeout_s=dist_timeout_s,
+        )
+    return _generate(load(bundle_path), request)
+
+
+def _generate(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
     tok = loaded.tokenizer
     if request.texts and tok is None:
         raise RequestError("this bundle has no tokenizer: use --prompt-ids")

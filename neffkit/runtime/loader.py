@@ -102,9 +102,11 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
     entries = []
     for g in data["graphs"]:
         meta = tuple(
-            i["name"]
+            (i["name"], tuple(i["shape"]), i["dtype"])
             for i in g["inputs"]
-            if not i["name"].startswith(KV_INPUT_PREFIXES) and i["name"] not in tensors
+            if not i["name"].startswith(KV_INPUT_PREFIXES)
+            and i["name"] not in tensors
+            and i["name"] != "rank"
         )
         b = g["buckets"]
         entries.append(
@@ -126,7 +128,11 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
         context_buckets=tuple(lay["buckets"]["context"]),
         eos_token_ids=tuple(data["model"]["eos_token_ids"]),
     )
-    engine = Engine(entries, layout, kv + weights, device=device)
+    # `rank` (where graphs take it) is this process's own: it precedes the KV caches
+    rank_input = (
+        [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.get("rank_input") else []
+    )
+    engine = Engine(entries, layout, rank_input + kv + weights, device=device)
     tokenizer = (
         Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
     )

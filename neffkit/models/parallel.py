@@ -1,0 +1,62 @@
+"""Parallel layout arithmetic (tp, ep) and its validation. Pure Python: the manifest uses it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from neffkit.errors import ManifestError
+from neffkit.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tp: int = 1
+    ep: int = 1
+
+    def kv_heads_per_rank(self, cfg: ModelConfig) -> int:
+        return cfg.num_kv_heads // self.tp if cfg.num_kv_heads % self.tp == 0 else 1
+
+    def kv_head_start(self, cfg: ModelConfig, rank: int) -> int:
+        if cfg.num_kv_heads % self.tp == 0:
+            return rank * self.kv_heads_per_rank(cfg)
+        return rank // (self.tp // cfg.num_kv_heads)  # replicated: the head this rank's q uses
+
+    @property
+    def moe_tp(self) -> int:
+        """Ranks that split one expert's intermediate dimension."""
+        return self.tp // self.ep
+
+    def needs_rank_input(self, cfg: ModelConfig) -> bool:
+        """Graphs take `rank` as a tensor only where they need it: selecting local experts."""
+        return cfg.is_moe and self.ep > 1
+
+
+def check_parallelism(cfg: ModelConfig, par: Parallelism) -> None:
+    """Layout errors as manifest errors naming the numbers."""
+    if cfg.num_heads % par.tp:
+        raise ManifestError(
+            f"parallel.tp: {par.tp} does not divide the model's {cfg.num_heads} attention heads"
+        )
+    kv = cfg.num_kv_heads
+    if kv % par.tp and par.tp % kv:
+        raise ManifestError(
+            f"parallel.tp: {par.tp} and the model's {kv} KV heads do not divide one another"
+        )
+    if any(not s for s in cfg.sparse_layers) or not cfg.is_moe:
+        if cfg.intermediate_size % par.tp:
+            raise ManifestError(
+                f"parallel.tp: {par.tp} does not divide the model's "
+                f"intermediate_size {cfg.intermediate_size}"
+            )
+    if cfg.is_moe:
+        if cfg.num_experts % par.ep:
+            raise ManifestError(
+                f"parallel.ep: {par.ep} does not divide the model's {cfg.num_experts} experts"
+            )
+        if cfg.moe_intermediate_size % par.moe_tp:
+            raise ManifestError(
+                f"parallel: tp/ep = {par.moe_tp} does not divide the experts' "
+                f"intermediate size {cfg.moe_intermediate_size}"
+            )
+    elif par.ep > 1:
+        raise ManifestError(f"parallel.ep: {par.ep} > 1 needs a mixture-of-experts model")

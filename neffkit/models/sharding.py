@@ -1,0 +1,120 @@
+"""Tensor and expert parallel sharding of a checkpoint, done once at build time.
+
+Megatron-style: q/k/v and gate/up are column-parallel (each rank keeps its heads / its slice of the
+intermediate dimension), o and down are row-parallel (each rank keeps the matching input columns;
+the graph all-reduces their partial outputs). KV heads are split across ranks, or replicated when
+tp > num_key_value_heads (rank r keeps KV head r // (tp / kv_heads), the one its query heads use),
+so MQA/GQA models run at any tp that divides the query heads. Embedding, LM head and norms are
+replicated (simple, and exact: no gather of vocab shards). Row-parallel biases are added once,
+after the all-reduce, so they stay whole.
+
+MoE: the router is replicated; experts are split over `ep` groups of tp/ep ranks, and each expert's
+intermediate dimension over the tp/ep ranks of its group. Each rank's experts are stacked into
+`moe.gate_up` [E_local, 2*I_local, hidden] and `moe.down` [E_local, hidden, I_local].
+
+`rank_weights` works on any tensors, so shapes come from meta tensors built from safetensors headers
+and the very same code cuts the real weights: the graphs and the shards cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from neffkit.errors import ModelError
+from neffkit.models.config import ModelConfig
+from neffkit.models.parallel import Parallelism
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _expert_names(cfg: ModelConfig, prefix: str, expert: int) -> tuple[str, str, str]:
+    """HF names of (gate, up, down) for one expert."""
+    if cfg.architecture == "MixtralForCausalLM":
+        e = f"{prefix}.block_sparse_moe.experts.{expert}"
+        return f"{e}.w1.weight", f"{e}.w3.weight", f"{e}.w2.weight"
+    e = f"{prefix}.mlp.experts.{expert}"
+    return f"{e}.gate_proj.weight", f"{e}.up_proj.weight", f"{e}.down_proj.weight"
+
+
+def _router_name(cfg: ModelConfig, prefix: str) -> str:
+    if cfg.architecture == "MixtralForCausalLM":
+        return f"{prefix}.block_sparse_moe.gate.weight"
+    return f"{prefix}.mlp.gate.weight"
+
+
+def rank_weights(
+    cfg: ModelConfig,
+    par: Parallelism,
+    rank: int,
+    get: Callable[[str], torch.Tensor],
+    available: set[str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for one rank, in graph order. Missing tensors are a ModelError."""
+
+    def need(name: str) -> torch.Tensor:
+        if name not in available:
+            raise ModelError(f"checkpoint is missing tensor {name!r}")
+        return get(name)
+
+    d = cfg.head_dim
+    heads = cfg.num_heads // par.tp
+    q0 = rank * heads * d
+    kvh = par.kv_heads_per_rank(cfg)
+    k0 = par.kv_head_start(cfg, rank) * d
+    inter = cfg.intermediate_size // par.tp
+    i0 = rank * inter
+    yield "model.embed_tokens.weight", need("model.embed_tokens.weight")
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}"
+        yield f"{p}.input_layernorm.weight", need(f"{p}.input_layernorm.weight")
+        spans = {"q_proj": (q0, heads * d), "k_proj": (k0, kvh * d), "v_proj": (k0, kvh * d)}
+        for proj in _ATTN:
+            w = need(f"{p}.self_attn.{proj}.weight")
+            bias = f"{p}.self_attn.{proj}.bias"
+            if proj == "o_proj":
+                yield f"{p}.self_attn.o_proj.weight", w[:, q0 : q0 + heads * d]
+                if bias in available:
+                    yield bias, get(bias)  # added once, after the all-reduce
+                continue
+            start, size = spans[proj]
+            yield f"{p}.self_attn.{proj}.weight", w[start : start + size]
+            if bias in available:
+                yield bias, get(bias)[start : start + size]
+        if cfg.qk_norm:
+            yield f"{p}.self_attn.q_norm.weight", need(f"{p}.self_attn.q_norm.weight")
+            yield f"{p}.self_attn.k_norm.weight", need(f"{p}.self_attn.k_norm.weight")
+        yield f"{p}.post_attention_layernorm.weight", need(f"{p}.post_attention_layernorm.weight")
+        if cfg.is_moe and cfg.sparse_layers[layer]:
+            yield from _moe_shard(cfg, par, rank, p, need)
+            continue
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            w = need(f"{p}.mlp.{proj}.weight")
+            bias = f"{p}.mlp.{proj}.bias"
+            if proj == "down_proj":
+                yield f"{p}.mlp.down_proj.weight", w[:, i0 : i0 + inter]
+                if bias in available:
+                    yield bias, get(bias)
+            else:
+                yield f"{p}.mlp.{proj}.weight", w[i0 : i0 + inter]
+                if bias in available:
+                    yield bias, get(bias)[i0 : i0 + inter]
+    yield "model.norm.weight", need("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", need("lm_head.weight")
+
+
+def _moe_shard(cfg, par, rank, prefix, need):
+    local = cfg.num_experts // par.ep
+    ep_rank, moe_rank = rank // par.moe_tp, rank % par.moe_tp
+    inter = cfg.moe_intermediate_size // par.moe_tp
+    j0 = moe_rank * inter
+    gate_up, down = [], []
+    for e in range(ep_rank * local, (ep_rank + 1) * local):
+        g, u, dn = (need(n) for n in _expert_names(cfg, prefix, e))
+        gate_up.append(torch.cat([g[j0 : j0 + inter], u[j0 : j0 + inter]], dim=0))
+        down.append(dn[:, j0 : j0 + inter])
+    yield f"{prefix}.moe.router", need(_router_name(cfg, prefix))
+    yield f"{prefix}.moe.gate_up", torch.stack(gate_up)  # [E_local, 2*I_local, hidden]
+    yield f"{prefix}.moe.down", torch.stack(down)  # [E_local, hidden, I_local]

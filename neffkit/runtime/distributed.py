@@ -1,0 +1,222 @@
+"""Multi-rank serving: one process per rank under torch.distributed (gloo on cpu, nccl on cuda).
+
+Rank 0 owns the scheduler and the tokenizer. Before every graph call it broadcasts a header
+(command, graph index) and the step's metadata packed into one int64 tensor; every rank then runs
+the same graph on its own weights and KV cache, and the graph's collectives meet. Followers loop
+until rank 0 broadcasts STOP. `neffkit run` starts the follower processes itself, or joins a
+`torchrun` launch (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), so multi-host runs use
+torch.distributed's own rendezvous. A rank that dies surfaces as an error on the others within the
+process-group timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from neffkit.errors import NeffkitError
+from neffkit.runtime.engine import Engine, GraphEntry
+from neffkit.runtime.loader import LoadedBundle, load
+
+log = logging.getLogger(__name__)
+STOP, RUN = 0, 1
+DEFAULT_TIMEOUT_S = 60.0
+T = TypeVar("T")
+
+
+class RankFailure(NeffkitError):
+    """Another rank died or stopped answering."""
+
+
+def _pack(graph: GraphEntry, meta: dict[str, np.ndarray]) -> torch.Tensor:
+    """One torch-owned int64 tensor holding the step's metadata.
+
+    Never broadcast a numpy-backed tensor (torch.from_numpy): when gloo's worker thread drops the
+    last reference, freeing it decrefs the numpy array and needs the GIL, which the main thread
+    holds while the next graph waits on its all-reduce, queued behind that worker: a deadlock
+    that strikes depending on timing.
+    """
+    parts = []
+    for name, _, dtype in graph.meta_specs:
+        arr = np.ascontiguousarray(meta[name])
+        if dtype == "float32":
+            arr = arr.astype(np.float32).view(np.int32)  # bits travel unchanged in an int64
+        parts.append(arr.reshape(-1).astype(np.int64))
+    return torch.from_numpy(np.concatenate(parts)).clone()
+
+
+def _unpack(graph: GraphEntry, buf: np.ndarray) -> dict[str, np.ndarray]:
+    meta, offset = {}, 0
+    for name, shape, dtype in graph.meta_specs:
+        size = int(np.prod(shape))
+        chunk = buf[offset : offset + size]
+        offset += size
+        if dtype == "float32":
+            meta[name] = chunk.astype(np.int32).view(np.float32).reshape(shape)
+        else:
+            meta[name] = chunk.reshape(shape).copy()
+    return meta
+
+
+def _packed_size(graph: GraphEntry) -> int:
+    return sum(int(np.prod(shape)) for _, shape, _ in graph.meta_specs)
+
+
+class StepBroadcaster:
+    """Rank 0's `Engine.on_run` hook."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sent: list[torch.Tensor] = []  # alive until the next step (freed by us, not gloo)
+
+    def __call__(self, index: int, meta: dict[str, np.ndarray]) -> None:
+        self._sent = [
+            torch.tensor([RUN, index], dtype=torch.int64),
+            _pack(self.engine.graph_list[index], meta),
+        ]
+        for tensor in self._sent:
+            _broadcast(tensor)
+
+    def stop(self) -> None:
+        _broadcast(torch.tensor([STOP, 0], dtype=torch.int64))
+
+
+_CONTROL: list[dist.ProcessGroup] = []  # the control group of this process (set by _init)
+
+
+def _broadcast(tensor: torch.Tensor) -> None:
+    try:
+        dist.broadcast(tensor, src=0, group=_CONTROL[0])
+    except RuntimeError as exc:  # gloo: connection closed / timed out
+        raise RankFailure(
+            f"rank {dist.get_rank()}: lost contact with the other ranks: {exc}",
+            hint="another rank has exited; see its output",
+        ) from exc
+
+
+def follow(engine: Engine) -> int:
+    """A follower's loop: receive each step from rank 0 and run it. Returns steps run."""
+    steps = 0
+    header = torch.zeros(2, dtype=torch.int64)
+    while True:
+        _broadcast(header)
+        if int(header[0]) == STOP:
+            return steps
+        graph = engine.graph_list[int(header[1])]
+        buf = torch.zeros(_packed_size(graph), dtype=torch.int64)
+        _broadcast(buf)
+        engine.execute(graph, _unpack(graph, buf.numpy()))
+        steps += 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(backend: str, timeout_s: float) -> None:
+    """Join the process group from the standard variables (set by torchrun, or by run_ranks).
+
+    Step metadata travels on a separate gloo group. The compiled graphs' collectives run on the
+    default group, and their waits hold the GIL; if a metadata broadcast shared that group, its
+    worker thread could block on the GIL (releasing a Python-visible tensor) with the graph's
+    all-reduce queued behind it: a deadlock that depends on timing. Apart, neither waits on the
+    other.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    _CONTROL[:] = [dist.new_group(backend="gloo", timeout=timeout)]
+
+
+def follower_main(bundle: str, backend: str, timeout_s: float) -> None:
+    """Entry point of a follower rank process (`python -m neffkit.runtime.follower`)."""
+    _init(backend, timeout_s)
+    try:
+        follow(load(bundle, rank=dist.get_rank(), world_size=dist.get_world_size()).engine)
+    finally:
+        dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def run_ranks(
+    bundle: str | Path,
+    world_size: int,
+    leader: Callable[[LoadedBundle], T],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
+) -> T | None:
+    """Run `leader(loaded)` on rank 0 with every other rank following; None on followers.
+
+    Under torchrun this process is one rank of the launch; otherwise it is rank 0 and starts the
+    other ranks itself.
+    """
+    procs: list[subprocess.Popen] = []
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise NeffkitError(
+                f"the bundle needs {world_size} ranks; torchrun started {os.environ['WORLD_SIZE']}"
+            )
+    else:
+        # Start the other ranks as plain processes joining through env://, exactly as torchrun
+        # would, and become rank 0 ourselves.
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(world_size),
+        }
+        for r in range(1, world_size):
+            cmd = [
+                sys.executable,
+                "-m",
+                "neffkit.runtime.follower",
+                str(bundle),
+                backend,
+                str(timeout_s),
+            ]
+            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+        os.environ.update(
+            {
+                **{k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")},
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+            }
+        )
+    rank = int(os.environ["RANK"])
+    _init(backend, timeout_s)
+    try:
+        loaded = load(bundle, rank=rank, world_size=world_size)
+        if rank != 0:
+            follow(loaded.engine)
+            return None
+        broadcaster = StepBroadcaster(loaded.engine)
+        loaded.engine.on_run = broadcaster
+        try:
+            return leader(loaded)
+        finally:
+            try:  # release the followers, also when the leader failed (e.g. a bad request)
+                broadcaster.stop()
+            except RankFailure:
+                pass
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
