@@ -156,18 +156,99 @@ def run(
 
 
 @cli.command()
-@click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(bundle: Path, as_json: bool) -> None:
-    """Show a bundle's versions, layout and graphs."""
+@click.argument("target", type=click.Path(path_type=Path))
+@click.option("--graph", "graph_name", help="Show one graph: inputs, io-alias, flags, ops.")
+@click.option("--diff", "other", type=click.Path(path_type=Path), help="Compare with bundle B.")
+@click.option("--verify", is_flag=True, help="Re-hash every file of the bundle.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema 1).")
+def inspect(
+    target: Path, graph_name: str | None, other: Path | None, verify: bool, as_json: bool
+) -> None:
+    """Audit a bundle (or a manifest, before building). Exit 1 on unwaived audit errors."""
+    from neffkit import inspect as insp
     from neffkit.bundle import read_bundle
-    from neffkit.inspect import render, summarize
 
-    summary = summarize(read_bundle(bundle))
+    if target.is_file():  # a manifest: flag and bucket rules, no tracing
+        report = insp.inspect_manifest(str(target))
+        _emit(report, as_json, lambda r: insp.findings_table(r["findings"]))
+        sys.exit(insp.exit_status(report))
+    bundle = read_bundle(target, verify=verify)
+    if other is not None:
+        report = insp.diff_bundles(bundle, read_bundle(other, verify=verify))
+        _emit(report, as_json, _render_diff)
+        return
+    if graph_name:
+        report = insp.graph_detail(bundle, graph_name)
+        _emit(report, as_json, _render_graph)
+        sys.exit(insp.exit_status(report))
+    report = insp.summarize(bundle)
+    if verify:
+        report["verified"] = True
+    _emit(report, as_json, insp.render)
+    sys.exit(insp.exit_status(report))
+
+
+def _emit(report: dict, as_json: bool, render) -> None:
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(json.dumps(report, indent=2))
     else:
-        _console().print(render(summary))
+        _console().print(render(report))
+
+
+def _render_graph(d: dict):
+    from rich.console import Group
+    from rich.table import Table
+
+    from neffkit.inspect import findings_table
+
+    io = Table(title=f"{d['name']} ({d['phase']}, ranks: {d['ranks']})")
+    for col in ("input", "shape", "dtype", "aliased by output"):
+        io.add_column(col)
+    alias = {a["input"]: str(a["output"]) for a in d["io_alias"]}
+    for i in d["inputs"]:
+        io.add_row(i["name"], str(i["shape"]), i["dtype"], alias.get(i["name"], ""))
+    for o in d["outputs"]:
+        io.add_row(f"-> {o['name']}", str(o["shape"]), o["dtype"], "")
+    flags = Table(title="options and flags")
+    flags.add_column("option / flag")
+    flags.add_column("origin")
+    for k, v in d["options"].items():
+        flags.add_row(f"{k}={v}", d["option_origins"].get(k, ""))
+    for f in d["flags"]:
+        flags.add_row(f["flag"], f["origin"])
+    ops = Table(title="ops")
+    ops.add_column("op")
+    ops.add_column("count")
+    for op, n in d["op_histogram"].items():
+        ops.add_row(op, str(n))
+    parts = [io, flags, ops]
+    if d["collectives"]:
+        parts.append("collectives:\n  " + "\n  ".join(d["collectives"]))
+    if d["findings"]:
+        parts.append(findings_table(d["findings"]))
+    return Group(*parts)
+
+
+def _render_diff(d: dict):
+    lines = [f"a: {d['a']}", f"b: {d['b']}"]
+    for key in ("graphs_added", "graphs_removed", "weights_changed"):
+        if d[key]:
+            lines.append(f"{key.replace('_', ' ')}: {', '.join(map(str, d[key]))}")
+    for key in ("versions", "layout"):
+        for k, (x, y) in d[key].items():
+            lines.append(f"{key} {k}: {x} → {y}")
+    for g in d["graphs_changed"]:
+        parts = []
+        if "graph_sha256" in g:
+            parts.append(f"graph {g['graph_sha256'][0][:12]} → {g['graph_sha256'][1][:12]}")
+        if "flags" in g:
+            parts.append(f"flags -{g['flags']['removed']} +{g['flags']['added']}")
+        if "options" in g:
+            parts.append(f"options {g['options'][0]} → {g['options'][1]}")
+        lines.append(f"{g['graph']}: " + "; ".join(parts))
+    if len(lines) == 2:
+        lines.append("no differences")
+    return "\n".join(lines)
 
 
 def main() -> None:

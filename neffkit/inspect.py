@@ -1,18 +1,60 @@
-"""`neffkit inspect`: a bundle's summary and graph table, as data (--json) and as rich tables."""
+"""`neffkit inspect`: audit what a team ships. Summary, graph table, one graph in detail, hazard
+findings, bundle diff, and the manifest-only rules, as data (--json, versioned schema) and tables.
+
+The hazard rules are re-run on the bundle's own canonical graph text (ir/), so a newer neffkit
+audits an older bundle with its newer rules; waivers recorded at build time still apply.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
-from neffkit.bundle import Bundle
+from neffkit.bundle import Bundle, read_zst_text
+from neffkit.compile.audit import (
+    COLLECTIVES,
+    Finding,
+    GraphFacts,
+    audit_buckets,
+    audit_graph,
+    blocking,
+    parse_canonical,
+)
 
 INSPECT_SCHEMA_VERSION = 1
+
+
+def _facts(bundle: Bundle, g: dict[str, Any]) -> GraphFacts:
+    data = bundle.data
+    neuron = (data["manifest"].get("neuron") or {}).get("target")
+    return GraphFacts(
+        g["name"],
+        g["phase"],
+        read_zst_text(bundle.path(g["ir"])),
+        g["io_alias"],
+        g.get("flags", []),
+        g.get("flag_origins", {}),
+        data["target"],
+        neuron,
+    )
+
+
+def audit_bundle(bundle: Bundle) -> list[Finding]:
+    data = bundle.data
+    waive = tuple(data.get("audit", {}).get("waived", []))
+    findings = audit_buckets(data["target"], data["layout"]["buckets"]["prefill"], waive)
+    for g in data["graphs"]:
+        findings += audit_graph(_facts(bundle, g), waive)
+    return findings
 
 
 def summarize(bundle: Bundle) -> dict[str, Any]:
     data = bundle.data
     files = data["files"]
-    sizes = {rel: (bundle.root / rel).stat().st_size for rel in files}
+    sizes = {
+        rel: (bundle.root / rel).stat().st_size for rel in files if (bundle.root / rel).exists()
+    }
+    findings = audit_bundle(bundle)
     graphs = [
         {
             "name": g["name"],
@@ -25,9 +67,11 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
             "ranks": g["ranks"],
             "options": g.get("options", {}),
             "flags": g.get("flags", []),
+            "findings": sum(f.graph == g["name"] for f in findings),
         }
         for g in data["graphs"]
     ]
+    counts = Counter(f.severity for f in findings if not f.waived)
     return {
         "schema": INSPECT_SCHEMA_VERSION,
         "bundle": str(bundle.root),
@@ -43,12 +87,150 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         },
         "layout": data["layout"],
         "weights": [
-            {"rank": w["rank"], "file": w["file"], "bytes": sizes.get(w["file"], 0)}
+            {
+                "rank": w["rank"],
+                "file": w["file"],
+                "bytes": sizes.get(w["file"], 0),
+                "sha256": files.get(w["file"]),
+            }
             for w in data["weights"]
         ],
         "total_bytes": sum(sizes.values()),
         "graphs": graphs,
+        "findings": [f.to_json() for f in findings],
+        "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
+        "waived": data.get("audit", {}).get("waived", []),
     }
+
+
+def graph_detail(bundle: Bundle, name: str) -> dict[str, Any]:
+    from neffkit.errors import NeffkitError
+
+    g = next((g for g in bundle.data["graphs"] if g["name"] == name), None)
+    if g is None:
+        names = ", ".join(x["name"] for x in bundle.data["graphs"])
+        raise NeffkitError(f"--graph: no graph {name!r} in this bundle; graphs: {names}")
+    nodes = parse_canonical(read_zst_text(bundle.path(g["ir"])))
+    ops = Counter(n.target for n in nodes if n.target not in ("input", "output"))
+    return {
+        "schema": INSPECT_SCHEMA_VERSION,
+        "name": name,
+        "phase": g["phase"],
+        "buckets": g["buckets"],
+        "graph_sha256": g["graph_sha256"],
+        "ranks": g["ranks"],
+        "inputs": g["inputs"],
+        "outputs": g["outputs"],
+        "io_alias": g["io_alias"],
+        "options": g.get("options", {}),
+        "option_origins": g.get("option_origins", {}),
+        "flags": [
+            {"flag": f, "origin": g.get("flag_origins", {}).get(f, "")} for f in g.get("flags", [])
+        ],
+        "op_histogram": dict(ops.most_common()),
+        "collectives": [n.text for n in nodes if n.target.startswith(COLLECTIVES)],
+        "findings": [
+            f.to_json()
+            for f in audit_graph(
+                _facts(bundle, g), tuple(bundle.data.get("audit", {}).get("waived", []))
+            )
+        ],
+    }
+
+
+def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
+    """What changed from bundle a to bundle b (after a toolchain upgrade, a flag change, ...)."""
+    ga = {g["name"]: g for g in a.data["graphs"]}
+    gb = {g["name"]: g for g in b.data["graphs"]}
+    changed = []
+    for name in sorted(set(ga) & set(gb)):
+        x, y = ga[name], gb[name]
+        entry: dict[str, Any] = {"graph": name}
+        if x["graph_sha256"] != y["graph_sha256"]:
+            entry["graph_sha256"] = [x["graph_sha256"], y["graph_sha256"]]
+        if x.get("flags") != y.get("flags"):
+            entry["flags"] = {
+                "removed": [f for f in x.get("flags", []) if f not in y.get("flags", [])],
+                "added": [f for f in y.get("flags", []) if f not in x.get("flags", [])],
+            }
+        if x.get("options") != y.get("options"):
+            entry["options"] = [x.get("options"), y.get("options")]
+        if len(entry) > 1:
+            changed.append(entry)
+    wa = {w["rank"]: a.data["files"].get(w["file"]) for w in a.data["weights"]}
+    wb = {w["rank"]: b.data["files"].get(w["file"]) for w in b.data["weights"]}
+    return {
+        "schema": INSPECT_SCHEMA_VERSION,
+        "a": str(a.root),
+        "b": str(b.root),
+        "graphs_added": sorted(set(gb) - set(ga)),
+        "graphs_removed": sorted(set(ga) - set(gb)),
+        "graphs_changed": changed,
+        "versions": {
+            k: [a.data["versions"].get(k), b.data["versions"].get(k)]
+            for k in sorted(set(a.data["versions"]) | set(b.data["versions"]))
+            if a.data["versions"].get(k) != b.data["versions"].get(k)
+        },
+        "layout": {
+            k: [a.data["layout"].get(k), b.data["layout"].get(k)]
+            for k in sorted(set(a.data["layout"]) | set(b.data["layout"]))
+            if a.data["layout"].get(k) != b.data["layout"].get(k)
+        },
+        "weights_changed": sorted(r for r in set(wa) | set(wb) if wa.get(r) != wb.get(r)),
+    }
+
+
+def inspect_manifest(path: str) -> dict[str, Any]:
+    """The flag and bucket rules on a manifest, before any build (no tracing, no torch)."""
+    from neffkit.compile.flags import resolve_options
+    from neffkit.compile.plan import make_plan
+    from neffkit.manifest import load_manifest
+
+    m = load_manifest(path)
+    plan = make_plan(m)
+    findings = audit_buckets(m.target, list(m.buckets.prefill), m.audit.waive)
+    graphs = []
+    for spec in plan.graphs:
+        opts = resolve_options(m, spec)
+        # collectives exist exactly when tp > 1: enough for the flag rules
+        text = (
+            "%0 = _c10d_functional.all_reduce.default() : float32[1]\n" if m.parallel.tp > 1 else ""
+        )
+        facts = GraphFacts(
+            spec.name,
+            spec.phase,
+            text,
+            [],
+            list(opts.flags),
+            opts.flag_origins,
+            m.target,
+            m.neuron.target if m.neuron else None,
+        )
+        found = [f for f in audit_graph(facts, m.audit.waive) if f.rule.startswith("NK2")]
+        findings += found
+        graphs.append(
+            {
+                "name": spec.name,
+                "flags": list(opts.flags),
+                "options": opts.inductor,
+                "warnings": list(opts.warnings),
+            }
+        )
+    counts = Counter(f.severity for f in findings if not f.waived)
+    return {
+        "schema": INSPECT_SCHEMA_VERSION,
+        "manifest": str(path),
+        "target": m.target,
+        "graphs": graphs,
+        "findings": [f.to_json() for f in findings],
+        "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
+    }
+
+
+def exit_status(report: dict[str, Any]) -> int:
+    """1 when unwaived errors exist, so CI can gate on `neffkit inspect`."""
+    findings = [Finding(**f) for f in report.get("findings", [])]
+    return 1 if blocking(findings) else 0
 
 
 def _mib(n: int) -> str:
@@ -56,12 +238,13 @@ def _mib(n: int) -> str:
 
 
 def render(summary: dict[str, Any]) -> Any:
-    """A rich renderable: summary table, then the graph table."""
+    """Summary, graph table and findings as rich renderables."""
     from rich.console import Group
     from rich.table import Table
 
     head = Table(show_header=False, box=None)
     lay = summary["layout"]
+    counts = summary["finding_counts"]
     rows = [
         ("bundle", summary["bundle"]),
         ("versions", ", ".join(f"{k} {v}" for k, v in summary["versions"].items())),
@@ -79,11 +262,27 @@ def render(summary: dict[str, Any]) -> Any:
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
         ("total", _mib(summary["total_bytes"])),
+        (
+            "audit",
+            f"{counts['error']} error(s), {counts['warning']} warning(s)"
+            + (f", waived: {', '.join(summary['waived'])}" if summary["waived"] else ""),
+        ),
     ]
     for key, value in rows:
         head.add_row(key, value)
     table = Table(title="graphs")
-    for col in ("graph", "phase", "rows", "tokens", "context", "io-alias", "artifact", "sha256"):
+    for col in (
+        "graph",
+        "phase",
+        "rows",
+        "tokens",
+        "context",
+        "io-alias",
+        "ranks",
+        "artifact",
+        "sha256",
+        "findings",
+    ):
         table.add_column(col)
     for g in summary["graphs"]:
         b = g["buckets"]
@@ -94,7 +293,24 @@ def render(summary: dict[str, Any]) -> Any:
             str(b["tokens"]),
             str(b["context"]),
             f"{len(g['io_alias'])} pairs",
+            str(g["ranks"]),
             _mib(g["artifact_bytes"]),
             g["graph_sha256"][:12],
+            str(g["findings"]),
         )
-    return Group(head, table)
+    parts = [head, table]
+    if summary["findings"]:
+        parts.append(findings_table(summary["findings"]))
+    return Group(*parts)
+
+
+def findings_table(findings: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="findings")
+    for col in ("rule", "severity", "graph", "message", "at", "fix"):
+        table.add_column(col)
+    for f in findings:
+        sev = f["severity"] + (" (waived)" if f["waived"] else "")
+        table.add_row(f["rule"], sev, f["graph"], f["message"], f["at"][:60], f["fix"])
+    return table

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from neffkit.compile.audit import RULES
 from neffkit.compile.backends import BACKENDS
 from neffkit.errors import ManifestError, ModelError
 from neffkit.models.config import ModelConfig, read_model_config
@@ -81,6 +82,11 @@ class Compiler:
 
 
 @dataclass(frozen=True)
+class Audit:
+    waive: tuple[str, ...] = ()  # rule ids whose errors do not fail the build (recorded)
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     model: Path
@@ -93,6 +99,7 @@ class Manifest:
     sampling: Sampling
     compiler: Compiler
     model_config: ModelConfig
+    audit: Audit = Audit()
     source: Path | None = None
 
     @property
@@ -245,6 +252,7 @@ TOP_LEVEL = (
     "buckets",
     "sampling",
     "compiler",
+    "audit",
 )
 
 
@@ -351,6 +359,14 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
 
     compiler = _compiler(data.get("compiler", {}), "compiler")
+    raw_audit = _mapping(data.get("audit", {}), "audit")
+    _no_unknown(raw_audit, ("waive",), "audit")
+    waive = _string_list(raw_audit.get("waive", []), "audit.waive")
+    for i, rule in enumerate(waive):
+        if rule not in RULES:
+            raise ManifestError(
+                f"audit.waive[{i}]: unknown rule {rule!r}; rules: {', '.join(RULES)}"
+            )
     model_path, model_config = _model_dir(data["model"], base)
     check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
 
@@ -366,6 +382,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         sampling=sampling,
         compiler=compiler,
         model_config=model_config,
+        audit=Audit(waive=waive),
     )
 
 

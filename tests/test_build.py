@@ -17,8 +17,8 @@ from neffkit.compile.cache import KEY_JSON, ArtifactCache, CacheKey
 from tests.conftest import MODELS, REPO, session_cache, write_manifest
 
 
-def _cli_build(manifest: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
+def _build_cmd(manifest: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "neffkit",
@@ -30,6 +30,10 @@ def _cli_build(manifest: Path, out: Path, cache: Path, *extra: str) -> subproces
         str(cache),
         *extra,
     ]
+
+
+def _cli_build(manifest: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = _build_cmd(manifest, out, cache, *extra)
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
 
 
@@ -77,6 +81,29 @@ def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_m
     graph = next(g for g in read_bundle(tmp_path / "out").graphs if g["name"] == "decode_b4_c64")
     assert graph["options"] == {"epilogue_fusion": False}
     assert graph["option_origins"] == {"epilogue_fusion": "rule 0"}
+    # inspect --diff names exactly that graph and that option
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "inspect",
+            str(bundle("llama_tied")),
+            "--diff",
+            str(tmp_path / "out"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    diff = json.loads(proc.stdout)
+    assert diff["graphs_changed"] == [
+        {"graph": "decode_b4_c64", "options": [{}, {"epilogue_fusion": False}]}
+    ]
+    assert diff["graphs_added"] == diff["graphs_removed"] == diff["weights_changed"] == []
+    assert diff["versions"] == {} and diff["layout"] == {}
 
 
 def test_dry_run_writes_nothing(bundle, session_dir, tmp_path):
@@ -110,19 +137,7 @@ def test_killed_build_leaves_nothing_half_written(sig, hf_model_dir, tmp_path):
     )
     out = tmp_path / "bundles" / "kill"
     log = tmp_path / "log.txt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "neffkit",
-        "build",
-        str(manifest),
-        "-o",
-        str(out),
-        "--cache",
-        str(cache),
-        "-j",
-        "2",
-    ]
+    cmd = _build_cmd(manifest, out, cache, "-j", "2")
     with log.open("w") as f:
         proc = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True

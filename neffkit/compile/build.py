@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 import neffkit
 from neffkit.bundle import FORMAT_VERSION, staging_dir, write_bundle_json, write_zst_text
+from neffkit.compile.audit import Finding, GraphFacts, audit_buckets, audit_graph, blocking
 from neffkit.compile.backends import get_backend
 from neffkit.compile.cache import ArtifactCache, CacheKey, explain_change
 from neffkit.compile.flags import ResolvedOptions, resolve_options
@@ -74,6 +75,7 @@ class BuildResult:
     graphs: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    findings: list[dict[str, Any]] = field(default_factory=list)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -83,6 +85,7 @@ class BuildResult:
             "graphs": self.graphs,
             "warnings": self.warnings,
             "peak_rss_mb": self.peak_rss_mb,
+            "findings": self.findings,
         }
 
 
@@ -152,6 +155,22 @@ def build(
                 g.traced.pop("sources")
                 g.seconds["trace"] = g.traced.pop("seconds")
             counters["spmd_groups"] = len(graphs) if plan.world_size > 1 else 0
+
+        # 3b. Audit: known neuronx-cc / runtime hazards; errors fail unless the manifest waives.
+        with clock("audit"):
+            findings = audit_plan(manifest, graphs)
+            result.findings = [f.to_json() for f in findings]
+            for f in findings:
+                if f.severity != "info":
+                    progress.message(f"{f.severity}: {f.rule} {f.graph}: {f.message}"
+                                     + (" (waived)" if f.waived else ""))  # fmt: skip
+            if blocking(findings) and not dry_run:
+                first = blocking(findings)[0]
+                raise BuildError(
+                    f"{len(blocking(findings))} audit error(s); first: {first.rule} in "
+                    f"{first.graph}: {first.message} at `{first.at}`",
+                    hint=f"{first.fix}; or waive it with `audit: {{waive: [{first.rule}]}}`",
+                )
 
         # 4. Cache: look each graph up by every factor that changes its artifact.
         with clock("cache"):
@@ -237,6 +256,10 @@ def build(
                         "graphs": entries,
                         "weights": weight_records,
                         "tokenizer": "tokenizer" if (stage / "tokenizer").exists() else None,
+                        "audit": {
+                            "waived": list(manifest.audit.waive),
+                            "findings": result.findings,
+                        },
                     },
                 )
     result.graphs = [_report_row(g) for g in graphs]
@@ -302,6 +325,18 @@ def write_weights(manifest: Manifest, stage: Path, layout: ModelLayout) -> list[
         records.append({"rank": rank, "file": file, "names": list(tensors)})
         del tensors
     return records
+
+
+def audit_plan(manifest: Manifest, graphs: list[GraphPlan]) -> list[Finding]:
+    neuron = manifest.neuron.target if manifest.neuron else None
+    waive = manifest.audit.waive
+    findings = audit_buckets(manifest.target, list(manifest.buckets.prefill), waive)
+    for g in graphs:
+        facts = GraphFacts(g.spec.name, g.spec.phase, g.traced["canonical_text"],
+                           g.traced["io_alias"], list(g.options.flags), g.options.flag_origins,
+                           manifest.target, neuron)  # fmt: skip
+        findings += audit_graph(facts, waive)
+    return findings
 
 
 def cache_key(g: GraphPlan, backend: Any, host: dict[str, Any]) -> CacheKey:

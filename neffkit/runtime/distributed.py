@@ -32,6 +32,7 @@ from neffkit.runtime.loader import LoadedBundle, load
 log = logging.getLogger(__name__)
 STOP, RUN = 0, 1
 DEFAULT_TIMEOUT_S = 60.0
+_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 T = TypeVar("T")
 
 
@@ -136,6 +137,11 @@ def _init(backend: str, timeout_s: float) -> None:
     other.
     """
     timeout = timedelta(seconds=timeout_s)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    # Ranks share this host's cores: an intra-op pool per rank sized to every core oversubscribes
+    # them, and busy-waiting pools then starve the collectives (measured: 90+ ms/token on 2 cores).
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
     _CONTROL[:] = [dist.new_group(backend="gloo", timeout=timeout)]
 
@@ -179,6 +185,7 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
         }
         for r in range(1, world_size):
             cmd = [
@@ -190,13 +197,9 @@ def run_ranks(
                 str(timeout_s),
             ]
             procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
-        os.environ.update(
-            {
-                **{k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")},
-                "RANK": "0",
-                "LOCAL_RANK": "0",
-            }
-        )
+    saved_env = dict(os.environ)
+    if procs:  # we are rank 0 of our own launch, for as long as it lasts
+        os.environ.update({k: env[k] for k in _LAUNCH_VARS}, RANK="0", LOCAL_RANK="0")
     rank = int(os.environ["RANK"])
     _init(backend, timeout_s)
     try:
@@ -215,6 +218,8 @@ def run_ranks(
                 pass
     finally:
         dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
         for p in procs:
             try:
                 p.wait(timeout=timeout_s)

@@ -8,7 +8,6 @@ refuses hosts that lack any of them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from neffkit import host
+from neffkit.bundle import sha256_file
 from neffkit.errors import BuildError
 
 log = logging.getLogger(__name__)
@@ -29,14 +29,6 @@ class ArtifactRecord:
     sha256: str
     size: int
     metadata: dict[str, Any]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class CpuBackend:
@@ -64,7 +56,7 @@ class CpuBackend:
             raise BuildError(f"AOTInductor failed for {out_path.stem}: {exc}") from exc
         metadata = torch._C._aoti.AOTIModelPackageLoader(str(out_path), "model", False, 1, -1)
         meta = dict(metadata.get_metadata())
-        return ArtifactRecord(out_path, _sha256(out_path), os.path.getsize(out_path), meta)
+        return ArtifactRecord(out_path, sha256_file(out_path), os.path.getsize(out_path), meta)
 
 
 class CudaBackend(CpuBackend):

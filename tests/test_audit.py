@@ -1,0 +1,271 @@
+"""Every audit rule with a small graph or manifest that triggers it and one that does not."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+import torch
+import torch.distributed as dist
+
+from neffkit.bundle import read_zst_text, write_zst_text
+from neffkit.compile.audit import GraphFacts, audit_buckets, audit_graph
+from neffkit.compile.trace import canonical_text, ensure_fake_process_group, io_alias_map
+from tests.conftest import REPO, run_cli
+
+
+def facts_of(
+    module, inputs, names, *, target="cpu", phase="decode", flags=(), origins=None, neuron=None
+) -> GraphFacts:
+    """Export a small module the way neffkit does and describe it for the rules."""
+    program = torch.export.export(module, inputs, strict=False).run_decompositions({})
+    return GraphFacts(
+        "g",
+        phase,
+        canonical_text(program, names),
+        io_alias_map(program, names),
+        list(flags),
+        origins or {},
+        target,
+        neuron,
+    )
+
+
+def text_facts(lines: list[str], **kw) -> GraphFacts:
+    """A small graph written directly in canonical text, for hazards export cannot produce."""
+    return GraphFacts(
+        "g",
+        kw.pop("phase", "decode"),
+        "\n".join(lines) + "\n",
+        kw.pop("io_alias", []),
+        kw.pop("flags", []),
+        kw.pop("origins", {}),
+        kw.pop("target", "cpu"),
+        kw.pop("neuron", None),
+    )
+
+
+def rules(facts: GraphFacts) -> list[str]:
+    return [f.rule for f in audit_graph(facts)]
+
+
+class KVWrite(torch.nn.Module):
+    def __init__(self, clamp: bool) -> None:
+        super().__init__()
+        self.clamp = clamp
+
+    def forward(self, slot_mapping, k_cache, k):
+        slots = slot_mapping.clamp(min=0) if self.clamp else slot_mapping
+        k_cache.index_put_((slots // 4, slots % 4), k)
+        return k.sum(-1)
+
+
+def test_nk101_unclamped_kv_write():
+    args = (torch.tensor([5, -1]), torch.zeros(3, 4, 2), torch.ones(2, 2))
+    names = ["slot_mapping", "k_cache.0", "k"]
+    assert rules(facts_of(KVWrite(clamp=False), args, names)) == ["NK101"]
+    assert rules(facts_of(KVWrite(clamp=True), args, names)) == []
+
+
+@pytest.fixture()
+def fake_pg():
+    ensure_fake_process_group(0, 2)
+    yield
+    dist.destroy_process_group()
+
+
+class Reduce(torch.nn.Module):
+    def __init__(self, direct: bool, returned: bool) -> None:
+        super().__init__()
+        self.direct, self.returned = direct, returned
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as fc
+
+        y = fc.all_reduce(x if self.direct else x * 2, "sum", dist.group.WORLD)
+        return y if self.returned else y + x
+
+
+def test_nk102_collective_reads_graph_input(fake_pg):
+    x = (torch.ones(4, 8),)
+    assert rules(facts_of(Reduce(direct=True, returned=False), x, ["x"])) == ["NK102"]
+    neuron = facts_of(Reduce(direct=True, returned=False), x, ["x"], target="neuron")
+    assert [f.severity for f in audit_graph(neuron) if f.rule == "NK102"] == ["error"]
+    assert rules(facts_of(Reduce(direct=False, returned=False), x, ["x"])) == []
+
+
+def test_nk107_collective_result_returned(fake_pg):
+    x = (torch.ones(4, 8),)
+    assert rules(facts_of(Reduce(direct=False, returned=True), x, ["x"])) == ["NK107"]
+    assert rules(facts_of(Reduce(direct=False, returned=False), x, ["x"])) == []
+
+
+def test_nk103_host_read():
+    hit = ["%0 = input x : float32[4]", "%1 = aten._local_scalar_dense.default(%0) : float32[]"]
+    assert rules(text_facts(hit)) == ["NK103"]
+    assert (
+        rules(text_facts(["%0 = input x : float32[4]", "%1 = aten.sum.default(%0) : float32[]"]))
+        == []
+    )
+
+
+def test_nk104_aliased_mutations():
+    lines = [
+        "%0 = input k_cache.0 : float32[4, 4]",
+        "%1 = aten.as_strided.default(%0, [2, 4], [4, 1]) : float32[2, 4]",
+    ]
+    assert rules(text_facts(lines)) == ["NK104"]
+    twice = [{"input": "k_cache.0", "output": 0}, {"input": "k_cache.0", "output": 1}]
+    assert rules(text_facts(lines[:1], io_alias=twice)) == ["NK104"]
+    assert rules(text_facts(lines[:1], io_alias=twice[:1])) == []
+
+
+def test_nk105_input_over_2_pow_32_bytes():
+    big = ["%0 = input k_cache.0 : float32[1048576, 1024]"]  # 4 GiB
+    assert rules(text_facts(big)) == ["NK105"]
+    assert rules(text_facts(["%0 = input k_cache.0 : float32[1024, 1024]"])) == []
+
+
+class MaskAnd(torch.nn.Module):
+    def forward(self, a, b):
+        return (a & b).sum()
+
+
+def test_nk106_broadcast_bool_and():
+    big, row = torch.ones(256, 512, dtype=torch.bool), torch.ones(1, 512, dtype=torch.bool)
+    assert rules(facts_of(MaskAnd(), (big, row), ["a", "b"])) == ["NK106"]
+    assert rules(facts_of(MaskAnd(), (big, big), ["a", "b"])) == []
+
+
+def test_nk108_all_to_all_on_trn2():
+    lines = [
+        "%0 = input x : float32[8]",
+        "%1 = aten.mul.Tensor(%0, 2) : float32[8]",
+        "%2 = _c10d_functional.all_to_all_single.default(%1, [4, 4], [4, 4], '0') : float32[8]",
+    ]
+    trn2 = text_facts(lines, target="neuron", neuron="trn2", flags=["-O3"])
+    assert rules(trn2) == ["NK108"]
+    assert rules(text_facts(lines, target="neuron", neuron="trn3", flags=["-O3"])) == []
+
+
+def test_nk201_prefill_bucket_multiple_of_128():
+    assert [f.rule for f in audit_buckets("neuron", [96, 128])] == ["NK201"]
+    assert audit_buckets("neuron", [128, 256]) == [] and audit_buckets("cpu", [96]) == []
+
+
+FP8 = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+def test_nk202_fp8_on_trn2_needs_the_flag():
+    lines = ["%0 = input k_cache.0 : float8_e4m3fn[4, 4]"]
+    h2t = "--internal-hlo2tensorizer-options=--modular-flow-mac-threshold=10"
+    assert rules(text_facts(lines, target="neuron", neuron="trn2", flags=[h2t])) == ["NK202"]
+    ok = [f"{h2t} {FP8}"]
+    assert rules(text_facts(lines, target="neuron", neuron="trn2", flags=ok)) == []
+
+
+def test_nk203_one_hlo2tensorizer_string():
+    two = ["--internal-hlo2tensorizer-options=--a", "--internal-hlo2tensorizer-options=--b"]
+    assert rules(text_facts([], target="neuron", flags=two)) == ["NK203"]
+    assert rules(text_facts([], target="neuron", flags=two[:1])) == []
+
+
+def test_nk204_model_type_override():
+    flags = ["--model-type=generic"]
+    assert rules(text_facts([], target="neuron", flags=flags, origins={flags[0]: "rule 0"})) == [
+        "NK204"
+    ]
+    assert rules(text_facts([], target="neuron", flags=flags, origins={flags[0]: "base"})) == []
+
+
+def test_nk205_decode_collectives_below_o3():
+    lines = [
+        "%0 = input x : float32[8]",
+        "%1 = aten.mul.Tensor(%0, 2) : float32[8]",
+        "%2 = _c10d_functional.all_reduce.default(%1, 'sum', '0') : float32[8]",
+    ]
+    assert rules(text_facts(lines, target="neuron", flags=["-O2"])) == ["NK205"]
+    assert rules(text_facts(lines, target="neuron", flags=["-O3"])) == []
+    assert rules(text_facts(lines, target="neuron", phase="prefill", flags=["-O2"])) == []
+
+
+def test_model_graphs_are_clean(bundle, tp_bundle):
+    """neffkit's own graphs (tp=1 and tp=2) pass every rule."""
+    for path in (bundle("llama"), tp_bundle("qwen3").bundle):
+        report = json.loads(run_cli("inspect", str(path), "--json", check=True).stdout)
+        assert report["findings"] == [] and report["finding_counts"]["error"] == 0
+
+
+def test_build_fails_on_audit_error_unless_waived(monkeypatch, hf_model_dir, tmp_path):
+    from neffkit.compile.build import build
+    from neffkit.errors import BuildError
+    from neffkit.kernels import kv
+    from neffkit.manifest import load_manifest
+    from tests.conftest import write_manifest
+
+    def unclamped(k_cache, v_cache, k, v, slot_mapping):
+        block_size = k_cache.shape[1]
+        k_cache.index_put_((slot_mapping // block_size, slot_mapping % block_size), k)
+        v_cache.index_put_((slot_mapping // block_size, slot_mapping % block_size), v)
+
+    monkeypatch.setattr(kv, "write_kv", unclamped)
+    monkeypatch.setattr("neffkit.models.llama.write_kv", unclamped)
+    buckets = {"prefill": [16], "decode": [1], "context": [32]}
+    path = write_manifest(tmp_path / "m.yaml", hf_model_dir("llama_tied"), buckets=buckets)
+    with pytest.raises(BuildError, match=r"audit error\(s\); first: NK101") as err:
+        build(load_manifest(path), tmp_path / "out", jobs=1)
+    assert "waive it with `audit: {waive: [NK101]}`" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    waived = write_manifest(
+        tmp_path / "w.yaml", hf_model_dir("llama_tied"), buckets=buckets, audit={"waive": ["NK101"]}
+    )
+    result = build(load_manifest(waived), tmp_path / "out", jobs=1, dry_run=True)
+    assert {f["rule"] for f in result.findings} == {"NK101"}
+    assert all(f["waived"] for f in result.findings)
+
+
+def test_inspect_json_schema_and_ci_gate(bundle, tmp_path):
+    schema = json.loads((REPO / "docs" / "inspect.schema.json").read_text())
+    copy = tmp_path / "b"
+    shutil.copytree(bundle("llama_tied"), copy)
+    report = json.loads(run_cli("inspect", str(copy), "--json", "--verify", check=True).stdout)
+    jsonschema.validate(report, schema)
+    assert report["verified"] is True
+    # ship a graph with a hazard in it: inspect reports it and exits 1 so CI can gate
+    ir = copy / "ir" / "decode_b1_c64.txt.zst"
+    text = read_zst_text(ir).replace("aten.clamp.default(%", "aten.abs.default(%", 1)
+    write_zst_text(ir, text)
+    proc = run_cli("inspect", str(copy), "--json")
+    assert proc.returncode == 1
+    bad = json.loads(proc.stdout)
+    jsonschema.validate(bad, schema)
+    # layer 0's K and V writes both lost their clamp
+    assert [f["rule"] for f in bad["findings"]] == ["NK101", "NK101"]
+    assert {f["graph"] for f in bad["findings"]} == {"decode_b1_c64"}
+    detail = json.loads(run_cli("inspect", str(copy), "--graph", "decode_b1_c64", "--json").stdout)
+    assert detail["op_histogram"]["aten.index_put.default"] == 4
+    assert [f["rule"] for f in detail["findings"]] == ["NK101", "NK101"]
+    # --verify notices the edited file
+    verified = run_cli("inspect", str(copy), "--verify")
+    assert verified.returncode == 2 and "ir/decode_b1_c64.txt.zst is corrupt" in verified.stderr
+
+
+def test_inspect_manifest_without_building(tmp_path, hf_model_dir):
+    import yaml
+
+    data = {
+        "neffkit": 1,
+        "model": str(hf_model_dir("llama")),
+        "target": "neuron",
+        "parallel": {"tp": 2},
+        "buckets": {"prefill": [64], "decode": [1], "context": [128]},
+        "compiler": {"flags": ["--model-type=generic"]},
+    }
+    path = tmp_path / "n.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = run_cli("inspect", str(path), "--json")
+    report = json.loads(proc.stdout)
+    assert {f["rule"] for f in report["findings"]} == {"NK201", "NK204", "NK205"}
+    assert proc.returncode == 0  # warnings only
