@@ -1,7 +1,7 @@
 """Multi-rank serving: one process per rank under torch.distributed (gloo on cpu, nccl on cuda).
 
-Rank 0 owns the scheduler and the tokenizer. Before every graph call it broadcasts a header
-(command, graph index) and the step's metadata packed into one int64 tensor; every rank then runs
+Rank 0 owns the scheduler and the tokenizer. Before every graph call it broadcasts one int64
+tensor (command, graph index, the step's packed metadata); every rank then runs
 the same graph on its own weights and KV cache, and the graph's collectives meet. Followers loop
 until rank 0 broadcasts STOP. `neffkit run` starts the follower processes itself, or joins a
 `torchrun` launch (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), so multi-host runs use
@@ -74,23 +74,32 @@ def _packed_size(graph: GraphEntry) -> int:
     return sum(int(np.prod(shape)) for _, shape, _ in graph.meta_specs)
 
 
+def step_buffer_size(engine: Engine) -> int:
+    """One broadcast per step: [command, graph index, metadata of the largest graph]."""
+    return 2 + max(_packed_size(g) for g in engine.graph_list)
+
+
 class StepBroadcaster:
-    """Rank 0's `Engine.on_run` hook."""
+    """Rank 0's `Engine.on_run` hook: one broadcast per step (gloo latency dominates at tp > 1)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._sent: list[torch.Tensor] = []  # alive until the next step (freed by us, not gloo)
+        self.size = step_buffer_size(engine)
+        self._sent: torch.Tensor | None = None  # alive until the next step (freed by us, not gloo)
+
+    def _send(self, command: int, index: int, payload: torch.Tensor | None) -> None:
+        buf = torch.zeros(self.size, dtype=torch.int64)
+        buf[0], buf[1] = command, index
+        if payload is not None:
+            buf[2 : 2 + payload.numel()] = payload
+        self._sent = buf
+        _broadcast(buf)
 
     def __call__(self, index: int, meta: dict[str, np.ndarray]) -> None:
-        self._sent = [
-            torch.tensor([RUN, index], dtype=torch.int64),
-            _pack(self.engine.graph_list[index], meta),
-        ]
-        for tensor in self._sent:
-            _broadcast(tensor)
+        self._send(RUN, index, _pack(self.engine.graph_list[index], meta))
 
     def stop(self) -> None:
-        _broadcast(torch.tensor([STOP, 0], dtype=torch.int64))
+        self._send(STOP, 0, None)
 
 
 _CONTROL: list[dist.ProcessGroup] = []  # the control group of this process (set by _init)
@@ -109,15 +118,13 @@ def _broadcast(tensor: torch.Tensor) -> None:
 def follow(engine: Engine) -> int:
     """A follower's loop: receive each step from rank 0 and run it. Returns steps run."""
     steps = 0
-    header = torch.zeros(2, dtype=torch.int64)
+    buf = torch.zeros(step_buffer_size(engine), dtype=torch.int64)
     while True:
-        _broadcast(header)
-        if int(header[0]) == STOP:
-            return steps
-        graph = engine.graph_list[int(header[1])]
-        buf = torch.zeros(_packed_size(graph), dtype=torch.int64)
         _broadcast(buf)
-        engine.execute(graph, _unpack(graph, buf.numpy()))
+        if int(buf[0]) == STOP:
+            return steps
+        graph = engine.graph_list[int(buf[1])]
+        engine.execute(graph, _unpack(graph, buf.numpy()[2:]))
         steps += 1
 
 
