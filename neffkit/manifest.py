@@ -39,6 +39,9 @@ INDUCTOR_OPTIONS: dict[str, type | tuple[type, ...]] = {
 class Parallel:
     tp: int = 1
     ep: int = 1
+    # Compile one artifact per rank where ranks trace different graphs, instead of failing
+    # the build with SPMDMismatchError. Counted in the build report and shown by inspect.
+    per_rank_artifacts: bool = False
 
 
 @dataclass(frozen=True)
@@ -309,10 +312,16 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         neuron = NeuronOptions()
 
     raw_par = _mapping(data.get("parallel", {}), "parallel")
-    _no_unknown(raw_par, ("tp", "ep"), "parallel")
+    _no_unknown(raw_par, ("tp", "ep", "per_rank_artifacts"), "parallel")
+    per_rank = raw_par.get("per_rank_artifacts", False)
+    if not isinstance(per_rank, bool):
+        raise ManifestError(
+            f"parallel.per_rank_artifacts: expected true or false, got {_describe(per_rank)}"
+        )
     parallel = Parallel(
         tp=_positive_int(raw_par.get("tp", 1), "parallel.tp"),
         ep=_positive_int(raw_par.get("ep", 1), "parallel.ep"),
+        per_rank_artifacts=per_rank,
     )
     if parallel.tp % parallel.ep:
         raise ManifestError(f"parallel.ep: {parallel.ep} must divide parallel.tp ({parallel.tp})")

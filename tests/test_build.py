@@ -47,6 +47,7 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
         "graphs": 3,
         "traced": 3,
         "spmd_groups": 0,
+        "per_rank_graphs": 0,
         "compiled": 0,
         "cache_hits": 3,
     }

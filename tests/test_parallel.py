@@ -102,6 +102,42 @@ def test_rank_leaking_into_a_slice_fails_spmd(
     assert not (tmp_path / "out").exists()
 
 
+def test_per_rank_artifacts_opt_in(
+    monkeypatch, hf_model_dir, hf_greedy, tmp_path, no_process_group
+):
+    """With parallel.per_rank_artifacts, a rank-dependent graph compiles once per rank, the
+    bundle says so, and each rank loads its own artifact."""
+    from neffkit.compile.build import build
+    from neffkit.manifest import load_manifest
+    from neffkit.models.llama import DecoderGraph
+
+    original = DecoderGraph._reduce
+
+    def rank_leak(self, partial, bias):
+        # rank-dependent constants that cancel exactly: x * 2.0 / 2 == x in binary floating point
+        scale = 1 + dist.get_rank()
+        return original(self, partial * float(scale) / scale, bias)
+
+    monkeypatch.setattr(DecoderGraph, "_reduce", rank_leak)
+    manifest = write_manifest(
+        tmp_path / "pr.yaml",
+        hf_model_dir("llama_tied"),
+        parallel={"tp": 2, "per_rank_artifacts": True},
+        buckets={"prefill": [16], "decode": [1], "context": [32]},
+    )
+    result = build(load_manifest(manifest), tmp_path / "out", jobs=1)
+    assert result.counters["per_rank_graphs"] == 2 and result.counters["compiled"] == 4
+    data = json.loads((tmp_path / "out" / "bundle.json").read_text())
+    assert [(g["name"], g["ranks"]) for g in data["graphs"]] == [
+        ("prefill_t16_c32", [0]),
+        ("prefill_t16_c32", [1]),
+        ("decode_b1_c32", [0]),
+        ("decode_b1_c32", [1]),
+    ]
+    assert data["graphs"][1]["artifact"] == "graphs/prefill_t16_c32.rank1.pt2"
+    assert _run(tmp_path / "out", [SHORT], 6) == [hf_greedy(hf_model_dir("llama_tied"), SHORT, 6)]
+
+
 def test_a_dead_rank_fails_the_others_fast(tp_bundle):
     """torchrun-style launch; rank 1 joins then dies: rank 0 errors out instead of hanging."""
     bundle = tp_bundle("qwen3").bundle

@@ -36,7 +36,7 @@ from neffkit.compile.cache import ArtifactCache, CacheKey, explain_change
 from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, Plan, make_plan
 from neffkit.compile.progress import Progress
-from neffkit.compile.spmd import RankTrace, check_spmd
+from neffkit.compile.spmd import RankTrace, SPMDMismatchError, check_spmd
 from neffkit.compile.trace import ModelLayout, trace_graph
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
@@ -60,11 +60,17 @@ class GraphPlan:
 
     spec: GraphSpec
     options: ResolvedOptions
+    rank: int | None = None  # None: one artifact serves every rank (SPMD)
     traced: dict[str, Any] = field(default_factory=dict)
     key: CacheKey | None = None
     cached: Path | None = None
     miss_reason: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stem(self) -> str:
+        """File stem of the artifact and ir: per-rank graphs carry their rank."""
+        return self.spec.name if self.rank is None else f"{self.spec.name}.rank{self.rank}"
 
 
 @dataclass
@@ -109,7 +115,14 @@ def build(
     jobs = jobs or os.cpu_count() or 1
     dest = Path(output) if output else default_output(manifest)
     result = BuildResult(bundle=None if dry_run else dest.resolve())
-    counters = {"graphs": 0, "traced": 0, "spmd_groups": 0, "compiled": 0, "cache_hits": 0}
+    counters = {
+        "graphs": 0,
+        "traced": 0,
+        "spmd_groups": 0,
+        "per_rank_graphs": 0,
+        "compiled": 0,
+        "cache_hits": 0,
+    }
     backend = get_backend(manifest.target)
     host = backend.host_requirements()
     cache = ArtifactCache(cache_dir) if cache_dir else None
@@ -142,19 +155,33 @@ def build(
 
         # 3. Check: every rank's graph is byte-identical, so one artifact serves all (SPMD).
         with clock("check"):
+            checked: list[GraphPlan] = []
             for i, g in enumerate(graphs):
                 per_rank = traced[i * plan.world_size : (i + 1) * plan.world_size]
-                check_spmd(
-                    g.spec.name,
-                    [
-                        RankTrace(r, t["graph_sha256"], t["canonical_text"], t["sources"])
-                        for r, t in enumerate(per_rank)
-                    ],
-                )
+                ranks = [
+                    RankTrace(r, t["graph_sha256"], t["canonical_text"], t.pop("sources"))
+                    for r, t in enumerate(per_rank)
+                ]
+                try:
+                    check_spmd(g.spec.name, ranks)
+                except SPMDMismatchError as exc:
+                    if not manifest.parallel.per_rank_artifacts:
+                        raise
+                    progress.message(
+                        f"warning: {exc.message.splitlines()[0]}; compiling one "
+                        "artifact per rank (parallel.per_rank_artifacts)"
+                    )
+                    for r, t in enumerate(per_rank):
+                        unit = GraphPlan(g.spec, g.options, rank=r, traced=t)
+                        unit.seconds["trace"] = t.pop("seconds")
+                        checked.append(unit)
+                    counters["per_rank_graphs"] += 1
+                    continue
                 g.traced = per_rank[0]
-                g.traced.pop("sources")
                 g.seconds["trace"] = g.traced.pop("seconds")
-            counters["spmd_groups"] = len(graphs) if plan.world_size > 1 else 0
+                checked.append(g)
+                counters["spmd_groups"] += plan.world_size > 1
+            graphs = checked
 
         # 3b. Audit: known neuronx-cc / runtime hazards; errors fail unless the manifest waives.
         with clock("audit"):
@@ -162,8 +189,10 @@ def build(
             result.findings = [f.to_json() for f in findings]
             for f in findings:
                 if f.severity != "info":
-                    progress.message(f"{f.severity}: {f.rule} {f.graph}: {f.message}"
-                                     + (" (waived)" if f.waived else ""))  # fmt: skip
+                    progress.message(
+                        f"{f.severity}: {f.rule} {f.graph}: {f.message}"
+                        + (" (waived)" if f.waived else "")
+                    )
             if blocking(findings) and not dry_run:
                 first = blocking(findings)[0]
                 raise BuildError(
@@ -180,7 +209,7 @@ def build(
                     continue
                 g.cached = cache.lookup(g.key)
                 if g.cached is None:
-                    previous = cache.previous_factors(_label(manifest, g.spec))
+                    previous = cache.previous_factors(_label(manifest, g))
                     if previous is not None:
                         g.miss_reason = explain_change(previous, g.key.factors)
                         progress.message(f"{g.spec.name}: recompiling, {g.miss_reason}")
@@ -205,18 +234,19 @@ def build(
                         layout,
                         g.spec,
                         g.options.inductor,
-                        stage / "work" / f"{g.spec.name}{suffix}",
+                        stage / "work" / f"{g.stem}{suffix}",
                         g.traced["graph_sha256"],
+                        g.rank or 0,
                     )
                     for g in misses
                 ]
-                names = [g.spec.name for g in misses]
+                names = [g.stem for g in misses]
                 progress.start("compile", names)
                 compiled_all = run_parallel(compile_job, work, names, progress)
                 for g, compiled in zip(misses, compiled_all, strict=True):
                     g.seconds["compile"] = compiled["seconds"]
                     g.traced["artifact_metadata"] = compiled["artifact_metadata"]
-                    artifact = stage / "work" / f"{g.spec.name}{suffix}"
+                    artifact = stage / "work" / f"{g.stem}{suffix}"
                     if cache is not None:
                         cache.store(
                             g.key, artifact, {"artifact_metadata": compiled["artifact_metadata"]}
@@ -224,10 +254,10 @@ def build(
                     _place(artifact, stage / "graphs" / artifact.name)
                 for g in graphs:
                     if g.cached is not None:
-                        _place(g.cached, stage / "graphs" / f"{g.spec.name}{suffix}", copy=True)
+                        _place(g.cached, stage / "graphs" / f"{g.stem}{suffix}", copy=True)
                         g.traced["artifact_metadata"] = _cached_metadata(g.cached)
                     if cache is not None:
-                        cache.remember(_label(manifest, g.spec), g.key)
+                        cache.remember(_label(manifest, g), g.key)
                 shutil.rmtree(stage / "work", ignore_errors=True)
                 counters["compiled"] = len(misses)
 
@@ -235,9 +265,7 @@ def build(
             with clock("write"):
                 entries = []
                 for g in graphs:
-                    write_zst_text(
-                        stage / "ir" / f"{g.spec.name}.txt.zst", g.traced["canonical_text"]
-                    )
+                    write_zst_text(stage / "ir" / f"{g.stem}.txt.zst", g.traced["canonical_text"])
                     entries.append(graph_entry(g, backend.artifact_suffix))
                 copy_tokenizer(manifest.model, stage / "tokenizer")
                 write_bundle_json(
@@ -332,9 +360,16 @@ def audit_plan(manifest: Manifest, graphs: list[GraphPlan]) -> list[Finding]:
     waive = manifest.audit.waive
     findings = audit_buckets(manifest.target, list(manifest.buckets.prefill), waive)
     for g in graphs:
-        facts = GraphFacts(g.spec.name, g.spec.phase, g.traced["canonical_text"],
-                           g.traced["io_alias"], list(g.options.flags), g.options.flag_origins,
-                           manifest.target, neuron)  # fmt: skip
+        facts = GraphFacts(
+            g.spec.name,
+            g.spec.phase,
+            g.traced["canonical_text"],
+            g.traced["io_alias"],
+            list(g.options.flags),
+            g.options.flag_origins,
+            manifest.target,
+            neuron,
+        )
         findings += audit_graph(facts, waive)
     return findings
 
@@ -355,8 +390,8 @@ def cache_key(g: GraphPlan, backend: Any, host: dict[str, Any]) -> CacheKey:
     )
 
 
-def _label(manifest: Manifest, spec: GraphSpec) -> str:
-    return f"{manifest.name}/{spec.name}"
+def _label(manifest: Manifest, g: GraphPlan) -> str:
+    return f"{manifest.name}/{g.stem}"
 
 
 def _place(src: Path, dst: Path, copy: bool = False) -> None:
@@ -402,8 +437,8 @@ def graph_entry(g: GraphPlan, suffix: str) -> dict[str, Any]:
         "name": spec.name,
         "phase": spec.phase,
         "buckets": {"rows": spec.rows, "tokens": spec.tokens, "context": spec.context},
-        "artifact": f"graphs/{spec.name}{suffix}",
-        "ir": f"ir/{spec.name}.txt.zst",
+        "artifact": f"graphs/{g.stem}{suffix}",
+        "ir": f"ir/{g.stem}.txt.zst",
         "graph_sha256": t["graph_sha256"],
         "cache_key": g.key.digest if g.key else None,
         "options": g.options.inductor,
@@ -413,14 +448,14 @@ def graph_entry(g: GraphPlan, suffix: str) -> dict[str, Any]:
         "io_alias": t["io_alias"],
         "inputs": t["inputs"],
         "outputs": t["outputs"],
-        "ranks": "all",
+        "ranks": "all" if g.rank is None else [g.rank],
         "artifact_metadata": t.get("artifact_metadata", {}),
     }
 
 
 def _report_row(g: GraphPlan) -> dict[str, Any]:
     return {
-        "name": g.spec.name,
+        "name": g.stem,
         "cache": "hit" if g.cached else "miss",
         "miss_reason": g.miss_reason,
         "seconds": g.seconds,
@@ -496,10 +531,11 @@ def compile_job(
     options: dict[str, Any],
     out: Path,
     expected_sha: str,
+    rank: int = 0,
 ) -> dict[str, Any]:
     _quiet()
     t0 = time.perf_counter()
-    traced = trace_graph(layout, spec)
+    traced = trace_graph(layout, spec, rank)
     if traced.graph_sha256 != expected_sha:
         raise BuildError(
             f"{spec.name}: tracing is not deterministic (the graph changed between "

@@ -100,7 +100,9 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
     kv_shape = (lay["num_blocks"], lay["block_size"], lay["kv_heads_per_rank"], lay["head_dim"])
     kv = allocate_kv_cache(lay["num_layers"], kv_shape, dtype, device)
     entries = []
-    for g in data["graphs"]:
+    # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"
+    mine = [g for g in data["graphs"] if g["ranks"] == "all" or rank in g["ranks"]]
+    for g in mine:
         meta = tuple(
             (i["name"], tuple(i["shape"]), i["dtype"])
             for i in g["inputs"]
