@@ -9,17 +9,12 @@ interrupt (Ctrl-C, SIGTERM) terminates the workers and removes the staging direc
 
 from __future__ import annotations
 
-import gc
 import logging
-import multiprocessing
 import os
 import resource
 import shutil
-import signal
-import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +32,8 @@ from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, Plan, make_plan
 from neffkit.compile.progress import Progress
 from neffkit.compile.spmd import RankTrace, SPMDMismatchError, check_spmd
-from neffkit.compile.trace import ModelLayout, trace_graph
+from neffkit.compile.trace import ModelLayout
+from neffkit.compile.workers import compile_job, trace_job, worker_pool
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 from neffkit.models.llama import TensorSpec
@@ -139,7 +135,7 @@ def build(
             progress.message(f"warning: {w}")
         counters["graphs"] = len(graphs)
 
-    with _worker_pool(jobs) as run_parallel:
+    with worker_pool(jobs) as run_parallel:
         # 2. Trace every graph on every rank (in parallel).
         ranks = range(plan.world_size)
         with clock("trace"):
@@ -490,136 +486,3 @@ def _peak_rss_mb() -> dict[str, float]:
         "main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
     }
-
-
-# ---------------------------------------------------------------- workers
-
-
-def _quiet() -> None:
-    # torch's own pytree deprecation noise, emitted while AOTInductor pickles specs
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-
-
-def _worker_init() -> None:
-    _quiet()
-    # Ctrl-C goes to the whole process group: the parent decides, workers are terminated by it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _spec_json(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
-
-
-def trace_job(layout: ModelLayout, spec: GraphSpec, rank: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    traced = trace_graph(layout, spec, rank)
-    return {
-        "sources": traced.sources,
-        "canonical_text": traced.canonical_text,
-        "graph_sha256": traced.graph_sha256,
-        "io_alias": traced.io_alias,
-        "inputs": [_spec_json(s) for s in traced.inputs],
-        "outputs": [_spec_json(s) for s in traced.outputs],
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-
-
-def compile_job(
-    target: str,
-    layout: ModelLayout,
-    spec: GraphSpec,
-    options: dict[str, Any],
-    out: Path,
-    expected_sha: str,
-    rank: int = 0,
-) -> dict[str, Any]:
-    _quiet()
-    t0 = time.perf_counter()
-    traced = trace_graph(layout, spec, rank)
-    if traced.graph_sha256 != expected_sha:
-        raise BuildError(
-            f"{spec.name}: tracing is not deterministic (the graph changed between "
-            "the trace and compile steps)"
-        )
-    record = get_backend(target).compile(traced.program, out, options)
-    return {"artifact_metadata": record.metadata, "seconds": round(time.perf_counter() - t0, 3)}
-
-
-def _call(args: tuple[Callable[..., Any], int, tuple]) -> tuple[int, Any]:
-    fn, index, fn_args = args
-    return index, fn(*fn_args)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _start_quiet_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker with its leak warning silenced.
-
-    Workers terminated mid-compile (Ctrl-C, SIGTERM) cannot unregister the semaphores they made;
-    the tracker unlinks them, which is the cleanup we want, but then prints a multi-line
-    "leaked semaphore" warning after our one-line message. The tracker takes its warning filters
-    from sys.warnoptions when it starts (checked on CPython 3.10-3.12).
-    """
-    from multiprocessing import resource_tracker
-
-    option = "ignore::UserWarning:multiprocessing.resource_tracker"
-    sys.warnoptions.append(option)
-    try:
-        resource_tracker.ensure_running()
-    finally:
-        sys.warnoptions.remove(option)
-
-
-@contextmanager
-def _worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
-    """Yield run(fn, arg_tuples, names, progress) → results in order; workers start lazily.
-
-    SIGTERM is turned into KeyboardInterrupt so both end the same way: workers terminated, staging
-    directory removed by the caller's context managers, nothing left at the destination.
-    """
-    pool: Any = None
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-
-    def run(
-        fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress
-    ) -> list:
-        nonlocal pool
-        results: list[Any] = [None] * len(arg_list)
-        if jobs <= 1 or len(arg_list) <= 1:
-            for i, args in enumerate(arg_list):
-                results[i] = fn(*args)
-                progress.done(names[i], _seconds(results[i]))
-            return results
-        if pool is None:
-            _start_quiet_resource_tracker()
-            ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(processes=min(jobs, len(arg_list)), initializer=_worker_init)
-        tasks = [(fn, i, args) for i, args in enumerate(arg_list)]
-        for index, value in pool.imap_unordered(_call, tasks):
-            results[index] = value
-            progress.done(names[index], _seconds(value))
-        return results
-
-    try:
-        yield run
-    except BaseException:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-            # release the pool's queues now (their semaphores), not at interpreter exit, where
-            # the resource tracker would report them as leaked
-            del pool
-            pool = None
-            gc.collect()
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if pool is not None:
-            pool.close()
-            pool.join()
-
-
-def _seconds(value: Any) -> float | None:
-    return value.get("seconds") if isinstance(value, dict) else None
