@@ -192,20 +192,17 @@ def inspect_manifest(path: str) -> dict[str, Any]:
     graphs = []
     for spec in plan.graphs:
         opts = resolve_options(m, spec)
-        # collectives exist exactly when tp > 1: enough for the flag rules
-        text = (
-            "%0 = _c10d_functional.all_reduce.default() : float32[1]\n" if m.parallel.tp > 1 else ""
-        )
         facts = GraphFacts(
             spec.name,
             spec.phase,
-            text,
+            "",
             [],
             list(opts.flags),
             opts.flag_origins,
             m.target,
             m.neuron.target if m.neuron else None,
-        )
+            collectives=m.parallel.tp > 1,
+        )  # no graph yet: tp > 1 means collectives
         found = [f for f in audit_graph(facts, m.audit.waive) if f.rule.startswith("NK2")]
         findings += found
         graphs.append(

@@ -195,10 +195,15 @@ class GraphFacts:
     flag_origins: dict[str, str]
     target: str
     neuron_target: str | None = None
+    # Whether the graph runs collectives; derived from the nodes unless given (a manifest alone
+    # knows only that tp > 1).
+    collectives: bool | None = None
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nodes = parse_canonical(self.text)
+        if self.collectives is None:
+            self.collectives = any(n.target.startswith(COLLECTIVES) for n in self.nodes)
 
 
 def _finding(rule: str, severity: str, g: GraphFacts, at: str, detail: str = "") -> Finding:
@@ -323,8 +328,7 @@ def _flag_rules(g: GraphFacts) -> Iterator[Finding]:
     if model_type and g.flag_origins.get(model_type, "base") != "base":
         yield _finding("NK204", "warning", g, model_type, f"set by {g.flag_origins[model_type]}")
     levels = [f for f in g.flags if re.fullmatch(r"-O[123]", f)]
-    has_collective = any(n.target.startswith(COLLECTIVES) for n in g.nodes)
-    if g.phase == "decode" and has_collective and (not levels or levels[-1] != "-O3"):
+    if g.phase == "decode" and g.collectives and (not levels or levels[-1] != "-O3"):
         yield _finding("NK205", "warning", g, levels[-1] if levels else "(default -O)")
 
 

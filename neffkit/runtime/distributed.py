@@ -82,8 +82,9 @@ def step_buffer_size(engine: Engine) -> int:
 class StepBroadcaster:
     """Rank 0's `Engine.on_run` hook: one broadcast per step (gloo latency dominates at tp > 1)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, group: dist.ProcessGroup) -> None:
         self.engine = engine
+        self.group = group
         self.size = step_buffer_size(engine)
         self._sent: torch.Tensor | None = None  # alive until the next step (freed by us, not gloo)
 
@@ -93,7 +94,7 @@ class StepBroadcaster:
         if payload is not None:
             buf[2 : 2 + payload.numel()] = payload
         self._sent = buf
-        _broadcast(buf)
+        _broadcast(buf, self.group)
 
     def __call__(self, index: int, meta: dict[str, np.ndarray]) -> None:
         self._send(RUN, index, _pack(self.engine.graph_list[index], meta))
@@ -102,12 +103,9 @@ class StepBroadcaster:
         self._send(STOP, 0, None)
 
 
-_CONTROL: list[dist.ProcessGroup] = []  # the control group of this process (set by _init)
-
-
-def _broadcast(tensor: torch.Tensor) -> None:
+def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     try:
-        dist.broadcast(tensor, src=0, group=_CONTROL[0])
+        dist.broadcast(tensor, src=0, group=group)
     except RuntimeError as exc:  # gloo: connection closed / timed out
         raise RankFailure(
             f"rank {dist.get_rank()}: lost contact with the other ranks: {exc}",
@@ -115,12 +113,12 @@ def _broadcast(tensor: torch.Tensor) -> None:
         ) from exc
 
 
-def follow(engine: Engine) -> int:
+def follow(engine: Engine, group: dist.ProcessGroup) -> int:
     """A follower's loop: receive each step from rank 0 and run it. Returns steps run."""
     steps = 0
     buf = torch.zeros(step_buffer_size(engine), dtype=torch.int64)
     while True:
-        _broadcast(buf)
+        _broadcast(buf, group)
         if int(buf[0]) == STOP:
             return steps
         graph = engine.graph_list[int(buf[1])]
@@ -134,7 +132,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(backend: str, timeout_s: float) -> None:
+def _init(backend: str, timeout_s: float) -> dist.ProcessGroup:
     """Join the process group from the standard variables (set by torchrun, or by run_ranks).
 
     Step metadata travels on a separate gloo group. The compiled graphs' collectives run on the
@@ -150,14 +148,15 @@ def _init(backend: str, timeout_s: float) -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    _CONTROL[:] = [dist.new_group(backend="gloo", timeout=timeout)]
+    return dist.new_group(backend="gloo", timeout=timeout)  # the control group
 
 
 def follower_main(bundle: str, backend: str, timeout_s: float) -> None:
     """Entry point of a follower rank process (`python -m neffkit.runtime.follower`)."""
-    _init(backend, timeout_s)
+    control = _init(backend, timeout_s)
     try:
-        follow(load(bundle, rank=dist.get_rank(), world_size=dist.get_world_size()).engine)
+        loaded = load(bundle, rank=dist.get_rank(), world_size=dist.get_world_size())
+        follow(loaded.engine, control)
     finally:
         dist.destroy_process_group()
 
@@ -208,13 +207,13 @@ def run_ranks(
     if procs:  # we are rank 0 of our own launch, for as long as it lasts
         os.environ.update({k: env[k] for k in _LAUNCH_VARS}, RANK="0", LOCAL_RANK="0")
     rank = int(os.environ["RANK"])
-    _init(backend, timeout_s)
+    control = _init(backend, timeout_s)
     try:
         loaded = load(bundle, rank=rank, world_size=world_size)
         if rank != 0:
-            follow(loaded.engine)
+            follow(loaded.engine, control)
             return None
-        broadcaster = StepBroadcaster(loaded.engine)
+        broadcaster = StepBroadcaster(loaded.engine, control)
         loaded.engine.on_run = broadcaster
         try:
             return leader(loaded)
