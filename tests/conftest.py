@@ -133,24 +133,30 @@ def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[str], Path]:
-    """kind → a bundle built from that kind's tiny checkpoint (built once per session)."""
+def build_session_bundle(session_dir: Path, model_dir: Path, name: str, **manifest: Any) -> Any:
+    """Write manifest NAME.yaml and build it into bundles/NAME with the session's cache."""
     from neffkit.compile.build import build
     from neffkit.manifest import load_manifest
 
+    path = write_manifest(session_dir / f"{name}.yaml", model_dir, **manifest)
+    jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
+    return build(
+        load_manifest(path),
+        session_dir / "bundles" / name,
+        jobs=jobs,
+        cache_dir=session_cache(session_dir),
+    )
+
+
+@pytest.fixture(scope="session")
+def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[str], Path]:
+    """kind → a bundle built from that kind's tiny checkpoint (built once per session)."""
     built: dict[str, Path] = {}
 
     def get(kind: str) -> Path:
         if kind not in built:
-            buckets = MODELS[kind][2]
-            manifest = write_manifest(
-                session_dir / f"{kind}.yaml", hf_model_dir(kind), buckets=buckets
-            )
-            jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
-            out = session_dir / "bundles" / kind
-            result = build(
-                load_manifest(manifest), out, jobs=jobs, cache_dir=session_cache(session_dir)
+            result = build_session_bundle(
+                session_dir, hf_model_dir(kind), kind, buckets=MODELS[kind][2]
             )
             built[kind] = result.bundle
         return built[kind]
@@ -161,24 +167,17 @@ def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[
 @pytest.fixture(scope="session")
 def tp_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[str], Any]:
     """kind → the BuildResult of that kind's tp > 1 bundle (built once per session)."""
-    from neffkit.compile.build import build
-    from neffkit.manifest import load_manifest
-
     built: dict[str, Any] = {}
 
     def get(kind: str) -> Any:
         if kind not in built:
             parallel, buckets = PARALLEL[kind]
-            name = f"{kind}_tp{parallel['tp']}"
-            manifest = write_manifest(
-                session_dir / f"{name}.yaml", hf_model_dir(kind), buckets=buckets, parallel=parallel
-            )
-            jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
-            built[kind] = build(
-                load_manifest(manifest),
-                session_dir / "bundles" / name,
-                jobs=jobs,
-                cache_dir=session_cache(session_dir),
+            built[kind] = build_session_bundle(
+                session_dir,
+                hf_model_dir(kind),
+                f"{kind}_tp{parallel['tp']}",
+                buckets=buckets,
+                parallel=parallel,
             )
         return built[kind]
 

@@ -9,6 +9,7 @@ interrupt (Ctrl-C, SIGTERM) terminates the workers and removes the staging direc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -154,12 +155,12 @@ def build(
             checked: list[GraphPlan] = []
             for i, g in enumerate(graphs):
                 per_rank = traced[i * plan.world_size : (i + 1) * plan.world_size]
-                ranks = [
+                rank_traces = [
                     RankTrace(r, t["graph_sha256"], t["canonical_text"], t.pop("sources"))
                     for r, t in enumerate(per_rank)
                 ]
                 try:
-                    check_spmd(g.spec.name, ranks)
+                    check_spmd(g.spec.name, rank_traces)
                 except SPMDMismatchError as exc:
                     if not manifest.parallel.per_rank_artifacts:
                         raise
@@ -189,10 +190,11 @@ def build(
                         f"{f.severity}: {f.rule} {f.graph}: {f.message}"
                         + (" (waived)" if f.waived else "")
                     )
-            if blocking(findings) and not dry_run:
-                first = blocking(findings)[0]
+            errors = blocking(findings)
+            if errors and not dry_run:
+                first = errors[0]
                 raise BuildError(
-                    f"{len(blocking(findings))} audit error(s); first: {first.rule} in "
+                    f"{len(errors)} audit error(s); first: {first.rule} in "
                     f"{first.graph}: {first.message} at `{first.at}`",
                     hint=f"{first.fix}; or waive it with `audit: {{waive: [{first.rule}]}}`",
                 )
@@ -208,7 +210,7 @@ def build(
                     previous = cache.previous_factors(_label(manifest, g))
                     if previous is not None:
                         g.miss_reason = explain_change(previous, g.key.factors)
-                        progress.message(f"{g.spec.name}: recompiling, {g.miss_reason}")
+                        progress.message(f"{g.stem}: recompiling, {g.miss_reason}")
             counters["cache_hits"] = sum(g.cached is not None for g in graphs)
         if dry_run:
             result.graphs = [_dry_run_row(g, cache is not None) for g in graphs]
@@ -399,8 +401,6 @@ def _place(src: Path, dst: Path, copy: bool = False) -> None:
 
 
 def _cached_metadata(artifact: Path) -> dict[str, Any]:
-    import json
-
     return json.loads((artifact.parent / "key.json").read_text()).get("artifact_metadata", {})
 
 

@@ -73,9 +73,6 @@ class SequenceState:
     blocks: list[int] = field(default_factory=list)
     num_prefilled: int = 0
     finish_reason: str | None = None
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -319,10 +316,6 @@ class Engine:
         return rows
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
-        now = time.perf_counter()
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.token_times.append(now)
         seq.output_ids.append(token)
         params = seq.params
         if not params.ignore_eos and token in self.layout.eos_token_ids:
