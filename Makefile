@@ -11,7 +11,7 @@ $(VENV_STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch first (it lies on this machine's disk; other versions pull CUDA wheels)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,lower]'
 	touch $(VENV_STAMP)
 
 demo: setup

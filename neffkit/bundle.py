@@ -139,7 +139,9 @@ def verify_files(bundle: Bundle) -> None:
                 hint="the bundle was modified or damaged in transit; copy it again or rebuild",
             )
     for graph in bundle.data.get("graphs", []):
-        if graph["artifact"] not in files:
+        # a lowered neuron bundle has no artifact yet: its HLO module must be there instead
+        needed = graph.get("artifact") or graph.get("hlo")
+        if needed not in files:
             raise BundleError(f"{bundle.root}: graph {graph['name']} has no listed artifact")
 
 

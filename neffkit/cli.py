@@ -43,6 +43,16 @@ def cli(verbose: bool) -> None:
 )
 @click.option("--no-cache", is_flag=True, help="Compile everything; read and write no cache.")
 @click.option("--dry-run", is_flag=True, help="Trace and print the graph table; write nothing.")
+@click.option(
+    "--lower-only",
+    is_flag=True,
+    help="neuron: write a lowered bundle (HLO + weights) for `neffkit compile` on a Neuron host.",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Run every graph against the eager model; record and check the result.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
 def build(
     manifest: Path,
@@ -51,6 +61,8 @@ def build(
     cache_dir: Path | None,
     no_cache: bool,
     dry_run: bool,
+    lower_only: bool,
+    verify: bool,
     as_json: bool,
 ) -> None:
     """Build MANIFEST into a bundle; prints the bundle path."""
@@ -62,13 +74,36 @@ def build(
     from neffkit.compile.progress import Progress
 
     cache = None if no_cache else (cache_dir or default_cache_dir())
-    result = run_build(resolved, output, jobs, Progress(enabled=not as_json), cache, dry_run)
+    result = run_build(
+        resolved,
+        output,
+        jobs,
+        Progress(enabled=not as_json),
+        cache,
+        dry_run,
+        lower_only=lower_only,
+        verify=verify,
+    )
     if as_json:
         click.echo(json.dumps(result.report(), indent=2))
     elif dry_run:
         _print_plan(result.graphs)
     else:
         click.echo(str(result.bundle))
+
+
+@cli.command(name="compile")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Default: in place.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Parallel neuronx-cc processes.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+def compile_bundle(bundle: Path, output: Path | None, jobs: int | None, as_json: bool) -> None:
+    """Finish a lowered neuron BUNDLE with neuronx-cc (on a Neuron host)."""
+    from neffkit.compile.finish import finish_bundle
+    from neffkit.compile.progress import Progress
+
+    report = finish_bundle(bundle, output, jobs, Progress(enabled=not as_json))
+    click.echo(json.dumps(report, indent=2) if as_json else report["bundle"])
 
 
 def _print_plan(rows: list[dict]) -> None:
@@ -119,6 +154,30 @@ def _parse_ids(text: str) -> list[int]:
     type=float,
     help="Seconds a rank waits for the others before failing (tp > 1).",
 )
+@click.option(
+    "--executor",
+    type=click.Choice(["auto", "aotinductor", "xla-cpu", "neuron"]),
+    default="auto",
+    show_default=True,
+    help="How graphs run; xla-cpu runs a neuron bundle's HLO modules on this CPU.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
+@click.option(
+    "--api-key",
+    envvar="NEFFKIT_API_KEY",
+    help="Server: require `Authorization: Bearer KEY` on /v1 (env NEFFKIT_API_KEY).",
+)
+@click.option(
+    "--served-model-name", help="Server: the model id clients use (default: bundle name)."
+)
+@click.option(
+    "--max-waiting",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Server: requests that may wait for KV blocks before new ones get 503.",
+)
 def run(
     bundle: Path,
     prompts: tuple[str, ...],
@@ -131,9 +190,28 @@ def run(
     ignore_eos: bool,
     as_json: bool,
     dist_timeout: float,
+    executor: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_waiting: int,
 ) -> None:
-    """Generate from BUNDLE (with --prompt/--prompt-ids)."""
-    from neffkit.runtime.generate import GenerateRequest, generate
+    """Generate from BUNDLE (with --prompt/--prompt-ids), or serve the OpenAI API (without)."""
+    from neffkit.runtime.generate import GenerateRequest, generate, serve_bundle
+
+    if not prompts and not prompt_ids:
+        serve_bundle(
+            bundle,
+            dist_timeout,
+            executor,
+            host=host,
+            port=port,
+            api_key=api_key,
+            model_name=served_model_name,
+            max_waiting=max_waiting,
+        )
+        return
 
     request = GenerateRequest(
         texts=list(prompts),
@@ -145,7 +223,7 @@ def run(
         seed=seed,
         ignore_eos=ignore_eos,
     )
-    report = generate(bundle, request, dist_timeout)
+    report = generate(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints
         return
     if as_json:
@@ -222,6 +300,23 @@ def _render_graph(d: dict):
     for op, n in d["op_histogram"].items():
         ops.add_row(op, str(n))
     parts = [io, flags, ops]
+    if d.get("hlo"):
+        lines = [f"HLO module {d['hlo']} (sha256 {d['hlo_sha256'][:12]})"]
+        pairs = d["hlo_input_output_alias"]
+        lines.append(
+            f"  input_output_alias: {len(pairs)} pair(s): "
+            + ", ".join(f"out {a['output']} ← param {a['parameter']} ({a['input']})" for a in pairs)
+        )
+        if d.get("compiler"):
+            lines.append(
+                f"  compiled by {d['compiler']['version']}: {' '.join(d['compiler']['argv'])}"
+            )
+        header = d.get("neff_header")
+        if header:
+            lines.append(f"  NEFF header: {json.dumps(header)}")
+        if d.get("verify"):
+            lines.append(f"  verify: {json.dumps(d['verify'])}")
+        parts.append("\n".join(lines))
     if d["collectives"]:
         parts.append("collectives:\n  " + "\n  ".join(d["collectives"]))
     if d["findings"]:

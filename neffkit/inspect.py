@@ -7,6 +7,7 @@ audits an older bundle with its newer rules; waivers recorded at build time stil
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -20,6 +21,7 @@ from neffkit.compile.audit import (
     blocking,
     parse_canonical,
 )
+from neffkit.neff import NeffError, read_header
 
 INSPECT_SCHEMA_VERSION = 1
 
@@ -62,7 +64,11 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
             "buckets": g["buckets"],
             "graph_sha256": g["graph_sha256"],
             "artifact": g["artifact"],
-            "artifact_bytes": sizes.get(g["artifact"], 0),
+            "artifact_bytes": sizes.get(g["artifact"], 0) if g["artifact"] else 0,
+            "hlo": g.get("hlo"),
+            "hlo_sha256": g.get("hlo_sha256"),
+            "neff_header": _neff_header(bundle, g),
+            "verify": g.get("verify"),
             "io_alias": g["io_alias"],
             "ranks": g["ranks"],
             "options": g.get("options", {}),
@@ -79,6 +85,8 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "format": data["format"],
         "versions": data["versions"],
         "target": data["target"],
+        "stage": data.get("stage", "compiled"),
+        "neuron": data.get("neuron"),
         "host": data.get("host", {}),
         "model": {
             "name": data["manifest"]["name"],
@@ -101,6 +109,47 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
         "waived": data.get("audit", {}).get("waived", []),
     }
+
+
+def _target_line(summary: dict[str, Any]) -> str:
+    neuron = summary.get("neuron")
+    if not neuron:
+        return summary["target"]
+    return f"neuron ({neuron['target']}, lnc={neuron['lnc']}), {summary['stage']}"
+
+
+def _artifact_cell(g: dict[str, Any]) -> str:
+    if not g["artifact"]:
+        return "HLO only"
+    header = g.get("neff_header")
+    if header is None:
+        return _mib(g["artifact_bytes"])
+    if "error" in header:
+        return f"bad NEFF: {header['error']}"
+    version = f"{header['neff_version_major']}.{header['neff_version_minor']}"
+    return (
+        f"{_mib(g['artifact_bytes'])} NEFF {version} lnc={header['lnc_size']} "
+        f"features={header['feature_bits']}"
+    )
+
+
+def _verify_cell(result: dict[str, Any] | None) -> str:
+    if not result:
+        return "-"
+    if "skipped" in result:
+        return "skipped"
+    return f"{'ok' if result['ok'] else 'FAIL'} {result['max_kv_error']:.1e}"
+
+
+def _neff_header(bundle: Bundle, graph: dict[str, Any]) -> dict[str, Any] | None:
+    """The NEFF's own header, read from the file (not the build's record); None if no NEFF."""
+    artifact = graph.get("artifact")
+    if not artifact or not artifact.endswith(".neff"):
+        return None
+    try:
+        return read_header(bundle.path(artifact)).to_json()
+    except (OSError, NeffError) as exc:
+        return {"error": str(exc)}
 
 
 def graph_detail(bundle: Bundle, name: str) -> dict[str, Any]:
@@ -129,12 +178,35 @@ def graph_detail(bundle: Bundle, name: str) -> dict[str, Any]:
         ],
         "op_histogram": dict(ops.most_common()),
         "collectives": [n.text for n in nodes if n.target.startswith(COLLECTIVES)],
+        **_neuron_detail(bundle, g),
         "findings": [
             f.to_json()
             for f in audit_graph(
                 _facts(bundle, g), tuple(bundle.data.get("audit", {}).get("waived", []))
             )
         ],
+    }
+
+
+_HLO_ALIAS = re.compile(r"\{(\d+)\}: \((\d+), \{\}, (?:may|must)-alias\)")
+
+
+def _neuron_detail(bundle: Bundle, g: dict[str, Any]) -> dict[str, Any]:
+    """neuron graphs: the HLO module's own alias table (what neuronx-cc reads), compiler, NEFF."""
+    if not g.get("hlo"):
+        return {}
+    header = read_zst_text(bundle.path(g["hlo_text"])).split("\n", 1)[0]
+    names = [i["name"] for i in g["inputs"]]
+    return {
+        "hlo": g["hlo"],
+        "hlo_sha256": g["hlo_sha256"],
+        "hlo_input_output_alias": [
+            {"output": int(out), "parameter": int(param), "input": names[int(param)]}
+            for out, param in _HLO_ALIAS.findall(header)
+        ],
+        "compiler": g.get("compiler"),
+        "neff_header": _neff_header(bundle, g),
+        "verify": g.get("verify"),
     }
 
 
@@ -245,7 +317,7 @@ def render(summary: dict[str, Any]) -> Any:
     rows = [
         ("bundle", summary["bundle"]),
         ("versions", ", ".join(f"{k} {v}" for k, v in summary["versions"].items())),
-        ("target", summary["target"]),
+        ("target", _target_line(summary)),
         (
             "model",
             f"{summary['model']['name']} ({summary['model']['architecture']}, "
@@ -278,6 +350,7 @@ def render(summary: dict[str, Any]) -> Any:
         "ranks",
         "artifact",
         "sha256",
+        "verify",
         "findings",
     ):
         table.add_column(col)
@@ -291,8 +364,9 @@ def render(summary: dict[str, Any]) -> Any:
             str(b["context"]),
             f"{len(g['io_alias'])} pairs",
             str(g["ranks"]),
-            _mib(g["artifact_bytes"]),
+            _artifact_cell(g),
             g["graph_sha256"][:12],
+            _verify_cell(g.get("verify")),
             str(g["findings"]),
         )
     parts = [head, table]

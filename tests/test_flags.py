@@ -109,7 +109,7 @@ def test_golden_neuronx_cc_argv(graph, tmp_path, hf_model_dir):
     manifest = load_manifest(_neuron_manifest(tmp_path, hf_model_dir("llama")))
     spec = next(s for s in make_plan(manifest).graphs if s.name == graph)
     options = resolve_options(manifest, spec)
-    argv = neuronx_cc_argv(f"ir/{graph}.hlo.pb", f"graphs/{graph}.neff", "trn2", 2, options)
+    argv = neuronx_cc_argv(f"ir/{graph}.hlo.pb", f"graphs/{graph}.neff", "trn2", 2, options.flags)
     golden = json.loads((GOLDEN / f"{graph}.argv.json").read_text())
     assert argv == golden["argv"]
     assert options.flag_origins == golden["origins"]

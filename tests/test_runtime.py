@@ -58,8 +58,3 @@ def test_more_prompts_than_largest_decode_bucket(bundle, hf_model_dir, hf_greedy
     outs = engine.generate(prompts, SamplingParams(max_tokens=6))
     for prompt, seq in zip(prompts, outs, strict=True):
         assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 6)
-
-
-def test_run_without_prompt_is_a_user_error(bundle):
-    proc = run_cli("run", str(bundle("llama_tied")))
-    assert proc.returncode == 2 and "--prompt" in proc.stderr

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 import neffkit
 from neffkit.bundle import FORMAT_VERSION, staging_dir, write_bundle_json, write_zst_text
+from neffkit.compile import neuronx_cc
 from neffkit.compile.audit import Finding, GraphFacts, audit_buckets, audit_graph, blocking
 from neffkit.compile.backends import get_backend
 from neffkit.compile.cache import ArtifactCache, CacheKey, explain_change
@@ -103,10 +104,14 @@ def build(
     progress: Progress | None = None,
     cache_dir: Path | None = None,
     dry_run: bool = False,
+    lower_only: bool = False,
+    verify: bool = False,
 ) -> BuildResult:
     """Build `manifest` into a bundle at `output` (or only report the plan with `dry_run`).
 
-    `cache_dir=None` disables the artifact cache.
+    `cache_dir=None` disables the artifact cache. `lower_only` (neuron) stops after lowering: the
+    bundle holds HLO modules for `neffkit compile` to finish on a Neuron host. `verify` runs every
+    graph against the eager model and records the result per graph.
     """
     progress = progress or Progress(enabled=False)
     jobs = jobs or os.cpu_count() or 1
@@ -120,9 +125,18 @@ def build(
         "compiled": 0,
         "cache_hits": 0,
     }
+    neuron = manifest.target == "neuron"
+    if lower_only and not neuron:
+        raise BuildError(
+            f"--lower-only applies to target: neuron (this manifest's target is "
+            f"{manifest.target!r})"
+        )
     backend = get_backend(manifest.target)
     host = backend.host_requirements()
-    cache = ArtifactCache(cache_dir) if cache_dir else None
+    if neuron and not lower_only and not dry_run and backend.compiler is None:
+        raise neuronx_cc.missing_compiler_error()
+    # a lowered bundle compiles nothing, so there is nothing to cache
+    cache = ArtifactCache(cache_dir) if cache_dir and not lower_only else None
     clock = _Clock(result.seconds)
 
     # 1. Plan: graphs and their resolved compiler options.
@@ -146,7 +160,10 @@ def build(
             ]
             progress.start("trace", names)
             traced = run_parallel(
-                trace_job, [(layout, g.spec, r) for g, r in pairs], names, progress
+                trace_job,
+                [(layout, g.spec, r, manifest.target) for g, r in pairs],
+                names,
+                progress,
             )
             counters["traced"] = len(pairs)
 
@@ -161,6 +178,14 @@ def build(
                 ]
                 try:
                     check_spmd(g.spec.name, rank_traces)
+                    if neuron:  # the artifact is built from the HLO: it must match too
+                        check_spmd(
+                            f"{g.spec.name} (HLO)",
+                            [
+                                RankTrace(r, t["hlo"]["sha256"], t["hlo"]["text"], [])
+                                for r, t in enumerate(per_rank)
+                            ],
+                        )
                 except SPMDMismatchError as exc:
                     if not manifest.parallel.per_rank_artifacts:
                         raise
@@ -202,7 +227,7 @@ def build(
         # 4. Cache: look each graph up by every factor that changes its artifact.
         with clock("cache"):
             for g in graphs:
-                g.key = cache_key(g, backend, host)
+                g.key = cache_key(g, backend, host, manifest)
                 if cache is None:
                     continue
                 g.cached = cache.lookup(g.key)
@@ -222,10 +247,20 @@ def build(
             with clock("weights"):
                 weight_records = write_weights(manifest, stage, layout)
 
+            if neuron:  # the HLO modules are the compiler's input and part of the bundle
+                write_hlo(stage, graphs)
+
             # 6. Compile the misses (in parallel); hits are copied from the cache.
             with clock("compile"):
-                misses = [g for g in graphs if g.cached is None]
+                misses = [g for g in graphs if g.cached is None and not lower_only]
                 suffix = backend.artifact_suffix
+                if neuron:  # neuronx-cc writes straight into graphs/
+                    compile_neffs(manifest, backend, stage, misses, run_parallel, progress)
+                    for g in misses if cache is not None else []:
+                        neff = stage / "graphs" / f"{g.stem}{suffix}"
+                        cache.store(g.key, neff, _cache_extra(g))
+                    counters["compiled"] = len(misses)
+                    misses = []
                 work = [
                     (
                         manifest.target,
@@ -246,25 +281,28 @@ def build(
                     g.traced["artifact_metadata"] = compiled["artifact_metadata"]
                     artifact = stage / "work" / f"{g.stem}{suffix}"
                     if cache is not None:
-                        cache.store(
-                            g.key, artifact, {"artifact_metadata": compiled["artifact_metadata"]}
-                        )
+                        cache.store(g.key, artifact, _cache_extra(g))
                     _place(artifact, stage / "graphs" / artifact.name)
                 for g in graphs:
                     if g.cached is not None:
                         _place(g.cached, stage / "graphs" / f"{g.stem}{suffix}", copy=True)
-                        g.traced["artifact_metadata"] = _cached_metadata(g.cached)
+                        g.traced.update(_cached_extra(g.cached))
                     if cache is not None:
                         cache.remember(_label(manifest, g), g.key)
                 shutil.rmtree(stage / "work", ignore_errors=True)
-                counters["compiled"] = len(misses)
+                counters["compiled"] += len(misses)
+
+            # 6b. Verify: every graph against the eager model (rank 0 of tp=1 builds).
+            if verify:
+                with clock("verify"):
+                    verify_graphs(manifest, layout, stage, graphs, backend, progress)
 
             # 7. Bundle: ir/, tokenizer/, bundle.json; then the staging dir is renamed into place.
             with clock("write"):
                 entries = []
                 for g in graphs:
                     write_zst_text(stage / "ir" / f"{g.stem}.txt.zst", g.traced["canonical_text"])
-                    entries.append(graph_entry(g, backend.artifact_suffix))
+                    entries.append(graph_entry(g, backend.artifact_suffix, lower_only))
                 copy_tokenizer(manifest.model, stage / "tokenizer")
                 write_bundle_json(
                     stage,
@@ -275,6 +313,7 @@ def build(
                             "backend": backend.version,
                         },
                         "target": manifest.target,
+                        **neuron_fields(manifest, backend, lower_only),
                         "host": host,
                         "manifest": manifest.to_json(),
                         "model": manifest.model_config.to_json(),
@@ -372,9 +411,19 @@ def audit_plan(manifest: Manifest, graphs: list[GraphPlan]) -> list[Finding]:
     return findings
 
 
-def cache_key(g: GraphPlan, backend: Any, host: dict[str, Any]) -> CacheKey:
+def cache_key(g: GraphPlan, backend: Any, host: dict[str, Any], manifest: Manifest) -> CacheKey:
+    neuron: dict[str, Any] = {}
+    if manifest.target == "neuron" and manifest.neuron:
+        # the NEFF is compiled from the HLO module, by this neuronx-cc, for this chip and lnc
+        neuron = {
+            "hlo": g.traced["hlo"]["sha256"],
+            "neuronx_cc": backend.compiler_version,
+            "neuron_target": manifest.neuron.target,
+            "lnc": manifest.neuron.lnc,
+        }
     return CacheKey(
         {
+            **neuron,
             "graph": g.traced["graph_sha256"],
             "inputs": g.traced["inputs"],
             "outputs": g.traced["outputs"],
@@ -400,8 +449,14 @@ def _place(src: Path, dst: Path, copy: bool = False) -> None:
         os.replace(src, dst)
 
 
-def _cached_metadata(artifact: Path) -> dict[str, Any]:
-    return json.loads((artifact.parent / "key.json").read_text()).get("artifact_metadata", {})
+def _cache_extra(g: GraphPlan) -> dict[str, Any]:
+    """What a cache entry carries besides the artifact (restored on a hit)."""
+    return {k: g.traced[k] for k in ("artifact_metadata", "compiler") if k in g.traced}
+
+
+def _cached_extra(artifact: Path) -> dict[str, Any]:
+    entry = json.loads((artifact.parent / "key.json").read_text())
+    return {k: entry[k] for k in ("artifact_metadata", "compiler") if k in entry}
 
 
 def layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
@@ -426,14 +481,24 @@ def layout_json(plan: Plan, layout: ModelLayout) -> dict[str, Any]:
     }
 
 
-def graph_entry(g: GraphPlan, suffix: str) -> dict[str, Any]:
+def graph_entry(g: GraphPlan, suffix: str, lower_only: bool = False) -> dict[str, Any]:
     """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
     spec, t = g.spec, g.traced
+    neuron = {}
+    if "hlo" in t:
+        neuron = {
+            "hlo": f"ir/{g.stem}.hlo.pb",
+            "hlo_text": f"ir/{g.stem}.hlo.txt.zst",
+            "hlo_sha256": t["hlo"]["sha256"],
+            "compiler": t.get("compiler"),
+        }
     return {
+        **neuron,
         "name": spec.name,
         "phase": spec.phase,
         "buckets": {"rows": spec.rows, "tokens": spec.tokens, "context": spec.context},
-        "artifact": f"graphs/{g.stem}{suffix}",
+        "artifact": None if lower_only else f"graphs/{g.stem}{suffix}",
+        "verify": t.get("verify"),
         "ir": f"ir/{g.stem}.txt.zst",
         "graph_sha256": t["graph_sha256"],
         "cache_key": g.key.digest if g.key else None,
@@ -447,6 +512,101 @@ def graph_entry(g: GraphPlan, suffix: str) -> dict[str, Any]:
         "ranks": "all" if g.rank is None else [g.rank],
         "artifact_metadata": t.get("artifact_metadata", {}),
     }
+
+
+def neuron_fields(manifest: Manifest, backend: Any, lower_only: bool) -> dict[str, Any]:
+    """bundle.json's neuron section: chip, lnc, and whether NEFFs exist yet (`stage`)."""
+    if manifest.target != "neuron" or manifest.neuron is None:
+        return {}
+    return {
+        "stage": "lowered" if lower_only else "compiled",
+        "neuron": {"target": manifest.neuron.target, "lnc": manifest.neuron.lnc},
+    }
+
+
+def write_hlo(stage: Path, graphs: list[GraphPlan]) -> None:
+    """ir/<graph>.hlo.pb (what neuronx-cc reads) and ir/<graph>.hlo.txt.zst (for people)."""
+    (stage / "ir").mkdir(parents=True, exist_ok=True)
+    for g in graphs:
+        (stage / "ir" / f"{g.stem}.hlo.pb").write_bytes(g.traced["hlo"]["proto"])
+        write_zst_text(stage / "ir" / f"{g.stem}.hlo.txt.zst", g.traced["hlo"]["text"])
+
+
+def compile_neffs(
+    manifest: Manifest,
+    backend: Any,
+    stage: Path,
+    misses: list[GraphPlan],
+    run_parallel: Any,
+    progress: Progress,
+) -> None:
+    """neuronx-cc per missed graph, in parallel, inside the staging dir; NEFFs land in graphs/."""
+    assert manifest.neuron is not None
+    work, names = [], []
+    for g in misses:
+        args, g.traced["compiler"] = neuronx_cc.plan_compile(
+            backend.compiler,
+            backend.compiler_version,
+            manifest.neuron.target,
+            manifest.neuron.lnc,
+            g.stem,
+            list(g.options.flags),
+            stage,
+        )
+        work.append(args)
+        names.append(g.stem)
+    (stage / "graphs").mkdir(parents=True, exist_ok=True)
+    progress.start("neuronx-cc", names)
+    for g, done in zip(
+        misses, run_parallel(neuronx_cc.run_neuronx_cc, work, names, progress), strict=True
+    ):
+        g.seconds["compile"] = done["seconds"]
+        g.traced["artifact_metadata"] = {"neff_header": done["neff_header"]}
+
+
+def verify_graphs(
+    manifest: Manifest,
+    layout: ModelLayout,
+    stage: Path,
+    graphs: list[GraphPlan],
+    backend: Any,
+    progress: Progress,
+) -> None:
+    """`--verify`: each graph against the eager model; a mismatch fails the build."""
+    from safetensors.torch import load_file
+
+    from neffkit.compile import verify
+
+    if layout.par.tp > 1:
+        for g in graphs:
+            g.traced["verify"] = {"skipped": "tp > 1: the eager model needs every rank"}
+        progress.message("verify: skipped (tp > 1 graphs need every rank to run eagerly)")
+        return
+    tensors = load_file(str(stage / "weights" / "rank0.safetensors"))
+    weights = [tensors[w.name] for w in layout.weights]
+    failed = []
+    for g in graphs:
+        names = [i["name"] for i in g.traced["inputs"]]
+        if manifest.target == "neuron":
+            runner = verify.xla_cpu_runner(g.traced["hlo"]["proto"], names, g.traced["io_alias"])
+            executor = "xla-cpu (HLO)"
+        else:
+            artifact = stage / "graphs" / f"{g.stem}{backend.artifact_suffix}"
+            runner, executor = verify.aoti_runner(artifact, names), "aotinductor"
+        result = verify.verify_graph(layout, g.spec, weights, runner, executor)
+        g.traced["verify"] = result.to_json()
+        progress.message(
+            f"verify {g.stem}: tokens {'equal' if result.tokens_equal else 'DIFFER'}, "
+            f"max K/V error {result.max_kv_error:.2e} ({executor})"
+        )
+        if not result.ok:
+            failed.append(g.stem)
+    if failed:
+        raise BuildError(
+            f"--verify: {', '.join(failed)} disagree with the eager model",
+            hint="inspect the graph (`neffkit inspect BUNDLE --graph NAME`) and the options "
+            "applied to it; a bad compiler option is the usual cause",
+        )
 
 
 def _report_row(g: GraphPlan) -> dict[str, Any]:

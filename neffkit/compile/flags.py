@@ -167,10 +167,14 @@ def resolve_options(manifest: Manifest, spec: GraphSpec) -> ResolvedOptions:
 
 
 def neuronx_cc_argv(
-    hlo: str, neff: str, neuron_target: str, lnc: int, options: ResolvedOptions
+    hlo: str, neff: str, neuron_target: str, lnc: int, flags: tuple[str, ...] | list[str]
 ) -> list[str]:
-    """The full neuronx-cc command for one graph: the only place that argv is assembled."""
+    """The full neuronx-cc command for one graph: the only place that argv is assembled.
+
+    `flags` are a graph's resolved, rendered flags (ResolvedOptions.flags, or as recorded in a
+    lowered bundle's bundle.json).
+    """
     return [
         "neuronx-cc", "compile", hlo, "--framework", "XLA", "--target", neuron_target,
-        "--lnc", str(lnc), "--output", neff, *options.flags,
+        "--lnc", str(lnc), "--output", neff, *flags,
     ]  # fmt: skip

@@ -106,21 +106,27 @@ def _anchor_model_source() -> None:
         register(fn)
 
 
+def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, list[TensorSpec]]:
+    """The eager module of one graph and its flat input specs (what is traced, and the oracle
+    `build --verify` compares artifacts against)."""
+    shape, specs = graph_inputs(layout, spec)
+    module = DecoderGraph(
+        layout.config,
+        shape,
+        [w.name for w in layout.weights],
+        len(metadata_inputs(shape)),
+        layout.max_top_k,
+        layout.par,
+    )
+    return module, specs
+
+
 def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
     """Export one graph as rank `rank` sees it (tp > 1: under the fake process group)."""
     if layout.par.tp > 1:
         ensure_fake_process_group(rank, layout.par.tp)
     _anchor_model_source()
-    shape, specs = graph_inputs(layout, spec)
-    num_meta = len(metadata_inputs(shape))
-    module = DecoderGraph(
-        layout.config,
-        shape,
-        [w.name for w in layout.weights],
-        num_meta,
-        layout.max_top_k,
-        layout.par,
-    )
+    module, specs = decoder_module(layout, spec)
     try:
         with torch.no_grad():
             program = torch.export.export(

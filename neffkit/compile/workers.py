@@ -42,10 +42,18 @@ def _spec_json(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
 
 
-def trace_job(layout: ModelLayout, spec: GraphSpec, rank: int) -> dict[str, Any]:
+def trace_job(
+    layout: ModelLayout, spec: GraphSpec, rank: int, target: str = "cpu"
+) -> dict[str, Any]:
+    """Trace one graph on one rank; for neuron also lower it (the HLO is checked and cached)."""
     t0 = time.perf_counter()
     traced = trace_graph(layout, spec, rank)
+    lowered = {}
+    if target == "neuron":
+        hlo = get_backend("neuron").lower(traced, layout.par.tp)
+        lowered = {"hlo": {"proto": hlo.proto, "text": hlo.text, "sha256": hlo.sha256}}
     return {
+        **lowered,
         "sources": traced.sources,
         "canonical_text": traced.canonical_text,
         "graph_sha256": traced.graph_sha256,

@@ -14,12 +14,14 @@ def write_kv(
 ) -> None:
     """Scatter new keys/values into their slots with index_put_ (becomes an io-aliased output).
 
-    Padding slots (-1) are clamped to the null block 0 *before* `//` and `%`: on Neuron a -1
-    slot turns into an out-of-bounds DGE scatter that wedges the execution queue.
+    Padding slots (-1) are clamped to the null block 0 *before* the division and `%`: on Neuron
+    a -1 slot turns into an out-of-bounds DGE scatter that wedges the execution queue. Truncating
+    division (equal to floor division once slots are non-negative) keeps the index math in
+    integers; `//` lowers to StableHLO through float64.
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.clamp(min=0)
-    block_idx = slots // block_size
+    block_idx = torch.div(slots, block_size, rounding_mode="trunc")
     offset = slots % block_size
     k_cache.index_put_((block_idx, offset), k)
     v_cache.index_put_((block_idx, offset), v)

@@ -13,12 +13,22 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """`x >> bits` for non-negative x, as truncating division.
+
+    torch-mlir cannot lower `aten.__rshift__.Scalar` to StableHLO, and floor division lowers
+    through float64; truncating division lowers to an integer `stablehlo.divide` and equals the
+    shift for the non-negative values used here.
+    """
+    return torch.div(x, 1 << bits, rounding_mode="trunc")
+
+
 def _hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mixer (lowbias32) on int64 tensors holding values below 2**32."""
     x = x & _MASK32
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    x = ((x ^ _shr(x, 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ _shr(x, 15)) * 0x846CA68B) & _MASK32
+    return x ^ _shr(x, 16)
 
 
 def uniform_noise(seed: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
@@ -26,7 +36,7 @@ def uniform_noise(seed: torch.Tensor, positions: torch.Tensor, width: int) -> to
     row = _hash32(seed ^ _hash32(positions + 0x9E3779B9))  # [B]
     lanes = torch.arange(width, device=seed.device, dtype=torch.int64)  # [width]
     bits = _hash32(row.unsqueeze(1) * 0x10001 + lanes)  # [B, width]
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+    return (_shr(bits, 8).float() + 0.5) / float(1 << 24)
 
 
 def sample(

@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from neffkit.errors import RequestError
 from neffkit.runtime.kv import BlockAllocator
 
-Executable = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+# metadata arrays in the graph's input order → sampled tokens; the executor binds the rest
+Executable = Callable[[list[np.ndarray]], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,13 @@ class Engine:
         self,
         graphs: list[GraphEntry],
         layout: Layout,
-        static_inputs: list[torch.Tensor],
-        device: str = "cpu",
         on_run: Callable[[int, dict[str, np.ndarray]], None] | None = None,
     ) -> None:
         self.layout = layout
-        self.device = device
         self.graph_list = list(graphs)
         self._graph_index = {g.name: i for i, g in enumerate(graphs)}
         # called with (graph index, metadata) before every graph call: multi-rank broadcast
         self.on_run = on_run
-        self.static_inputs = static_inputs  # KV caches then weights, shared by every graph
         self.graphs = {
             (g.phase, g.tokens if g.phase == "prefill" else g.rows, g.context): g for g in graphs
         }
@@ -163,11 +159,11 @@ class Engine:
         self.waiting.append(seq)
         return seq
 
-    def abort(self, seq: SequenceState) -> None:
-        """Drop a request wherever it is and free its blocks (client went away)."""
+    def abort(self, seq: SequenceState, reason: str = "abort") -> None:
+        """End a request wherever it is and free its blocks (client went away, stop string)."""
         if seq.finished:
             return
-        seq.finish_reason = "abort"
+        seq.finish_reason = reason
         self._release(seq)
 
     def has_work(self) -> bool:
@@ -230,9 +226,7 @@ class Engine:
 
     def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
         """Run one graph on host metadata; returns the sampled tokens."""
-        inputs = [torch.from_numpy(meta[name]).to(self.device) for name in graph.meta_inputs]
-        (next_tokens,) = graph.run(inputs + self.static_inputs)
-        return next_tokens.cpu().numpy()
+        return graph.run([meta[name] for name in graph.meta_inputs])
 
     def _sampling_meta(self, rows: list[SequenceState], bucket: int) -> dict[str, np.ndarray]:
         meta = {

@@ -27,7 +27,10 @@ class GenerateRequest:
 
 
 def generate(
-    bundle_path: Path, request: GenerateRequest, dist_timeout_s: float = DEFAULT_TIMEOUT_S
+    bundle_path: Path,
+    request: GenerateRequest,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: str = "auto",
 ) -> dict[str, Any] | None:
     """Prompts run together (continuous batching); outputs come back in the order given.
 
@@ -38,13 +41,38 @@ def generate(
         raise RequestError("nothing to generate: give --prompt TEXT or --prompt-ids 1,2,3")
     world_size = read_bundle(bundle_path, verify=False).data["layout"]["world_size"]
     if world_size > 1 or launched_by_torchrun():
+        if executor != "auto":
+            raise RequestError(
+                f"--executor {executor} runs one rank; this bundle has {world_size} ranks"
+            )
         return run_ranks(
             bundle_path,
             world_size,
             lambda loaded: _generate(loaded, request),
             timeout_s=dist_timeout_s,
         )
-    return _generate(load(bundle_path), request)
+    return _generate(load(bundle_path, executor=executor), request)
+
+
+def serve_bundle(
+    bundle_path: Path,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: str = "auto",
+    **server_options: Any,
+) -> None:
+    """`neffkit run BUNDLE` without prompts: the HTTP server (rank 0 serves when tp > 1)."""
+    from neffkit.runtime.server import serve
+
+    world_size = read_bundle(bundle_path, verify=False).data["layout"]["world_size"]
+    if world_size > 1 or launched_by_torchrun():
+        run_ranks(
+            bundle_path,
+            world_size,
+            lambda loaded: serve(loaded, **server_options),
+            timeout_s=dist_timeout_s,
+        )
+        return
+    serve(load(bundle_path, executor=executor), **server_options)
 
 
 def _generate(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:

@@ -8,10 +8,10 @@ is loaded, each with the reason and a hint: target, torch version, CPU ISA, worl
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -20,6 +20,14 @@ from neffkit import host
 from neffkit.bundle import Bundle, read_bundle
 from neffkit.errors import BundleError
 from neffkit.runtime.engine import Engine, GraphEntry, Layout
+from neffkit.runtime.executors import (
+    AotiExecutor,
+    Executor,
+    NeuronExecutor,
+    XlaCpuExecutor,
+    check_neff,
+    choose_executor,
+)
 from neffkit.runtime.kv import allocate_kv_cache
 from neffkit.runtime.tokenizer import Tokenizer
 
@@ -36,7 +44,8 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
     data = bundle.data
     target = data["target"]
     built_torch = data["versions"]["torch"]
-    if _base_version(built_torch) != _base_version(torch.__version__):
+    # HLO modules and NEFFs do not depend on torch; AOTInductor packages do
+    if target != "neuron" and _base_version(built_torch) != _base_version(torch.__version__):
         raise BundleError(
             f"{bundle.root}: built with torch {built_torch}, this host has torch "
             f"{torch.__version__}"
@@ -59,7 +68,7 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
             )
     elif target == "cuda" and not torch.cuda.is_available():
         raise BundleError(f"{bundle.root}: a cuda bundle needs a CUDA device; none is visible")
-    elif target not in ("cpu", "cuda"):
+    elif target not in ("cpu", "cuda", "neuron"):
         raise BundleError(
             f"{bundle.root}: target {target!r} bundles cannot run in this runtime",
             hint="see the README's 'Targets' section",
@@ -80,16 +89,37 @@ class LoadedBundle:
     load_seconds: float
 
 
-def _load_executable(path: Path, device: str) -> Any:
-    device_index = 0 if device == "cuda" else -1
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, device_index)
-    return loader.run
+def runtime_lnc(bundle: Bundle) -> int:
+    """The logical-core size the Neuron runtime will use: its env setting, else the bundle's."""
+    configured = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    return int(configured) if configured else int(bundle.data["neuron"]["lnc"])
 
 
-def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = True) -> LoadedBundle:
+def _executor(
+    bundle: Bundle, requested: str, statics: list[torch.Tensor], names: list[str], rank: int
+) -> Executor:
+    chosen = choose_executor(bundle, requested)
+    if chosen == "xla-cpu":
+        return XlaCpuExecutor(statics, names)
+    if chosen == "neuron":
+        return NeuronExecutor(statics, names, rank, runtime_lnc(bundle))
+    return AotiExecutor(statics, names, "cuda" if bundle.target == "cuda" else "cpu")
+
+
+def load(
+    path: str | Path,
+    rank: int = 0,
+    world_size: int = 1,
+    verify: bool = True,
+    executor: str = "auto",
+) -> LoadedBundle:
     t0 = time.perf_counter()
     bundle = read_bundle(path, verify=verify)
     check_host(bundle, world_size)
+    # refuse a wrong executor or an unfit NEFF before loading any weights
+    if choose_executor(bundle, executor) == "neuron":
+        for g in bundle.graphs:
+            check_neff(bundle, g, runtime_lnc(bundle))
     data = bundle.data
     device = "cuda" if data["target"] == "cuda" else "cpu"
     lay = data["layout"]
@@ -99,6 +129,13 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
     dtype = getattr(torch, lay["dtype"])
     kv_shape = (lay["num_blocks"], lay["block_size"], lay["kv_heads_per_rank"], lay["head_dim"])
     kv = allocate_kv_cache(lay["num_layers"], kv_shape, dtype, device)
+    # `rank` (where graphs take it) is this process's own: it precedes the KV caches
+    rank_input = (
+        [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.get("rank_input") else []
+    )
+    kv_names = [f"{kind}_cache.{i}" for i in range(lay["num_layers"]) for kind in ("k", "v")]
+    names = ["rank"] * len(rank_input) + kv_names + list(weights_record["names"])
+    run_with = _executor(bundle, executor, rank_input + kv + weights, names, rank)
     entries = []
     # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"
     mine = [g for g in data["graphs"] if g["ranks"] == "all" or rank in g["ranks"]]
@@ -119,7 +156,7 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
                 b["tokens"],
                 b["context"],
                 meta,
-                _load_executable(bundle.path(g["artifact"]), device),
+                run_with.load(bundle, g, len(meta)),
             )
         )
     layout = Layout(
@@ -130,11 +167,7 @@ def load(path: str | Path, rank: int = 0, world_size: int = 1, verify: bool = Tr
         context_buckets=tuple(lay["buckets"]["context"]),
         eos_token_ids=tuple(data["model"]["eos_token_ids"]),
     )
-    # `rank` (where graphs take it) is this process's own: it precedes the KV caches
-    rank_input = (
-        [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.get("rank_input") else []
-    )
-    engine = Engine(entries, layout, rank_input + kv + weights, device=device)
+    engine = Engine(entries, layout)
     tokenizer = (
         Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
     )

@@ -1,0 +1,165 @@
+"""Load the OpenAI server with N concurrent streaming clients; report vLLM-style serving metrics.
+
+Definitions follow `vllm bench serve`: TTFT = first streamed token − request sent;
+TPOT = (e2e − TTFT) / (output tokens − 1) per request; ITL = gaps between streamed chunks;
+throughput = all output tokens / wall time of the whole run. Prompts are random token ids of a
+fixed length, outputs a fixed length with ignore_eos, so every request does the same work.
+
+    python bench/serve.py                         # demo bundle, concurrency 1 4 8, starts a server
+    python bench/serve.py --url http://host:8000  # an already running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, ensure_bundle, write_result  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def one_request(
+    http: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int
+) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    sent = time.perf_counter()
+    stamps: list[float] = []
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    stamps.append(time.perf_counter())
+    e2e = stamps[-1] - sent
+    ttft = stamps[0] - sent
+    return {
+        "ttft": ttft,
+        "tpot": (e2e - ttft) / max(out_len - 1, 1),
+        "itl": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        "e2e": e2e,
+        "tokens": out_len,
+    }
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {
+        "mean_ms": 1000 * statistics.fmean(values),
+        "median_ms": 1000 * statistics.median(values),
+        "p99_ms": 1000 * p99,
+    }
+
+
+async def run_level(
+    url: str, model: str, concurrency: int, requests: int, in_len: int, out_len: int, vocab: int
+) -> dict[str, Any]:
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(requests)]
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[dict[str, Any]] = []
+
+    async def client() -> None:
+        async with httpx.AsyncClient(timeout=300) as http:
+            while not queue.empty():
+                results.append(await one_request(http, url, model, queue.get_nowait(), out_len))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "requests_per_s": requests / wall,
+        "ttft": _stats([r["ttft"] for r in results]),
+        "tpot": _stats([r["tpot"] for r in results]),
+        "itl": _stats([g for r in results for g in r["itl"]]),
+        "e2e": _stats([r["e2e"] for r in results]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="A running server; default: start one on the demo bundle.")
+    ap.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--requests-per-client", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    args = ap.parse_args()
+
+    proc = None
+    url = args.url
+    if url is None:
+        ensure_bundle(REPO / "manifests" / "demo.yaml", args.bundle)
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "neffkit", "run", str(args.bundle), "--port", str(port)],
+            cwd=REPO,
+        )
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        vocab = 1000
+        levels = []
+        for c in args.concurrency:
+            level = asyncio.run(
+                run_level(url, model, c, c * args.requests_per_client, args.input_len,
+                          args.output_len, vocab)
+            )  # fmt: skip
+            levels.append(level)
+            print(
+                f"concurrency {c:>2}: {level['output_tokens_per_s']:8.1f} output tok/s, "
+                f"TTFT median {level['ttft']['median_ms']:.1f} ms, "
+                f"TPOT median {level['tpot']['median_ms']:.2f} ms, "
+                f"ITL p99 {level['itl']['p99_ms']:.2f} ms"
+            )
+        base = levels[0]["output_tokens_per_s"]
+        for level in levels:
+            level["throughput_vs_first"] = level["output_tokens_per_s"] / base
+        path = write_result(
+            "serve",
+            {
+                "bundle": str(args.bundle),
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "levels": levels,
+            },
+        )
+        print(f"written {path}")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""`neffkit build --verify`: run each built graph against the eager model on representative inputs.
+
+Representative inputs are real: the bundle's own weights (rank 0), a random but fixed prompt and
+K/V context, padded rows and tokens like the runtime sends, greedy sampling. The artifact runs
+where it can run here: the AOTInductor package (cpu, cuda) or the HLO module on XLA:CPU (neuron;
+the NEFF itself needs a NeuronCore). The graphs return sampled tokens, not logits, so the numbers
+recorded are token equality and the largest K/V-cache difference over every layer (every layer's
+K/V is a function of the hidden states before it). tp > 1 graphs are skipped: their eager model
+needs every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neffkit.compile.plan import GraphSpec
+from neffkit.compile.trace import ModelLayout, decoder_module
+from neffkit.errors import BuildError
+
+# largest K/V difference tolerated per dtype (fp32 differences seen: ≤ 1e-6)
+KV_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+
+# (inputs) → (next tokens, K/V cache tensors by input name)
+Runner = Callable[[list[torch.Tensor]], tuple[np.ndarray, dict[str, np.ndarray]]]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    tokens_equal: bool
+    max_kv_error: float
+    tolerance: float
+    executor: str
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens_equal and self.max_kv_error <= self.tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "tokens_equal": self.tokens_equal,
+            "max_kv_error": self.max_kv_error,
+            "tolerance": self.tolerance,
+            "executor": self.executor,
+        }
+
+
+def representative_inputs(
+    layout: ModelLayout, spec: GraphSpec, weights: list[torch.Tensor], seed: int = 0
+) -> list[torch.Tensor]:
+    """Flat graph inputs: rows with different context lengths, padding, random K/V context."""
+    _, specs = decoder_module(layout, spec)
+    gen = torch.Generator().manual_seed(seed)
+    bs, nb = layout.block_size, layout.num_blocks
+    blocks_per_row = min(spec.context // bs, (nb - 1) // spec.rows)
+    tables = np.full((spec.rows, spec.context // bs), -1, dtype=np.int64)
+    for r in range(spec.rows):  # distinct blocks per row: no two rows write one slot
+        tables[r, :blocks_per_row] = 1 + r * blocks_per_row + np.arange(blocks_per_row)
+    capacity = blocks_per_row * bs
+    vocab = layout.config.vocab_size
+    meta: dict[str, np.ndarray] = {"block_tables": tables}
+    t = spec.tokens
+    if spec.phase == "prefill":
+        valid = max(1, min(t - t // 4, capacity))  # a quarter of the tokens are padding
+        positions = np.where(np.arange(t) < valid, np.arange(t), 0)[None, :]
+        lens = np.array([valid])
+        meta["last_token_index"] = np.array([valid - 1])
+        live = np.arange(t)[None, :] < valid
+    else:
+        lens = np.array([max(1, capacity - 1 - 3 * r) for r in range(spec.rows)])
+        positions = (lens - 1)[:, None]
+        live = np.ones((spec.rows, 1), dtype=bool)
+    slots = np.take_along_axis(tables, positions // bs, axis=1) * bs + positions % bs
+    meta |= {
+        "input_ids": torch.randint(0, vocab, (spec.rows, t), generator=gen).numpy(),
+        "positions": positions.astype(np.int64),
+        "slot_mapping": np.where(live, slots, -1).astype(np.int64),
+        "context_lens": lens.astype(np.int64),
+        "temperature": np.zeros(spec.rows, np.float32),
+        "top_k": np.zeros(spec.rows, np.int64),
+        "top_p": np.ones(spec.rows, np.float32),
+        "seed": np.zeros(spec.rows, np.int64),
+    }
+    by_name = {w.name: i for i, w in enumerate(layout.weights)}
+    out = []
+    for s in specs:
+        dtype = getattr(torch, s.dtype)
+        if s.name in meta:
+            out.append(torch.from_numpy(np.ascontiguousarray(meta[s.name])).to(dtype))
+        elif s.name == "rank":
+            out.append(torch.zeros(1, dtype=torch.int64))
+        elif s.name.startswith(("k_cache.", "v_cache.")):
+            out.append((torch.randn(s.shape, generator=gen) * 0.5).to(dtype))
+        else:
+            out.append(weights[by_name[s.name]])
+    return out
+
+
+def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
+    module, specs = decoder_module(layout, spec)
+    names = [s.name for s in specs]
+
+    def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        with torch.no_grad():
+            tokens = module(*inputs)
+        return tokens.numpy(), _kv_by_name(names, inputs)
+
+    return run
+
+
+def aoti_runner(artifact: Path, names: list[str]) -> Runner:
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(artifact), "model", False, 1, -1)
+
+    def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        (tokens,) = loader.run(inputs)
+        return tokens.numpy(), _kv_by_name(names, inputs)
+
+    return run
+
+
+def xla_cpu_runner(proto: bytes, names: list[str], io_alias: list[dict[str, Any]]) -> Runner:
+    from neffkit.xla_cpu import XlaCpu
+
+    xla = XlaCpu()
+    executable = xla.compile(proto)
+
+    def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        outs = xla.run(executable, [xla.put(t.numpy()) for t in inputs])
+        kv = {a["input"]: np.asarray(outs[a["output"]]) for a in io_alias}
+        return np.asarray(outs[-1]), kv
+
+    return run
+
+
+def _kv_by_name(names: list[str], inputs: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    return {n: t.float().numpy() for n, t in zip(names, inputs, strict=True) if "_cache." in n}
+
+
+def verify_graph(
+    layout: ModelLayout,
+    spec: GraphSpec,
+    weights: list[torch.Tensor],
+    runner: Runner,
+    executor: str,
+) -> VerifyResult:
+    """Run eager and artifact on the same inputs (each on its own copy of the K/V caches)."""
+    inputs = representative_inputs(layout, spec, weights)
+    want_tokens, want_kv = eager_runner(layout, spec)([t.clone() for t in inputs])
+    try:
+        got_tokens, got_kv = runner([t.clone() for t in inputs])
+    except Exception as exc:
+        raise BuildError(f"{spec.name}: --verify could not run the artifact: {exc}") from exc
+    err = max(
+        float(np.abs(got_kv[name].astype(np.float64) - want_kv[name]).max()) for name in want_kv
+    )
+    return VerifyResult(
+        bool(np.array_equal(got_tokens, want_tokens)),
+        err,
+        KV_TOLERANCE.get(layout.dtype, 5e-2),
+        executor,
+    )

@@ -1,0 +1,169 @@
+"""Executors: how one bundle graph is called. The engine sees only `run(metadata) → tokens`.
+
+Each executor owns a rank's static inputs (its `rank` tensor where graphs take one, the K/V
+caches, the weights) in the form its runtime wants, binds them to every graph once, and keeps the
+K/V caches current through the graph's io-alias map:
+- `aotinductor` (cpu, cuda): AOTInductor packages mutate the K/V tensors in place.
+- `xla-cpu` (neuron bundles, lowered or compiled): the HLO modules on XLA:CPU; aliased K/V
+  buffers are donated and replaced by the outputs they alias. The test path for neuron bundles.
+- `neuron` (compiled neuron bundles on Trainium): NEFFs through the Neuron runtime's Python
+  bindings. Not runnable here (no NeuronCore); it checks every NEFF header first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from neffkit.bundle import Bundle
+from neffkit.errors import BundleError
+
+GraphRun = Callable[[list[np.ndarray]], np.ndarray]
+EXECUTORS = ("auto", "aotinductor", "xla-cpu", "neuron")
+
+
+class Executor(Protocol):
+    name: str
+
+    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun: ...
+
+
+def choose_executor(bundle: Bundle, requested: str) -> str:
+    """The executor for this bundle: `auto` picks the target's own; mismatches are refused."""
+    target, stage = bundle.target, bundle.data.get("stage", "compiled")
+    if requested not in EXECUTORS:
+        raise BundleError(f"unknown executor {requested!r}; choose from {', '.join(EXECUTORS)}")
+    own = "aotinductor" if target in ("cpu", "cuda") else "neuron"
+    chosen = own if requested == "auto" else requested
+    if target in ("cpu", "cuda") and chosen != "aotinductor":
+        raise BundleError(f"{bundle.root}: a {target} bundle runs with the aotinductor executor")
+    if target == "neuron" and chosen == "aotinductor":
+        raise BundleError(f"{bundle.root}: a neuron bundle has no AOTInductor packages")
+    if target == "neuron" and chosen == "neuron" and stage == "lowered":
+        raise BundleError(
+            f"{bundle.root}: this neuron bundle is lowered only (HLO modules, no NEFFs)",
+            hint="finish it with `neffkit compile BUNDLE` on a Neuron host, or run its HLO "
+            "on this host with `--executor xla-cpu`",
+        )
+    return chosen
+
+
+def _check_static_order(graph: dict[str, Any], num_meta: int, names: list[str]) -> None:
+    expected = [i["name"] for i in graph["inputs"][num_meta:]]
+    if expected != names:
+        raise BundleError(f"graph {graph['name']}: its inputs do not match the bundle's weights")
+
+
+class AotiExecutor:
+    name = "aotinductor"
+
+    def __init__(self, statics: list[torch.Tensor], names: list[str], device: str) -> None:
+        self.statics, self.names, self.device = statics, names, device
+
+    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
+        _check_static_order(graph, num_meta, self.names)
+        device_index = 0 if self.device == "cuda" else -1
+        package = str(bundle.path(graph["artifact"]))
+        runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, device_index)
+        statics, device = self.statics, self.device
+
+        def run(meta: list[np.ndarray]) -> np.ndarray:
+            inputs = [torch.from_numpy(m).to(device) for m in meta]
+            (next_tokens,) = runner.run(inputs + statics)
+            return next_tokens.cpu().numpy()
+
+        return run
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """torch → numpy, bfloat16 included (as ml_dtypes.bfloat16, which jax reads)."""
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+class XlaCpuExecutor:
+    name = "xla-cpu"
+
+    def __init__(self, statics: list[torch.Tensor], names: list[str]) -> None:
+        from neffkit.xla_cpu import XlaCpu
+
+        self.xla = XlaCpu()
+        self.names = names
+        self.index = {name: i for i, name in enumerate(names)}
+        self.arrays = [self.xla.put(to_numpy(t)) for t in statics]  # device-resident state
+
+    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
+        _check_static_order(graph, num_meta, self.names)
+        executable = self.xla.compile(bundle.path(graph["hlo"]).read_bytes())
+        aliases = [(self.index[a["input"]], a["output"]) for a in graph["io_alias"]]
+        xla, arrays = self.xla, self.arrays
+
+        def run(meta: list[np.ndarray]) -> np.ndarray:
+            outs = xla.run(executable, [xla.put(m) for m in meta] + arrays)
+            for static_index, output_index in aliases:  # donated inputs → their new values
+                arrays[static_index] = outs[output_index]
+            return np.asarray(outs[-1])
+
+        return run
+
+
+class NeuronExecutor:
+    """NEFFs on NeuronCores through nkipy's `spike` bindings over libnrt.
+
+    Not verified here: no NeuronCore or Neuron runtime exists on the hosts neffkit is tested on.
+    What is verified is everything before it: each NEFF's header against the bundle's record.
+    """
+
+    name = "neuron"
+
+    def __init__(self, statics: list[torch.Tensor], names: list[str], rank: int, lnc: int) -> None:
+        try:
+            import spike  # the Neuron runtime's Python bindings (Neuron DLAMI / nkipy)
+        except ImportError as exc:
+            raise BundleError(
+                "the neuron executor needs the Neuron runtime's Python bindings (`spike`), "
+                "which this host does not have",
+                hint="run on a Trainium host with the Neuron SDK, or run the bundle's HLO here "
+                "with `--executor xla-cpu`",
+            ) from exc
+        self.spike, self.rank, self.lnc = spike, rank, lnc
+        self.names = names
+        self.statics = {n: to_numpy(t) for n, t in zip(names, statics, strict=True)}
+
+    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
+        check_neff(bundle, graph, self.lnc)  # the loader checked already; cheap, and local
+        _check_static_order(graph, num_meta, self.names)
+        model = self.spike.SpikeModel.load_from_neff(str(bundle.path(graph["artifact"])))
+        meta_names = [i["name"] for i in graph["inputs"][:num_meta]]
+        statics = self.statics
+
+        def run(meta: list[np.ndarray]) -> np.ndarray:
+            outputs = model(inputs={**dict(zip(meta_names, meta, strict=True)), **statics})
+            return np.asarray(outputs[-1])
+
+        return run
+
+
+def check_neff(bundle: Bundle, graph: dict[str, Any], lnc: int | None) -> None:
+    """Refuse a NEFF whose header differs from what the bundle recorded, or from this runtime."""
+    from neffkit.neff import NeffError, compatibility_problems, read_header
+
+    path: Path = bundle.path(graph["artifact"])
+    try:
+        header = read_header(path)
+    except NeffError as exc:
+        raise BundleError(str(exc), hint="rebuild or recompile the bundle") from None
+    recorded = graph.get("artifact_metadata", {}).get("neff_header", {})
+    problems = compatibility_problems(header, recorded, lnc)
+    if problems:
+        raise BundleError(
+            f"{path}: this NEFF does not fit the bundle: {'; '.join(problems)}",
+            hint="recompile with `neffkit compile`, or set the runtime's lnc to the bundle's",
+        )

@@ -1,0 +1,69 @@
+"""Prometheus metrics for the server, named as vLLM names them where vLLM has the metric.
+
+Dashboards and alerts written for vLLM (`vllm:time_to_first_token_seconds`,
+`vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, token and request counters) work against
+neffkit unchanged; every series carries `model_name`. One registry per server, not the global one.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from neffkit.runtime.engine import Engine
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(
+                name, doc, ["model_name"], registry=r, buckets=_LATENCY_BUCKETS
+            ).labels(**label)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between streamed tokens.")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request arrival to last token.")
+        self.running = Gauge(
+            "vllm:num_requests_running", "Sequences in the decode batch.", ["model_name"],
+            registry=r,
+        ).labels(**label)  # fmt: skip
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for KV blocks or prefill.",
+            ["model_name"], registry=r,
+        ).labels(**label)  # fmt: skip
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+            ["model_name"], registry=r,
+        ).labels(**label)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens admitted.", ["model_name"], registry=r
+        ).labels(**label)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r
+        ).labels(**label)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests by reason.",
+            ["model_name", "finished_reason"], registry=r,
+        )  # fmt: skip
+        self._label = label
+
+    def observe_engine(self, engine: Engine) -> None:
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting) + len(engine.prefilling))
+        self.kv_usage.set(engine.kv_usage)
+
+    def finished(self, reason: str, e2e_seconds: float) -> None:
+        self._success.labels(finished_reason=reason, **self._label).inc()
+        if reason != "abort":
+            self.e2e.observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible server: a real `neffkit run` process driven by the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+# decode buckets up to 8, so 16 concurrent streams exercise batching and queueing
+SERVE_BUCKETS = {"prefill": [16], "decode": [1, 4, 8], "context": [64]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, bundle: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(self.port), *args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("server did not become healthy")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"), **kw)
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics").text
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
+    from tests.conftest import build_session_bundle
+
+    return build_session_bundle(
+        session_dir, hf_model_dir("llama"), "llama_serve", buckets=SERVE_BUCKETS
+    ).bundle
+
+
+@pytest.fixture(scope="module")
+def server(serve_bundle: Path) -> Iterator[Server]:
+    srv = Server(serve_bundle, "--served-model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+def _offline(bundle: Path, prompt: str, max_tokens: int) -> str:
+    out = run_cli(
+        "run", str(bundle), "--prompt", prompt, "--max-tokens", str(max_tokens), "--json",
+        check=True,
+    ).stdout  # fmt: skip
+    return json.loads(out)["outputs"][0]["text"]
+
+
+def test_completion_and_chat_match_offline_run(server: Server, serve_bundle: Path) -> None:
+    client = server.client()
+    prompt = "def main():\n    return"
+    want = _offline(serve_bundle, prompt, 10)
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert done.choices[0].text == want
+    assert done.usage.completion_tokens == 10 and done.usage.prompt_tokens > 0
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0
+    )
+    text = chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 8
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == text
+
+
+def test_models_health_version(server: Server, serve_bundle: Path) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    version = httpx.get(f"{server.url}/version").json()
+    assert (
+        version["bundle_digest"]
+        == __import__("hashlib").sha256((serve_bundle / "bundle.json").read_bytes()).hexdigest()
+    )
+
+
+def test_sixteen_concurrent_streams_equal_single_outputs(server: Server) -> None:
+    prompts = [list(range(3 + i, 10 + 2 * i)) for i in range(16)]
+    client = server.client()
+
+    def single(prompt: list[int]) -> str:
+        out = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    alone = [single(p) for p in prompts]
+
+    async def stream_all() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+        async def one(prompt: list[int]) -> str:
+            chunks = await aclient.completions.create(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    before = _counter(server.metrics(), "vllm:request_success_total")
+    together = asyncio.run(stream_all())
+    assert together == alone
+    metrics = server.metrics()
+    assert _counter(metrics, "vllm:request_success_total") - before == 16
+    assert "vllm:time_to_first_token_seconds_count" in metrics
+    assert "vllm:inter_token_latency_seconds_bucket" in metrics
+    assert _gauge(metrics, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def _gauge(text: str, name: str) -> float:
+    return _counter(text, name)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (b"{not json", None, "not valid JSON"),
+        ({"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "must be int"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens", "must be positive"),
+        ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "number"),
+        ({"model": "tiny", "prompt": 5}, "prompt", "prompt must be"),
+        ({"model": "tiny", "prompt": list(range(1, 70))}, "prompt", "context buckets: [64]"),
+        ({"model": "tiny", "prompt": "hi", "stop": 3}, "stop", "stop must be"),
+    ],
+)
+def test_bad_requests_get_400(server: Server, body, param, fragment) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = httpx.post(
+        f"{server.url}/v1/completions", content=content,
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+
+
+def test_chat_bad_messages_get_400(server: Server) -> None:
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+
+
+def test_disconnecting_clients_free_their_kv_blocks(server: Server) -> None:
+    async def leave_early(i: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": "tiny", "prompt": [5 + i, 6, 7], "max_tokens": 40, "stream": True,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            async with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # first token seen: hang up mid-stream
+
+    async def fifty() -> None:
+        await asyncio.gather(*(leave_early(i) for i in range(50)))
+
+    asyncio.run(fifty())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if (
+            _gauge(metrics, "vllm:kv_cache_usage_perc") == 0.0
+            and _gauge(metrics, "vllm:num_requests_running") == 0.0
+        ):
+            break
+        time.sleep(0.2)
+    assert _gauge(metrics, "vllm:kv_cache_usage_perc") == 0.0
+    assert _counter(metrics, "vllm:request_success_total") > 0
+    assert 'finished_reason="abort"' in metrics
+
+
+def test_api_key_is_required_when_set(serve_bundle: Path) -> None:
+    srv = Server(serve_bundle, "--api-key", "s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        assert srv.client(api_key="s3cret").models.list().data
+        assert httpx.get(f"{srv.url}/health").status_code == 200  # health needs no key
+    finally:
+        srv.stop()
+
+
+def test_server_binds_localhost_by_default(server: Server) -> None:
+    """The listening socket's local address, as the kernel reports it (/proc/net/tcp)."""
+    listening = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, port = local.split(":")
+        if state == "0A" and int(port, 16) == server.port:  # 0A: LISTEN
+            listening.append(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    assert listening == ["127.0.0.1"]
