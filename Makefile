@@ -28,6 +28,7 @@ lint: setup
 
 bench: setup
 	$(PY) bench/decode.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf bundles .pytest_cache

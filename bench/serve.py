@@ -5,7 +5,7 @@ TPOT = (e2e − TTFT) / (output tokens − 1) per request; ITL = gaps between st
 throughput = all output tokens / wall time of the whole run. Prompts are random token ids of a
 fixed length, outputs a fixed length with ignore_eos, so every request does the same work.
 
-    python bench/serve.py                         # demo bundle, concurrency 1 4 8, starts a server
+    python bench/serve.py                         # manifests/demo-serve.yaml, concurrency 1 4 8
     python bench/serve.py --url http://host:8000  # an already running server
 """
 
@@ -100,12 +100,33 @@ async def run_level(
     }
 
 
+def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab: int) -> float:
+    """Output tokens/s of the same work through Engine.generate in this process, no HTTP: the
+    ceiling the server is measured against (same intra-op threads as the server's engine core)."""
+    import os
+
+    import torch
+
+    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.loader import load
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    engine = load(bundle).engine
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(concurrency)]
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    return concurrency * out_len / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="A running server; default: start one on the demo bundle.")
-    ap.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama")
+    ap.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama-serve")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--requests-per-client", type=int, default=8)
+    ap.add_argument("--requests-per-client", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
@@ -113,7 +134,7 @@ def main() -> None:
     proc = None
     url = args.url
     if url is None:
-        ensure_bundle(REPO / "manifests" / "demo.yaml", args.bundle)
+        ensure_bundle(REPO / "manifests" / "demo-serve.yaml", args.bundle)
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         proc = subprocess.Popen(
@@ -145,6 +166,14 @@ def main() -> None:
         base = levels[0]["output_tokens_per_s"]
         for level in levels:
             level["throughput_vs_first"] = level["output_tokens_per_s"] / base
+            if args.url is None:
+                level["engine_only_tokens_per_s"] = engine_only(
+                    args.bundle, level["concurrency"], args.input_len, args.output_len, vocab
+                )
+                print(
+                    f"concurrency {level['concurrency']:>2}: engine alone (no HTTP) "
+                    f"{level['engine_only_tokens_per_s']:8.1f} output tok/s"
+                )
         path = write_result(
             "serve",
             {

@@ -240,3 +240,24 @@ def test_server_binds_localhost_by_default(server: Server) -> None:
         if state == "0A" and int(port, 16) == server.port:  # 0A: LISTEN
             listening.append(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
     assert listening == ["127.0.0.1"]
+
+
+def test_tp2_bundle_serves_from_rank0(tp_bundle) -> None:
+    """With tp > 1 the engine core is rank 0 and starts the other rank, as offline runs do."""
+    bundle = tp_bundle("qwen3").bundle
+    prompt = [7, 8, 9, 10, 11]
+    offline = run_cli(
+        "run", str(bundle), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "8",
+        "--ignore-eos", "--json", check=True,
+    ).stdout  # fmt: skip
+    want = json.loads(offline)["outputs"][0]["text"]
+    srv = Server(bundle)
+    try:
+        model = srv.client().models.list().data[0].id
+        out = srv.client().completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.choices[0].text == want
+    finally:
+        srv.stop()

@@ -60,19 +60,10 @@ def serve_bundle(
     executor: str = "auto",
     **server_options: Any,
 ) -> None:
-    """`neffkit run BUNDLE` without prompts: the HTTP server (rank 0 serves when tp > 1)."""
+    """`neffkit run BUNDLE` without prompts: the HTTP server (its engine core is rank 0)."""
     from neffkit.runtime.server import serve
 
-    world_size = read_bundle(bundle_path, verify=False).data["layout"]["world_size"]
-    if world_size > 1 or launched_by_torchrun():
-        run_ranks(
-            bundle_path,
-            world_size,
-            lambda loaded: serve(loaded, **server_options),
-            timeout_s=dist_timeout_s,
-        )
-        return
-    serve(load(bundle_path, executor=executor), **server_options)
+    serve(bundle_path, executor=executor, dist_timeout_s=dist_timeout_s, **server_options)
 
 
 def _generate(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:

@@ -81,6 +81,19 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
         )
 
 
+def engine_layout(bundle: Bundle) -> Layout:
+    """The scheduler's view of a bundle (buckets, blocks, EOS), from bundle.json alone."""
+    lay = bundle.data["layout"]
+    return Layout(
+        block_size=lay["block_size"],
+        num_blocks=lay["num_blocks"],
+        prefill_buckets=tuple(lay["buckets"]["prefill"]),
+        decode_buckets=tuple(lay["buckets"]["decode"]),
+        context_buckets=tuple(lay["buckets"]["context"]),
+        eos_token_ids=tuple(bundle.data["model"]["eos_token_ids"]),
+    )
+
+
 @dataclass
 class LoadedBundle:
     bundle: Bundle
@@ -159,15 +172,7 @@ def load(
                 run_with.load(bundle, g, len(meta)),
             )
         )
-    layout = Layout(
-        block_size=lay["block_size"],
-        num_blocks=lay["num_blocks"],
-        prefill_buckets=tuple(lay["buckets"]["prefill"]),
-        decode_buckets=tuple(lay["buckets"]["decode"]),
-        context_buckets=tuple(lay["buckets"]["context"]),
-        eos_token_ids=tuple(data["model"]["eos_token_ids"]),
-    )
-    engine = Engine(entries, layout)
+    engine = Engine(entries, engine_layout(bundle))
     tokenizer = (
         Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
     )

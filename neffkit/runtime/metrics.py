@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from neffkit.runtime.engine import Engine
-
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
@@ -55,10 +53,11 @@ class Metrics:
         )  # fmt: skip
         self._label = label
 
-    def observe_engine(self, engine: Engine) -> None:
-        self.running.set(len(engine.running))
-        self.waiting.set(len(engine.waiting) + len(engine.prefilling))
-        self.kv_usage.set(engine.kv_usage)
+    def observe_stats(self, running: int, waiting: int, kv_usage: float) -> None:
+        """The scheduler's state after an engine step (sent by the engine core)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
 
     def finished(self, reason: str, e2e_seconds: float) -> None:
         self._success.labels(finished_reason=reason, **self._label).inc()

@@ -15,17 +15,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import neffkit
+from neffkit.bundle import Bundle, read_bundle
 from neffkit.errors import RequestError
-from neffkit.runtime.engine import SamplingParams
-from neffkit.runtime.loader import LoadedBundle
+from neffkit.runtime.engine import Engine, SamplingParams
+from neffkit.runtime.engine_core import start_core
+from neffkit.runtime.loader import engine_layout
 from neffkit.runtime.metrics import Metrics
-from neffkit.runtime.serving import EngineLoop, Event, ServerBusy, Stream, parse_stop
+from neffkit.runtime.serving import EngineClient, Event, ServerBusy, Stream, parse_stop
+from neffkit.runtime.tokenizer import Tokenizer
 
 # used when the bundle's tokenizer has no chat template (documented in the README)
 DEFAULT_CHAT_TEMPLATE = (
@@ -118,17 +122,18 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 class App:
     def __init__(
         self,
-        loaded: LoadedBundle,
-        engine_loop: EngineLoop,
+        bundle: Bundle,
+        tokenizer: Tokenizer | None,
+        engine_loop: EngineClient,
         metrics: Metrics,
         model_name: str,
         api_key: str | None = None,
     ) -> None:
-        self.loaded, self.loop, self.metrics = loaded, engine_loop, metrics
+        self.loop, self.metrics = engine_loop, metrics
         self.model_name, self.api_key = model_name, api_key
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = tokenizer
         self.created = int(time.time())
-        self.digest = loaded.bundle.digest
+        self.digest = bundle.digest
         self.chat_template = self._chat_template()
 
     def _chat_template(self) -> Any:
@@ -311,7 +316,6 @@ def create_app(app_state: App) -> FastAPI:
 
     @api.get("/metrics")
     async def metrics() -> Response:
-        s.metrics.observe_engine(s.loop.engine)
         return Response(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")
@@ -324,7 +328,7 @@ def create_app(app_state: App) -> FastAPI:
                     "object": "model",
                     "created": s.created,
                     "owned_by": "neffkit",
-                    "max_model_len": s.loop.engine.max_model_len,
+                    "max_model_len": s.loop.max_model_len,
                 }
             ],
         }
@@ -397,24 +401,34 @@ def create_app(app_state: App) -> FastAPI:
 
 
 def serve(
-    loaded: LoadedBundle,
+    bundle_path: Path,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
     model_name: str | None = None,
     max_waiting: int = 256,
+    executor: str = "auto",
+    dist_timeout_s: float = 60.0,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; the engine loop runs in its own thread."""
+    """Serve until SIGINT/SIGTERM. The engine runs in its own process (runtime/engine_core)."""
     import uvicorn
 
-    name = model_name or loaded.bundle.data["manifest"]["name"]
+    bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
+    name = model_name or bundle.data["manifest"]["name"]
+    tokenizer = (
+        Tokenizer.from_dir(bundle.path(bundle.data["tokenizer"]))
+        if bundle.data.get("tokenizer")
+        else None
+    )
     metrics = Metrics(name)
-    engine_loop = EngineLoop(loaded.engine, loaded.tokenizer, metrics, max_waiting)
-    engine_loop.start()
-    api = create_app(App(loaded, engine_loop, metrics, name, api_key))
-    config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
-    print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)
+    core, conn = start_core(bundle_path, executor, dist_timeout_s)
+    validator = Engine([], engine_layout(bundle))  # buckets and blocks only, no graphs
+    client = EngineClient(core, conn, validator, tokenizer, metrics, max_waiting)
     try:
+        client.start()
+        api = create_app(App(bundle, tokenizer, client, metrics, name, api_key))
+        config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
+        print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)
         uvicorn.Server(config).run()
     finally:
-        engine_loop.stop()
+        client.stop()

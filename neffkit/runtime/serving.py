@@ -1,21 +1,26 @@
-"""The engine behind the HTTP server: one thread drives `Engine.step`, requests stream tokens back.
+"""The server's side of the engine: requests in, streamed text out, over the engine core's pipe.
 
-The engine is not thread-safe, so exactly one thread (the engine loop) touches it. HTTP handlers
-hand it work through a locked inbox (submit, abort) and get events back through a callback that
-the server turns into an asyncio queue per request. Detokenisation, stop strings and the latency
-metrics (TTFT, inter-token latency, end-to-end) live here, next to the tokens they measure.
+The engine runs in its own process (runtime/engine_core.py). This side validates requests against
+the bundle's buckets before they are sent (a 400, not a failed sequence), bounds the queue (503),
+detokenises incrementally, applies stop strings, and records the latency metrics (TTFT,
+inter-token latency, end-to-end) next to the tokens they measure. A reader thread receives one
+message per engine step and hands each request's events to its callback.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
-from neffkit.errors import RequestError
-from neffkit.runtime.engine import Engine, SamplingParams, SequenceState
+from neffkit.errors import BundleError, RequestError
+from neffkit.runtime.engine import Engine, SamplingParams
+from neffkit.runtime.engine_core import FAILED, READY, STEP
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.tokenizer import Tokenizer
 
@@ -37,51 +42,71 @@ class Event:
 
 @dataclass
 class Stream:
-    """One request as the engine loop tracks it."""
+    """One request as the server tracks it."""
 
+    rid: int
     prompt_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
     emit: Callable[[Event], None]
     arrived: float = field(default_factory=time.perf_counter)
-    seq: SequenceState | None = None
-    sent_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
     sent_text: str = ""
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
 
 
-class EngineLoop:
-    """Owns the engine; `submit` and `abort` are safe from any thread."""
+class EngineClient:
+    """Talks to the engine core; `submit` and `abort` are safe from any thread."""
 
     def __init__(
         self,
-        engine: Engine,
+        core: BaseProcess,
+        conn: Connection,
+        validator: Engine,
         tokenizer: Tokenizer | None,
         metrics: Metrics,
         max_waiting: int = 256,
     ) -> None:
-        self.engine = engine
+        self.core, self.conn = core, conn
+        self.validator = validator  # graphless Engine: the bundle's buckets and block counts
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self._inbox: list[Stream] = []
-        self._aborts: list[Stream] = []
+        self._ids = itertools.count()
         self._live: dict[int, Stream] = {}
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="neffkit-engine", daemon=True)
+        self._lock = threading.Lock()  # guards _live and the pipe's send side
+        self._error: str | None = None
+        self._reader = threading.Thread(target=self._read, name="neffkit-engine-io", daemon=True)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.validator.max_model_len
 
     def start(self) -> None:
-        self._thread.start()
+        """Wait until the core has loaded the bundle (or say why it could not)."""
+        try:
+            kind, detail = self.conn.recv()
+        except EOFError:
+            kind, detail = FAILED, f"the engine process exited (code {self.core.exitcode})"
+        if kind != READY:
+            raise BundleError(f"the engine could not start: {detail}")
+        self._reader.start()
 
     def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
+        with self._lock:
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+        self.core.join(timeout=30)
+        if self.core.is_alive():
+            self.core.terminate()
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self.core.is_alive()
 
     # ------------------------------------------------------------ any thread
 
@@ -92,81 +117,73 @@ class EngineLoop:
         stop: tuple[str, ...],
         emit: Callable[[Event], None],
     ) -> Stream:
-        """Validate against the bundle's buckets (RequestError → 400) and queue the request."""
+        """Validate (RequestError → 400), bound the queue (→ 503), send to the core."""
         if self._error is not None:
             raise RuntimeError(f"the engine stopped: {self._error}")
-        self.engine.validate(prompt_ids, params)  # reads only the layout: safe here
-        stream = Stream(prompt_ids, params, stop, emit)
-        with self._wake:
-            waiting = len(self._inbox) + len(self.engine.waiting)
-            if waiting >= self.max_waiting:
+        self.validator.validate(prompt_ids, params)
+        with self._lock:
+            queued = sum(1 for s in self._live.values() if s.first_token_at is None)
+            if queued >= self.max_waiting:
                 raise ServerBusy(
-                    f"server busy: {waiting} requests already waiting for KV-cache blocks "
+                    f"server busy: {queued} requests already waiting for KV-cache blocks "
                     f"(limit {self.max_waiting}, --max-waiting)"
                 )
-            self._inbox.append(stream)
-            self._wake.notify()
+            stream = Stream(next(self._ids), list(prompt_ids), params, stop, emit)
+            self._live[stream.rid] = stream
+            self.conn.send(("add", stream.rid, stream.prompt_ids, params))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         return stream
 
-    def abort(self, stream: Stream) -> None:
-        """The client went away: free its sequence and KV blocks (idempotent)."""
-        with self._wake:
-            self._aborts.append(stream)
-            self._wake.notify()
+    def abort(self, stream: Stream, reason: str = "abort") -> None:
+        """The client went away (or a stop string matched): the core frees its KV blocks."""
+        with self._lock:
+            if stream.done:
+                return
+            stream.done = True
+            self._live.pop(stream.rid, None)
+            self.conn.send(("abort", stream.rid, reason))
+        self.metrics.finished(reason, time.perf_counter() - stream.arrived)
 
-    @property
-    def healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+    # ------------------------------------------------------------ reader thread
 
-    # ------------------------------------------------------------ engine thread
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError):
+                kind, payload = FAILED, "the engine process exited"
+            if kind == FAILED:
+                self._fail(str(payload))
+                return
+            if kind == STEP:
+                outputs, stats = payload
+                for rid, new_ids, finish in outputs:
+                    with self._lock:
+                        stream = self._live.get(rid)
+                    if stream is not None:
+                        self._deliver(stream, new_ids, finish)
+                if stats is not None:
+                    self.metrics.observe_stats(*stats)
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._wake:
-                    while not (
-                        self._stopping or self._inbox or self._aborts or self.engine.has_work()
-                    ):
-                        self._wake.wait()
-                    if self._stopping:
-                        return
-                    inbox, self._inbox = self._inbox, []
-                    aborts, self._aborts = self._aborts, []
-                for stream in inbox:
-                    stream.seq = self.engine.add_request(stream.prompt_ids, stream.params)
-                    self._live[stream.seq.request_id] = stream
-                    self.metrics.prompt_tokens.inc(len(stream.prompt_ids))
-                for stream in aborts:
-                    self._finish(stream, "abort", notify=False)
-                if self.engine.has_work():
-                    for seq in self.engine.step():
-                        stream = self._live.get(seq.request_id)
-                        if stream is not None:
-                            self._deliver(stream)
-                self.metrics.observe_engine(self.engine)
-        except BaseException as exc:  # a graph failed: fail every open request, say why
-            self._error = exc
-            for stream in list(self._live.values()):
-                stream.emit(Event("", [], finish_reason="error"))
-            raise
+    def _fail(self, detail: str) -> None:
+        self._error = detail
+        with self._lock:
+            streams, self._live = list(self._live.values()), {}
+        for stream in streams:
+            stream.emit(Event("", [], finish_reason="error"))
 
-    def _deliver(self, stream: Stream) -> None:
-        seq = stream.seq
-        assert seq is not None
+    def _deliver(self, stream: Stream, new_ids: list[int], finish: str | None) -> None:
         now = time.perf_counter()
-        new_ids = seq.output_ids[stream.sent_tokens :]
-        if not new_ids:
-            return
-        if stream.first_token_at is None:
-            stream.first_token_at = now
-            self.metrics.ttft.observe(now - stream.arrived)
-        elif stream.last_token_at is not None:
-            self.metrics.itl.observe(now - stream.last_token_at)
-        stream.last_token_at = now
-        self.metrics.generation_tokens.inc(len(new_ids))
-        stream.sent_tokens = len(seq.output_ids)
-        text = self.tokenizer.decode(seq.output_ids) if self.tokenizer else ""
-        finish = seq.finish_reason
+        if new_ids:
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+                self.metrics.ttft.observe(now - stream.arrived)
+            elif stream.last_token_at is not None:
+                self.metrics.itl.observe(now - stream.last_token_at)
+            stream.last_token_at = now
+            self.metrics.generation_tokens.inc(len(new_ids))
+            stream.output_ids += new_ids
+        text = self.tokenizer.decode(stream.output_ids) if self.tokenizer else ""
         cut = _first_stop(text, stream.stop, len(stream.sent_text))
         if cut is not None:
             text, finish = text[:cut], "stop"
@@ -175,20 +192,16 @@ class EngineLoop:
         delta = ""
         if text.startswith(stream.sent_text):  # decoding a longer prefix never rewrites the past
             delta, stream.sent_text = text[len(stream.sent_text) :], text
-        stream.emit(Event(delta, new_ids, finish, len(stream.prompt_ids), stream.sent_tokens))
+        event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids))
         if finish is not None:
-            self._finish(stream, finish, notify=False)
-
-    def _finish(self, stream: Stream, reason: str, notify: bool) -> None:
-        if stream.done:
-            return
-        stream.done = True
-        if stream.seq is not None:
-            self.engine.abort(stream.seq, reason)
-            self._live.pop(stream.seq.request_id, None)
-        self.metrics.finished(reason, time.perf_counter() - stream.arrived)
-        if notify:
-            stream.emit(Event("", [], reason))
+            if cut is not None:
+                self.abort(stream, "stop")  # the core has not finished it: free its blocks
+            else:
+                with self._lock:
+                    stream.done = True
+                    self._live.pop(stream.rid, None)
+                self.metrics.finished(finish, now - stream.arrived)
+        stream.emit(event)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int | None:
