@@ -27,8 +27,15 @@ lint: setup
 	.venv/bin/ruff format --check neffkit tests bench tools
 
 bench: setup
-	$(PY) bench/decode.py
+	$(PY) bench/decode.py --batch 1 4 8 --manifest manifests/demo-serve.yaml --bundle bundles/demo-llama-serve
 	$(PY) bench/serve.py
+	$(PY) bench/overhead.py
+	$(PY) bench/startup.py
+	$(PY) bench/matrix.py
+	$(PY) bench/roofline.py
+	$(PY) bench/build.py
+	$(PY) bench/tp.py
+	$(PY) bench/report.py --write-readme
 
 clean:
 	rm -rf bundles .pytest_cache

@@ -58,7 +58,9 @@ class HFDecoder:
     def __init__(self, model_dir: Path, compiled: bool, max_len: int) -> None:
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32
+        ).eval()
         self.compiled = compiled
         self.max_len = max_len
         self.forward = (
