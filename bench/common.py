@@ -25,6 +25,22 @@ def ensure_bundle(manifest: Path, bundle: Path) -> Path:
     return bundle
 
 
+def decode_step_times(engine: Any, prompts: list[list[int]], steps: int) -> list[float]:
+    """Wall time of each engine step once every sequence is decoding (host work included)."""
+    from neffkit.runtime.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    times = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

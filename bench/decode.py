@@ -16,30 +16,17 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, HFDecoder, ensure_bundle, machine_description, median, write_result  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    HFDecoder,
+    decode_step_times,
+    ensure_bundle,
+    machine_description,
+    median,
+    write_result,
+)
 
-from neffkit.runtime.engine import SamplingParams  # noqa: E402
 from neffkit.runtime.loader import load  # noqa: E402
-
-
-def neffkit_decode_times(engine, prompts: list[list[int]], steps: int) -> list[float]:
-    """Wall time of each engine step once every sequence is decoding (host work included)."""
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while any(not s.output_ids for s in seqs):
-        engine.step()
-    times = []
-    while engine.has_work():
-        times.append(_timed_step(engine))
-    return times
-
-
-def _timed_step(engine) -> float:
-    import time
-
-    t0 = time.perf_counter()
-    engine.step()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -68,7 +55,7 @@ def main() -> None:
         compiled.decode_times(prompt_t, 4)  # compile + warm-up, not timed
         samples = {"neffkit": [], "hf_eager": [], "hf_compile": []}
         for _ in range(args.rounds):
-            samples["neffkit"] += neffkit_decode_times(loaded.engine, prompts.tolist(), args.steps)
+            samples["neffkit"] += decode_step_times(loaded.engine, prompts.tolist(), args.steps)
             samples["hf_eager"] += eager.decode_times(prompt_t, args.steps)
             samples["hf_compile"] += compiled.decode_times(prompt_t, args.steps)
         ms = {k: 1000 * median(v) for k, v in samples.items()}

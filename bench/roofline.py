@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work"
 
@@ -85,16 +85,8 @@ def main() -> None:
     bandwidth = read_bandwidth()
     engine = load(bundle).engine
     prompt = list(range(3, 3 + args.context))
-    params_ = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    seq = engine.add_request(prompt, params_)
-    while not seq.output_ids:
-        engine.step()
-    times = []
-    while engine.has_work():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
+    times = decode_step_times(engine, [prompt], args.steps)
     measured = statistics.median(times)
     bound = bytes_per_token / bandwidth
     result = {

@@ -12,15 +12,13 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
-from neffkit.runtime.engine import SamplingParams  # noqa: E402
 from neffkit.runtime.loader import load  # noqa: E402
 
 BUCKETS = {"prefill": [32], "decode": [1], "context": [256]}
@@ -53,20 +51,6 @@ def manifest_for(tp: int, out_dir: Path) -> Path:
     return path
 
 
-def step_times(engine, steps: int) -> list[float]:
-    seq = engine.add_request(
-        list(range(1, 17)), SamplingParams(max_tokens=steps + 1, ignore_eos=True)
-    )
-    while not seq.output_ids:
-        engine.step()
-    times = []
-    while engine.has_work():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def all_reduce_seconds(hidden: int, iters: int = 2000) -> float:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29671", "WORLD_SIZE": "2"}
     cmd = [sys.executable, "-c", ALL_REDUCE_BENCH, str(hidden), str(iters)]
@@ -87,7 +71,11 @@ def main() -> None:
     tp2 = ensure_bundle(manifest_for(2, bundles), bundles / "demo-tp2")
 
     engine = load(tp1).engine
-    t1 = [t for _ in range(args.rounds) for t in step_times(engine, args.steps)]
+    t1 = [
+        t
+        for _ in range(args.rounds)
+        for t in decode_step_times(engine, [list(range(1, 17))], args.steps)
+    ]
 
     from neffkit.runtime.distributed import run_ranks
 
@@ -95,7 +83,9 @@ def main() -> None:
         tp2,
         2,
         lambda loaded: [
-            t for _ in range(args.rounds) for t in step_times(loaded.engine, args.steps)
+            t
+            for _ in range(args.rounds)
+            for t in decode_step_times(loaded.engine, [list(range(1, 17))], args.steps)
         ],
     )
     model = load(tp1, verify=False).bundle.data["model"]

@@ -39,6 +39,25 @@ def train_tokenizer(vocab_size: int, files: list[str]) -> Tokenizer:
     return tok
 
 
+def demo_config(
+    vocab_size: int, eos_id: int, hidden: int, layers: int, initializer_range: float
+) -> transformers.LlamaConfig:
+    """The demo architecture: GQA (4 query, 2 KV heads), tied embeddings, 3x MLP."""
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        initializer_range=initializer_range,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out", type=Path)
@@ -67,19 +86,7 @@ def main() -> None:
     )
 
     torch.manual_seed(args.seed)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=eos_id,
-        bos_token_id=None,
-        initializer_range=0.1,
-    )
+    config = demo_config(tok.get_vocab_size(), eos_id, args.hidden, args.layers, 0.1)
     transformers.LlamaForCausalLM(config).save_pretrained(args.out)
     print(f"wrote {args.out} (vocab {tok.get_vocab_size()}, eos {eos_id})")
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from make_demo_model import EOS, demo_config  # tools/ is this script's directory
 from tokenizers import Tokenizer
 
-EOS = "<|endoftext|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -86,19 +86,7 @@ def main() -> None:
     train, held_out = data[:split], data[split:]
     print(f"corpus: {len(data) / 1e6:.1f}M tokens ({time.perf_counter() - t0:.1f}s to encode)")
 
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tok.token_to_id(EOS),
-        bos_token_id=None,
-        initializer_range=0.02,
-    )
+    config = demo_config(tok.get_vocab_size(), tok.token_to_id(EOS), args.hidden, args.layers, 0.02)
     model = transformers.LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, {args.steps} steps of {args.batch}x{args.seq}")
