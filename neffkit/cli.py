@@ -198,13 +198,15 @@ def run(
     max_waiting: int,
 ) -> None:
     """Generate from BUNDLE (with --prompt/--prompt-ids), or serve the OpenAI API (without)."""
-    from neffkit.runtime.generate import GenerateRequest, generate, serve_bundle
+    from neffkit.runtime.generate import GenerateRequest, generate
 
-    if not prompts and not prompt_ids:
-        serve_bundle(
+    if not prompts and not prompt_ids:  # no prompt: serve the OpenAI API
+        from neffkit.runtime.server import serve
+
+        serve(
             bundle,
-            dist_timeout,
-            executor,
+            executor=executor,
+            dist_timeout_s=dist_timeout,
             host=host,
             port=port,
             api_key=api_key,

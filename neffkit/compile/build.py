@@ -256,9 +256,10 @@ def build(
                 suffix = backend.artifact_suffix
                 if neuron:  # neuronx-cc writes straight into graphs/
                     compile_neffs(manifest, backend, stage, misses, run_parallel, progress)
-                    for g in misses if cache is not None else []:
-                        neff = stage / "graphs" / f"{g.stem}{suffix}"
-                        cache.store(g.key, neff, _cache_extra(g))
+                    if cache is not None:
+                        for g in misses:
+                            neff = stage / "graphs" / f"{g.stem}{suffix}"
+                            cache.store(g.key, neff, _cache_extra(g))
                     counters["compiled"] = len(misses)
                     misses = []
                 work = [

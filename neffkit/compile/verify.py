@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from neffkit.compile.plan import GraphSpec
-from neffkit.compile.trace import ModelLayout, decoder_module
+from neffkit.compile.trace import ModelLayout, decoder_module, graph_inputs
 from neffkit.errors import BuildError
 
 # largest K/V difference tolerated per dtype (fp32 differences seen: ≤ 1e-6)
@@ -55,7 +55,7 @@ def representative_inputs(
     layout: ModelLayout, spec: GraphSpec, weights: list[torch.Tensor], seed: int = 0
 ) -> list[torch.Tensor]:
     """Flat graph inputs: rows with different context lengths, padding, random K/V context."""
-    _, specs = decoder_module(layout, spec)
+    _, specs = graph_inputs(layout, spec)
     gen = torch.Generator().manual_seed(seed)
     bs, nb = layout.block_size, layout.num_blocks
     blocks_per_row = min(spec.context // bs, (nb - 1) // spec.rows)

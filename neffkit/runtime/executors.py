@@ -138,7 +138,6 @@ class NeuronExecutor:
         self.statics = {n: to_numpy(t) for n, t in zip(names, statics, strict=True)}
 
     def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
-        check_neff(bundle, graph, self.lnc)  # the loader checked already; cheap, and local
         _check_static_order(graph, num_meta, self.names)
         model = self.spike.SpikeModel.load_from_neff(str(bundle.path(graph["artifact"])))
         meta_names = [i["name"] for i in graph["inputs"][:num_meta]]

@@ -54,18 +54,6 @@ def generate(
     return _generate(load(bundle_path, executor=executor), request)
 
 
-def serve_bundle(
-    bundle_path: Path,
-    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
-    executor: str = "auto",
-    **server_options: Any,
-) -> None:
-    """`neffkit run BUNDLE` without prompts: the HTTP server (its engine core is rank 0)."""
-    from neffkit.runtime.server import serve
-
-    serve(bundle_path, executor=executor, dist_timeout_s=dist_timeout_s, **server_options)
-
-
 def _generate(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
     tok = loaded.tokenizer
     if request.texts and tok is None:

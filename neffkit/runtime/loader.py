@@ -109,9 +109,8 @@ def runtime_lnc(bundle: Bundle) -> int:
 
 
 def _executor(
-    bundle: Bundle, requested: str, statics: list[torch.Tensor], names: list[str], rank: int
+    bundle: Bundle, chosen: str, statics: list[torch.Tensor], names: list[str], rank: int
 ) -> Executor:
-    chosen = choose_executor(bundle, requested)
     if chosen == "xla-cpu":
         return XlaCpuExecutor(statics, names)
     if chosen == "neuron":
@@ -130,7 +129,8 @@ def load(
     bundle = read_bundle(path, verify=verify)
     check_host(bundle, world_size)
     # refuse a wrong executor or an unfit NEFF before loading any weights
-    if choose_executor(bundle, executor) == "neuron":
+    chosen = choose_executor(bundle, executor)
+    if chosen == "neuron":
         for g in bundle.graphs:
             check_neff(bundle, g, runtime_lnc(bundle))
     data = bundle.data
@@ -148,7 +148,7 @@ def load(
     )
     kv_names = [f"{kind}_cache.{i}" for i in range(lay["num_layers"]) for kind in ("k", "v")]
     names = ["rank"] * len(rank_input) + kv_names + list(weights_record["names"])
-    run_with = _executor(bundle, executor, rank_input + kv + weights, names, rank)
+    run_with = _executor(bundle, chosen, rank_input + kv + weights, names, rank)
     entries = []
     # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"
     mine = [g for g in data["graphs"] if g["ranks"] == "all" or rank in g["ranks"]]

@@ -28,7 +28,7 @@ from neffkit.runtime.engine import Engine, SamplingParams
 from neffkit.runtime.engine_core import start_core
 from neffkit.runtime.loader import engine_layout
 from neffkit.runtime.metrics import Metrics
-from neffkit.runtime.serving import EngineClient, Event, ServerBusy, Stream, parse_stop
+from neffkit.runtime.serving import EngineClient, Event, ServerBusy, Stream
 from neffkit.runtime.tokenizer import Tokenizer
 
 # used when the bundle's tokenizer has no chat template (documented in the README)
@@ -104,10 +104,14 @@ class Parsed:
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    try:
-        return parse_stop(body.get("stop"))
-    except RequestError as exc:
-        raise BadRequest(exc.message, "stop") from None
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise BadRequest("stop must be a string or a list of strings", "stop")
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -217,7 +221,7 @@ class App:
 
     async def collect(self, request: Request, stream: Stream, queue: asyncio.Queue[Event]) -> Event:
         """Wait for the whole output; abort if the client disconnects meanwhile."""
-        text, ids, last = [], [], Event("", [])
+        text, ids = [], []
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
@@ -228,10 +232,9 @@ class App:
                 continue
             text.append(event.text)
             ids += event.token_ids
-            last = event
             if event.finish_reason is not None:
-                return Event("".join(text), ids, event.finish_reason, last.prompt_tokens,
-                             last.completion_tokens)  # fmt: skip
+                return Event("".join(text), ids, event.finish_reason, event.prompt_tokens,
+                             event.completion_tokens)  # fmt: skip
 
     async def sse(
         self, stream: Stream, queue: asyncio.Queue[Event], chunk: Callable[[Event | None], dict],

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
 
 from neffkit.errors import BundleError, RequestError
 from neffkit.runtime.engine import Engine, SamplingParams
@@ -209,13 +208,3 @@ def _first_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int | 
     start = max(0, searched_upto - max((len(s) for s in stops), default=0))
     hits = [i for s in stops if s and (i := text.find(s, start)) >= 0]
     return min(hits) if hits else None
-
-
-def parse_stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise RequestError("stop must be a string or a list of strings")
