@@ -35,7 +35,10 @@ BASE_NEURON_FLAGS: tuple[str, ...] = (
     "--internal-backend-options=--enable-verifier=false --enable-nested-dynamic-loop",
     f"{MODEL_TYPE}=transformer",
 )
-BASE_INDUCTOR_OPTIONS: dict[str, Any] = {}
+# Realise (store once) any reused expression of more than 16 ops. Inductor's CPU default (50)
+# inlined the rotated query into the attention-score reduction, recomputing pow/cos/sin for every
+# context position of every layer: demo model, decode batch 1, 0.35 ms → 0.20 ms per step.
+BASE_INDUCTOR_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 16}
 
 
 @dataclass(frozen=True)

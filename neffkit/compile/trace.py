@@ -36,6 +36,7 @@ class ModelLayout:
     max_top_k: int
     device: str = "cpu"
     par: Parallelism = Parallelism()
+    gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)
 
 
 @dataclass
@@ -117,6 +118,7 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
         len(metadata_inputs(shape)),
         layout.max_top_k,
         layout.par,
+        layout.gemv_max_rows,
     )
     return module, specs
 
