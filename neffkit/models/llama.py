@@ -138,9 +138,8 @@ class DecoderGraph(torch.nn.Module):
             gate = self._linear(x, w, f"{p}.mlp.gate_proj")
             up = self._linear(x, w, f"{p}.mlp.up_proj")
             down = torch.nn.functional.silu(gate) * up
-            h = h + self._reduce(
-                self._project(down, w[f"{p}.mlp.down_proj.weight"]), w.get(f"{p}.mlp.down_proj.bias")
-            )
+            down = self._project(down, w[f"{p}.mlp.down_proj.weight"])
+            h = h + self._reduce(down, w.get(f"{p}.mlp.down_proj.bias"))
 
         if shape.phase == "prefill":
             last = meta[5]  # [1]
