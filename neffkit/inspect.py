@@ -225,8 +225,13 @@ def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
                 "removed": [f for f in x.get("flags", []) if f not in y.get("flags", [])],
                 "added": [f for f in y.get("flags", []) if f not in x.get("flags", [])],
             }
-        if x.get("options") != y.get("options"):
-            entry["options"] = [x.get("options"), y.get("options")]
+        ox, oy = x.get("options", {}), y.get("options", {})
+        if ox != oy:  # only the options that differ, as [in a, in b]
+            keys = [k for k in sorted(set(ox) | set(oy)) if ox.get(k) != oy.get(k)]
+            entry["options"] = [
+                {k: ox[k] for k in keys if k in ox},
+                {k: oy[k] for k in keys if k in oy},
+            ]
         if len(entry) > 1:
             changed.append(entry)
     wa = {w["rank"]: a.data["files"].get(w["file"]) for w in a.data["weights"]}

@@ -76,12 +76,16 @@ def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_m
     rows = {g["name"]: g for g in report["graphs"]}
     assert rows["decode_b4_c64"]["cache"] == "miss"
     assert rows["decode_b1_c64"]["cache"] == rows["prefill_t16_c64"]["cache"] == "hit"
-    assert "decode_b4_c64: recompiling, options changed: (none) → epilogue_fusion=False" in (
-        proc.stderr
+    assert (
+        "decode_b4_c64: recompiling, options changed: epilogue_fusion=(unset) → False"
+        in proc.stderr
     )
     graph = next(g for g in read_bundle(tmp_path / "out").graphs if g["name"] == "decode_b4_c64")
-    assert graph["options"] == {"epilogue_fusion": False}
-    assert graph["option_origins"] == {"epilogue_fusion": "rule 0"}
+    assert graph["options"] == {"epilogue_fusion": False, "realize_opcount_threshold": 16}
+    assert graph["option_origins"] == {
+        "epilogue_fusion": "rule 0",
+        "realize_opcount_threshold": "base",
+    }
     # inspect --diff names exactly that graph and that option
     proc = subprocess.run(
         [

@@ -58,6 +58,10 @@ def explain_change(old: dict[str, Any], new: dict[str, Any]) -> str:
         before, after = old.get(name), new.get(name)
         if name in ("graph", "inputs", "outputs"):
             parts.append(f"{name} changed")
+        elif isinstance(before, dict) and isinstance(after, dict):  # only the keys that changed
+            keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+            changes = [f"{k}={before.get(k, '(unset)')} → {after.get(k, '(unset)')}" for k in keys]
+            parts.append(f"{name} changed: {', '.join(changes)}")
         else:
             parts.append(f"{name} changed: {_describe(before)} → {_describe(after)}")
     return "; ".join(parts) or "no factor changed (entry missing or corrupt)"

@@ -97,6 +97,59 @@ def _smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+class DecodeBuffers:
+    """One decode graph's metadata arrays, allocated once and updated in place every step.
+
+    A decode step changes few values per row (token, position, slot, length); the block table
+    row changes when a sequence enters a new block and the sampling values when a row gets
+    another sequence. Passing the same arrays every step also lets the executor bind them to
+    the graph once. Keeps the host's share of a demo-model decode step small.
+    """
+
+    def __init__(self, graph: GraphEntry, layout: Layout) -> None:
+        self.block_size = layout.block_size
+        self.meta = {name: np.empty(shape, dtype) for name, shape, dtype in graph.meta_specs}
+        self.args = [self.meta[name] for name in graph.meta_inputs]  # the graph's input order
+        m = self.meta
+        self.ids, self.pos, self.slots = m["input_ids"], m["positions"], m["slot_mapping"]
+        self.tables, self.lens = m["block_tables"], m["context_lens"]
+        self.rows: list[tuple[int, int] | None] = [None] * graph.rows  # (request, blocks) per row
+        for i in range(graph.rows):
+            self._pad(i)
+
+    def fill(self, seqs: list[SequenceState]) -> None:
+        bs = self.block_size
+        for i, seq in enumerate(seqs):
+            pos = seq.length - 1  # the last sampled token enters the cache at this position
+            used = pos // bs + 1
+            self.ids[i, 0] = seq.output_ids[-1]
+            self.pos[i, 0] = pos
+            self.slots[i, 0] = seq.blocks[used - 1] * bs + pos % bs
+            self.lens[i] = pos + 1
+            if self.rows[i] != (seq.request_id, used):
+                row = self.rows[i]
+                if row is None or row[0] != seq.request_id:
+                    self._sampling(i, seq)
+                self.tables[i, :used] = seq.blocks[:used]
+                self.tables[i, used:] = -1
+                self.rows[i] = (seq.request_id, used)
+        for i in range(len(seqs), len(self.rows)):
+            if self.rows[i] is not None:
+                self._pad(i)
+
+    def _sampling(self, i: int, seq: SequenceState) -> None:
+        m, p = self.meta, seq.params
+        m["temperature"][i], m["top_k"][i], m["top_p"][i] = p.temperature, p.top_k, p.top_p
+        m["seed"][i] = seq.seed
+
+    def _pad(self, i: int) -> None:
+        """A padding row: nothing visible, its K/V write goes to the null slot."""
+        self.ids[i], self.pos[i], self.slots[i], self.tables[i], self.lens[i] = 0, 0, -1, -1, 0
+        m = self.meta
+        m["temperature"][i], m["top_k"][i], m["top_p"][i], m["seed"][i] = 0, 0, 1, 0
+        self.rows[i] = None
+
+
 class Engine:
     """Continuous batching over fixed-shape graphs. Not thread-safe: one caller drives `step`."""
 
@@ -120,6 +173,7 @@ class Engine:
         self.running: list[SequenceState] = []
         self.timings = Timings()
         self._ids = itertools.count()
+        self._decode_buffers: dict[str, DecodeBuffers] = {}
         self._seed_rng = np.random.default_rng()
 
     # ------------------------------------------------------------ requests
@@ -280,33 +334,25 @@ class Engine:
     def _decode_step(self) -> list[SequenceState]:
         largest = self.layout.decode_buckets[-1]
         rows = self.running[:largest]
-        # Rotate so that more sequences than the largest bucket all make progress.
-        self.running = self.running[largest:] + rows
+        if len(self.running) > largest:
+            # Rotate so that more sequences than the largest bucket all make progress.
+            self.running = self.running[largest:] + rows
         batch = _smallest_fitting(self.layout.decode_buckets, len(rows))
         context = _smallest_fitting(self.layout.context_buckets, max(s.length for s in rows))
         graph = self.graphs[("decode", batch, context)]
-        meta = {
-            "input_ids": np.zeros((batch, 1), dtype=np.int64),
-            "positions": np.zeros((batch, 1), dtype=np.int64),
-            "slot_mapping": np.full((batch, 1), -1, dtype=np.int64),
-            "block_tables": np.full((batch, context // self.layout.block_size), -1, np.int64),
-            "context_lens": np.zeros(batch, dtype=np.int64),
-            **self._sampling_meta(rows, batch),
-        }
-        for i, seq in enumerate(rows):
-            pos = seq.length - 1  # the last sampled token enters the cache at this position
-            meta["input_ids"][i, 0] = seq.output_ids[-1]
-            meta["positions"][i, 0] = pos
-            meta["slot_mapping"][i, 0] = self._slots(seq, np.array([pos]))[0]
-            meta["block_tables"][i] = self._block_table(seq, context, pos + 1)
-            meta["context_lens"][i] = pos + 1
+        buffers = self._decode_buffers.get(graph.name)
+        if buffers is None:
+            buffers = self._decode_buffers[graph.name] = DecodeBuffers(graph, self.layout)
+        buffers.fill(rows)
         t0 = time.perf_counter()
-        next_tokens = self._run(graph, meta)
+        if self.on_run is not None:
+            self.on_run(self._graph_index[graph.name], buffers.meta)
+        next_tokens = graph.run(buffers.args)
         self.timings.decode_s += time.perf_counter() - t0
         self.timings.decode_steps += 1
         self.timings.decode_tokens += len(rows)
-        for i, seq in enumerate(rows):
-            self._append_token(seq, int(next_tokens[i]))
+        for seq, token in zip(rows, next_tokens.tolist(), strict=False):  # padding rows last
+            self._append_token(seq, token)
         return rows
 
     def _append_token(self, seq: SequenceState, token: int) -> None:
