@@ -27,6 +27,7 @@ lint: setup
 	.venv/bin/ruff format --check neffkit tests bench tools
 
 bench: setup
+	$(PY) -m pip install -q -e '.[dev,lower,bench]'
 	$(PY) bench/decode.py --batch 1 4 8 --manifest manifests/demo-serve.yaml --bundle bundles/demo-llama-serve
 	$(PY) bench/serve.py
 	$(PY) bench/overhead.py
