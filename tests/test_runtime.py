@@ -58,3 +58,21 @@ def test_more_prompts_than_largest_decode_bucket(bundle, hf_model_dir, hf_greedy
     outs = engine.generate(prompts, SamplingParams(max_tokens=6))
     for prompt, seq in zip(prompts, outs, strict=True):
         assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 6)
+
+
+def test_decode_rows_taken_over_get_their_own_sampling_and_blocks(bundle, hf_model_dir, hf_greedy):
+    """Decode metadata is updated in place: a row that passes to another sequence must not keep
+    the previous one's temperature or block table. The sampled request finishes first, so the
+    greedy ones move up into its row (and later into a smaller bucket); they must stay HF's."""
+    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.loader import load
+
+    engine = load(bundle("llama_tied")).engine
+    sampled = SamplingParams(max_tokens=2, temperature=5.0, top_k=0, seed=7, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=10)
+    prompts = [[7, 8, 9], [40, 41, 42, 43], [50, 51]]
+    outs = engine.generate(prompts, [sampled, greedy, greedy])
+    assert len(outs[0].output_ids) == 2
+    for prompt, seq in zip(prompts[1:], outs[1:], strict=True):
+        assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 10)
+    assert engine.kv_usage == 0.0
