@@ -21,6 +21,7 @@ from neffkit.compile.audit import (
     blocking,
     parse_canonical,
 )
+from neffkit.compile.cache import changed_keys
 from neffkit.neff import NeffError, read_header
 
 INSPECT_SCHEMA_VERSION = 1
@@ -227,7 +228,7 @@ def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
             }
         ox, oy = x.get("options", {}), y.get("options", {})
         if ox != oy:  # only the options that differ, as [in a, in b]
-            keys = [k for k in sorted(set(ox) | set(oy)) if ox.get(k) != oy.get(k)]
+            keys = changed_keys(ox, oy)
             entry["options"] = [
                 {k: ox[k] for k in keys if k in ox},
                 {k: oy[k] for k in keys if k in oy},
@@ -236,6 +237,8 @@ def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
             changed.append(entry)
     wa = {w["rank"]: a.data["files"].get(w["file"]) for w in a.data["weights"]}
     wb = {w["rank"]: b.data["files"].get(w["file"]) for w in b.data["weights"]}
+    va, vb = a.data["versions"], b.data["versions"]
+    la, lb = a.data["layout"], b.data["layout"]
     return {
         "schema": INSPECT_SCHEMA_VERSION,
         "a": str(a.root),
@@ -243,17 +246,9 @@ def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
         "graphs_added": sorted(set(gb) - set(ga)),
         "graphs_removed": sorted(set(ga) - set(gb)),
         "graphs_changed": changed,
-        "versions": {
-            k: [a.data["versions"].get(k), b.data["versions"].get(k)]
-            for k in sorted(set(a.data["versions"]) | set(b.data["versions"]))
-            if a.data["versions"].get(k) != b.data["versions"].get(k)
-        },
-        "layout": {
-            k: [a.data["layout"].get(k), b.data["layout"].get(k)]
-            for k in sorted(set(a.data["layout"]) | set(b.data["layout"]))
-            if a.data["layout"].get(k) != b.data["layout"].get(k)
-        },
-        "weights_changed": sorted(r for r in set(wa) | set(wb) if wa.get(r) != wb.get(r)),
+        "versions": {k: [va.get(k), vb.get(k)] for k in changed_keys(va, vb)},
+        "layout": {k: [la.get(k), lb.get(k)] for k in changed_keys(la, lb)},
+        "weights_changed": changed_keys(wa, wb),
     }
 
 

@@ -49,18 +49,23 @@ def _describe(value: Any) -> str:
     return str(value)
 
 
+def changed_keys(old: dict[Any, Any], new: dict[Any, Any]) -> list[Any]:
+    """The keys, sorted, whose values differ between two dicts (a key only one has counts)."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
 def explain_change(old: dict[str, Any], new: dict[str, Any]) -> str:
     """`flags changed: -O2 → -O3; torch changed: 2.12.0 → 2.13.0`."""
     parts = []
-    for name in sorted(set(old) | set(new)):
-        if old.get(name) == new.get(name):
-            continue
+    for name in changed_keys(old, new):
         before, after = old.get(name), new.get(name)
         if name in ("graph", "inputs", "outputs"):
             parts.append(f"{name} changed")
         elif isinstance(before, dict) and isinstance(after, dict):  # only the keys that changed
-            keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-            changes = [f"{k}={before.get(k, '(unset)')} → {after.get(k, '(unset)')}" for k in keys]
+            changes = [
+                f"{k}={before.get(k, '(unset)')} → {after.get(k, '(unset)')}"
+                for k in changed_keys(before, after)
+            ]
             parts.append(f"{name} changed: {', '.join(changes)}")
         else:
             parts.append(f"{name} changed: {_describe(before)} → {_describe(after)}")
