@@ -23,7 +23,15 @@ class ManifestError(NeffkitError):
 
 
 class ModelError(NeffkitError):
-    """The HF checkpoint cannot be built into graphs (unsupported architecture, missing tensors)."""
+    """The HF checkpoint cannot be built into graphs (unsupported architecture, missing tensors).
+
+    `field` names the manifest field the problem concerns, where one does (the manifest re-raises
+    the error with that path).
+    """
+
+    def __init__(self, message: str, hint: str | None = None, field: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.field = field
 
 
 class BundleError(NeffkitError):

@@ -2,7 +2,8 @@
 
 Every error names the field path and the bad value and says what was expected, e.g.
 `buckets.decode[1]: expected a positive int, got -4`. Unknown keys are errors. Relative paths
-resolve against the manifest's folder. Imports no torch.
+resolve against the manifest's folder. Imports no torch and nothing from neffkit.compile: target
+names and audit rule ids come from the leaf module neffkit.targets.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ from typing import Any
 
 import yaml
 
-from neffkit.compile.audit import RULES
-from neffkit.compile.backends import BACKENDS
 from neffkit.errors import ManifestError, ModelError
 from neffkit.models.config import ModelConfig, read_model_config
 from neffkit.models.parallel import Parallelism as ParallelLayout
 from neffkit.models.parallel import check_parallelism
+from neffkit.targets import AUDIT_RULE_IDS, DTYPES, NEURON_TARGETS, PHASES, TARGETS
 
 SCHEMA_VERSION = 1
-DTYPES = ("float32", "bfloat16", "float16")
-NEURON_TARGETS = ("trn1", "trn2", "trn3")
-PHASES = ("prefill", "decode")
 # AOTInductor options a manifest may set (compiler.inductor), with their value types.
 INDUCTOR_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "max_autotune": bool,
@@ -296,7 +293,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     if not isinstance(display_name, str) or not display_name:
         raise ManifestError(f"name: expected a non-empty string, got {_describe(display_name)}")
     dtype = _choice(data.get("dtype", "float32"), DTYPES, "dtype")
-    target = _choice(data.get("target", "cpu"), tuple(BACKENDS), "target")
+    target = _choice(data.get("target", "cpu"), TARGETS, "target")
 
     neuron = None
     if "neuron" in data:
@@ -372,12 +369,15 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     _no_unknown(raw_audit, ("waive",), "audit")
     waive = _string_list(raw_audit.get("waive", []), "audit.waive")
     for i, rule in enumerate(waive):
-        if rule not in RULES:
+        if rule not in AUDIT_RULE_IDS:
             raise ManifestError(
-                f"audit.waive[{i}]: unknown rule {rule!r}; rules: {', '.join(RULES)}"
+                f"audit.waive[{i}]: unknown rule {rule!r}; rules: {', '.join(AUDIT_RULE_IDS)}"
             )
     model_path, model_config = _model_dir(data["model"], base)
-    check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
+    try:
+        check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
+    except ModelError as exc:  # models/ knows the layout, the manifest knows where it was set
+        raise ManifestError(f"{exc.field or 'parallel'}: {exc.message}", exc.hint) from exc
 
     return Manifest(
         name=display_name,

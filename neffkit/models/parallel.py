@@ -1,10 +1,14 @@
-"""Parallel layout arithmetic (tp, ep) and its validation. Pure Python: the manifest uses it."""
+"""Parallel layout arithmetic (tp, ep) and its validation. Pure Python: the manifest uses it.
+
+Errors are ModelErrors naming the manifest field they concern (`field`); the manifest re-raises
+them as ManifestErrors with that path, so models/ never depends on the manifest's error type.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neffkit.errors import ManifestError
+from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
 
 
@@ -32,31 +36,38 @@ class Parallelism:
 
 
 def check_parallelism(cfg: ModelConfig, par: Parallelism) -> None:
-    """Layout errors as manifest errors naming the numbers."""
+    """Layout errors naming the numbers and the manifest field they concern."""
     if cfg.num_heads % par.tp:
-        raise ManifestError(
-            f"parallel.tp: {par.tp} does not divide the model's {cfg.num_heads} attention heads"
+        raise ModelError(
+            field="parallel.tp",
+            message=f"{par.tp} does not divide the model's {cfg.num_heads} attention heads",
         )
     kv = cfg.num_kv_heads
     if kv % par.tp and par.tp % kv:
-        raise ManifestError(
-            f"parallel.tp: {par.tp} and the model's {kv} KV heads do not divide one another"
+        raise ModelError(
+            field="parallel.tp",
+            message=f"{par.tp} and the model's {kv} KV heads do not divide one another",
         )
     if any(not s for s in cfg.sparse_layers) or not cfg.is_moe:
         if cfg.intermediate_size % par.tp:
-            raise ManifestError(
-                f"parallel.tp: {par.tp} does not divide the model's "
-                f"intermediate_size {cfg.intermediate_size}"
+            raise ModelError(
+                field="parallel.tp",
+                message=f"{par.tp} does not divide the model's "
+                f"intermediate_size {cfg.intermediate_size}",
             )
     if cfg.is_moe:
         if cfg.num_experts % par.ep:
-            raise ManifestError(
-                f"parallel.ep: {par.ep} does not divide the model's {cfg.num_experts} experts"
+            raise ModelError(
+                field="parallel.ep",
+                message=f"{par.ep} does not divide the model's {cfg.num_experts} experts",
             )
         if cfg.moe_intermediate_size % par.moe_tp:
-            raise ManifestError(
-                f"parallel: tp/ep = {par.moe_tp} does not divide the experts' "
-                f"intermediate size {cfg.moe_intermediate_size}"
+            raise ModelError(
+                field="parallel",
+                message=f"tp/ep = {par.moe_tp} does not divide the experts' "
+                f"intermediate size {cfg.moe_intermediate_size}",
             )
     elif par.ep > 1:
-        raise ManifestError(f"parallel.ep: {par.ep} > 1 needs a mixture-of-experts model")
+        raise ModelError(
+            field="parallel.ep", message=f"{par.ep} > 1 needs a mixture-of-experts model"
+        )

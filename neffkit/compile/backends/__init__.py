@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-BACKENDS: dict[str, str] = {
+BACKENDS: dict[str, str] = {  # keys: neffkit.targets.TARGETS (a test checks)
     "cpu": "neffkit.compile.backends.inductor:CpuBackend",
     "cuda": "neffkit.compile.backends.inductor:CudaBackend",
     "neuron": "neffkit.compile.backends.neuron:NeuronBackend",

@@ -1,0 +1,29 @@
+"""Names shared by the manifest and the compiler: targets, chips, number formats, audit rule ids.
+
+A leaf: imports nothing from neffkit. `manifest` validates against these lists and `compile`
+implements them, so neither has to import the other to know what exists; a test checks that the
+registries in `compile/` (backends, audit rules) hold exactly these names.
+"""
+
+from __future__ import annotations
+
+TARGETS = ("cpu", "cuda", "neuron")
+NEURON_TARGETS = ("trn1", "trn2", "trn3")
+DTYPES = ("float32", "bfloat16", "float16")
+PHASES = ("prefill", "decode")
+# the hazard audit's rules (compile/audit.RULES), in id order; a manifest may waive any of them
+AUDIT_RULE_IDS = (
+    "NK101",
+    "NK102",
+    "NK103",
+    "NK104",
+    "NK105",
+    "NK106",
+    "NK107",
+    "NK108",
+    "NK201",
+    "NK202",
+    "NK203",
+    "NK204",
+    "NK205",
+)
