@@ -41,11 +41,11 @@ def main() -> None:
 
     bundle = ensure_bundle(args.manifest, args.bundle)
     loaded = load(bundle)
-    model_dir = Path(loaded.bundle.data["manifest"]["model"])
+    model_dir = Path(loaded.bundle.record.manifest.model_dir)
     max_len = args.prompt_len + args.steps + 8
     eager = HFDecoder(model_dir, compiled=False, max_len=max_len)
     compiled = HFDecoder(model_dir, compiled=True, max_len=max_len)
-    vocab = loaded.bundle.data["model"]["vocab_size"]
+    vocab = loaded.bundle.record.model.vocab_size
     rng = np.random.default_rng(0)
 
     rows = []

@@ -88,7 +88,7 @@ def main() -> None:
             for t in decode_step_times(loaded.engine, [list(range(1, 17))], args.steps)
         ],
     )
-    model = load(tp1, verify=False).bundle.data["model"]
+    model = load(tp1, verify=False).bundle.record.model.config
     per_call = all_reduce_seconds(model["hidden_size"])
     reduces = 2 * model["num_layers"]
     ms1, ms2 = 1000 * median(t1), 1000 * median(t2)

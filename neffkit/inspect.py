@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from neffkit.bundle import Bundle, read_zst_text
+from neffkit.bundle import Bundle, GraphRecord, read_zst_text
 from neffkit.compile.audit import (
     COLLECTIVES,
     Finding,
@@ -27,88 +27,84 @@ from neffkit.neff import NeffError, read_header
 INSPECT_SCHEMA_VERSION = 1
 
 
-def _facts(bundle: Bundle, g: dict[str, Any]) -> GraphFacts:
-    data = bundle.data
-    neuron = (data["manifest"].get("neuron") or {}).get("target")
+def _facts(bundle: Bundle, g: GraphRecord) -> GraphFacts:
+    record = bundle.record
+    neuron = record.neuron.target if record.neuron else None
+    text = read_zst_text(bundle.path(g.ir))
     return GraphFacts(
-        g["name"],
-        g["phase"],
-        read_zst_text(bundle.path(g["ir"])),
-        g["io_alias"],
-        g.get("flags", []),
-        g.get("flag_origins", {}),
-        data["target"],
-        neuron,
+        g.name, g.phase, text, g.io_alias, g.flags, g.flag_origins, record.target, neuron
     )
 
 
 def audit_bundle(bundle: Bundle) -> list[Finding]:
-    data = bundle.data
-    waive = tuple(data.get("audit", {}).get("waived", []))
-    findings = audit_buckets(data["target"], data["layout"]["buckets"]["prefill"], waive)
-    for g in data["graphs"]:
+    record = bundle.record
+    waive = record.audit.waived
+    findings = audit_buckets(record.target, list(record.layout.buckets.prefill), waive)
+    for g in record.graphs:
         findings += audit_graph(_facts(bundle, g), waive)
     return findings
 
 
 def summarize(bundle: Bundle) -> dict[str, Any]:
-    data = bundle.data
-    files = data["files"]
+    record = bundle.record
+    files = record.files
     sizes = {
         rel: (bundle.root / rel).stat().st_size for rel in files if (bundle.root / rel).exists()
     }
     findings = audit_bundle(bundle)
-    graphs = [
-        {
-            "name": g["name"],
-            "phase": g["phase"],
-            "buckets": g["buckets"],
-            "graph_sha256": g["graph_sha256"],
-            "artifact": g["artifact"],
-            "artifact_bytes": sizes.get(g["artifact"], 0) if g["artifact"] else 0,
-            "hlo": g.get("hlo"),
-            "hlo_sha256": g.get("hlo_sha256"),
-            "neff_header": _neff_header(bundle, g),
-            "verify": g.get("verify"),
-            "io_alias": g["io_alias"],
-            "ranks": g["ranks"],
-            "options": g.get("options", {}),
-            "flags": g.get("flags", []),
-            "findings": sum(f.graph == g["name"] for f in findings),
-        }
-        for g in data["graphs"]
-    ]
+    graphs = []
+    for g in record.graphs:
+        j = g.to_json()
+        graphs.append(
+            {
+                "name": g.name,
+                "phase": g.phase,
+                "buckets": j["buckets"],
+                "graph_sha256": g.graph_sha256,
+                "artifact": g.artifact,
+                "artifact_bytes": sizes.get(g.artifact, 0) if g.artifact else 0,
+                "hlo": g.hlo,
+                "hlo_sha256": g.hlo_sha256,
+                "neff_header": _neff_header(bundle, g),
+                "verify": j["verify"],
+                "io_alias": j["io_alias"],
+                "ranks": j["ranks"],
+                "options": j["options"],
+                "flags": j["flags"],
+                "findings": sum(f.graph == g.name for f in findings),
+            }
+        )
     counts = Counter(f.severity for f in findings if not f.waived)
     return {
         "schema": INSPECT_SCHEMA_VERSION,
         "bundle": str(bundle.root),
         "digest": bundle.digest,
-        "format": data["format"],
-        "versions": data["versions"],
-        "target": data["target"],
-        "stage": data.get("stage", "compiled"),
-        "neuron": data.get("neuron"),
-        "host": data.get("host", {}),
+        "format": record.format,
+        "versions": record.versions.to_json(),
+        "target": record.target,
+        "stage": record.stage or "compiled",
+        "neuron": record.neuron.to_json() if record.neuron else None,
+        "host": record.host.to_json(),
         "model": {
-            "name": data["manifest"]["name"],
-            "architecture": data["model"]["architecture"],
-            "layers": data["model"]["num_layers"],
+            "name": record.name,
+            "architecture": record.model.architecture,
+            "layers": record.model.num_layers,
         },
-        "layout": data["layout"],
+        "layout": record.layout.to_json(),
         "weights": [
             {
-                "rank": w["rank"],
-                "file": w["file"],
-                "bytes": sizes.get(w["file"], 0),
-                "sha256": files.get(w["file"]),
+                "rank": w.rank,
+                "file": w.file,
+                "bytes": sizes.get(w.file, 0),
+                "sha256": files.get(w.file),
             }
-            for w in data["weights"]
+            for w in record.weights
         ],
         "total_bytes": sum(sizes.values()),
         "graphs": graphs,
         "findings": [f.to_json() for f in findings],
         "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
-        "waived": data.get("audit", {}).get("waived", []),
+        "waived": list(record.audit.waived),
     }
 
 
@@ -142,9 +138,9 @@ def _verify_cell(result: dict[str, Any] | None) -> str:
     return f"{'ok' if result['ok'] else 'FAIL'} {result['max_kv_error']:.1e}"
 
 
-def _neff_header(bundle: Bundle, graph: dict[str, Any]) -> dict[str, Any] | None:
+def _neff_header(bundle: Bundle, graph: GraphRecord) -> dict[str, Any] | None:
     """The NEFF's own header, read from the file (not the build's record); None if no NEFF."""
-    artifact = graph.get("artifact")
+    artifact = graph.artifact
     if not artifact or not artifact.endswith(".neff"):
         return None
     try:
@@ -156,35 +152,31 @@ def _neff_header(bundle: Bundle, graph: dict[str, Any]) -> dict[str, Any] | None
 def graph_detail(bundle: Bundle, name: str) -> dict[str, Any]:
     from neffkit.errors import NeffkitError
 
-    g = next((g for g in bundle.data["graphs"] if g["name"] == name), None)
+    g = bundle.record.graph(name)
     if g is None:
-        names = ", ".join(x["name"] for x in bundle.data["graphs"])
+        names = ", ".join(x.name for x in bundle.graphs)
         raise NeffkitError(f"--graph: no graph {name!r} in this bundle; graphs: {names}")
-    nodes = parse_canonical(read_zst_text(bundle.path(g["ir"])))
+    nodes = parse_canonical(read_zst_text(bundle.path(g.ir)))
     ops = Counter(n.target for n in nodes if n.target not in ("input", "output"))
+    j = g.to_json()
     return {
         "schema": INSPECT_SCHEMA_VERSION,
         "name": name,
-        "phase": g["phase"],
-        "buckets": g["buckets"],
-        "graph_sha256": g["graph_sha256"],
-        "ranks": g["ranks"],
-        "inputs": g["inputs"],
-        "outputs": g["outputs"],
-        "io_alias": g["io_alias"],
-        "options": g.get("options", {}),
-        "option_origins": g.get("option_origins", {}),
-        "flags": [
-            {"flag": f, "origin": g.get("flag_origins", {}).get(f, "")} for f in g.get("flags", [])
-        ],
+        "phase": g.phase,
+        "buckets": j["buckets"],
+        "graph_sha256": g.graph_sha256,
+        "ranks": j["ranks"],
+        "inputs": j["inputs"],
+        "outputs": j["outputs"],
+        "io_alias": j["io_alias"],
+        "options": j["options"],
+        "option_origins": j["option_origins"],
+        "flags": [{"flag": f, "origin": g.flag_origins.get(f, "")} for f in g.flags],
         "op_histogram": dict(ops.most_common()),
         "collectives": [n.text for n in nodes if n.target.startswith(COLLECTIVES)],
         **_neuron_detail(bundle, g),
         "findings": [
-            f.to_json()
-            for f in audit_graph(
-                _facts(bundle, g), tuple(bundle.data.get("audit", {}).get("waived", []))
-            )
+            f.to_json() for f in audit_graph(_facts(bundle, g), bundle.record.audit.waived)
         ],
     }
 
@@ -192,41 +184,41 @@ def graph_detail(bundle: Bundle, name: str) -> dict[str, Any]:
 _HLO_ALIAS = re.compile(r"\{(\d+)\}: \((\d+), \{\}, (?:may|must)-alias\)")
 
 
-def _neuron_detail(bundle: Bundle, g: dict[str, Any]) -> dict[str, Any]:
+def _neuron_detail(bundle: Bundle, g: GraphRecord) -> dict[str, Any]:
     """neuron graphs: the HLO module's own alias table (what neuronx-cc reads), compiler, NEFF."""
-    if not g.get("hlo"):
+    if not g.hlo or not g.hlo_text:
         return {}
-    header = read_zst_text(bundle.path(g["hlo_text"])).split("\n", 1)[0]
-    names = [i["name"] for i in g["inputs"]]
+    header = read_zst_text(bundle.path(g.hlo_text)).split("\n", 1)[0]
+    names = [i.name for i in g.inputs]
     return {
-        "hlo": g["hlo"],
-        "hlo_sha256": g["hlo_sha256"],
+        "hlo": g.hlo,
+        "hlo_sha256": g.hlo_sha256,
         "hlo_input_output_alias": [
             {"output": int(out), "parameter": int(param), "input": names[int(param)]}
             for out, param in _HLO_ALIAS.findall(header)
         ],
-        "compiler": g.get("compiler"),
+        "compiler": g.compiler.to_json() if g.compiler else None,
         "neff_header": _neff_header(bundle, g),
-        "verify": g.get("verify"),
+        "verify": g.verify.to_json() if g.verify else None,
     }
 
 
 def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
     """What changed from bundle a to bundle b (after a toolchain upgrade, a flag change, ...)."""
-    ga = {g["name"]: g for g in a.data["graphs"]}
-    gb = {g["name"]: g for g in b.data["graphs"]}
+    ga = {g.name: g for g in a.graphs}
+    gb = {g.name: g for g in b.graphs}
     changed = []
     for name in sorted(set(ga) & set(gb)):
         x, y = ga[name], gb[name]
         entry: dict[str, Any] = {"graph": name}
-        if x["graph_sha256"] != y["graph_sha256"]:
-            entry["graph_sha256"] = [x["graph_sha256"], y["graph_sha256"]]
-        if x.get("flags") != y.get("flags"):
+        if x.graph_sha256 != y.graph_sha256:
+            entry["graph_sha256"] = [x.graph_sha256, y.graph_sha256]
+        if x.flags != y.flags:
             entry["flags"] = {
-                "removed": [f for f in x.get("flags", []) if f not in y.get("flags", [])],
-                "added": [f for f in y.get("flags", []) if f not in x.get("flags", [])],
+                "removed": [f for f in x.flags if f not in y.flags],
+                "added": [f for f in y.flags if f not in x.flags],
             }
-        ox, oy = x.get("options", {}), y.get("options", {})
+        ox, oy = x.options, y.options
         if ox != oy:  # only the options that differ, as [in a, in b]
             keys = changed_keys(ox, oy)
             entry["options"] = [
@@ -235,10 +227,10 @@ def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
             ]
         if len(entry) > 1:
             changed.append(entry)
-    wa = {w["rank"]: a.data["files"].get(w["file"]) for w in a.data["weights"]}
-    wb = {w["rank"]: b.data["files"].get(w["file"]) for w in b.data["weights"]}
-    va, vb = a.data["versions"], b.data["versions"]
-    la, lb = a.data["layout"], b.data["layout"]
+    wa = {w.rank: a.record.files.get(w.file) for w in a.record.weights}
+    wb = {w.rank: b.record.files.get(w.file) for w in b.record.weights}
+    va, vb = a.record.versions.to_json(), b.record.versions.to_json()
+    la, lb = a.record.layout.to_json(), b.record.layout.to_json()
     return {
         "schema": INSPECT_SCHEMA_VERSION,
         "a": str(a.root),
@@ -268,8 +260,8 @@ def inspect_manifest(path: str) -> dict[str, Any]:
             spec.name,
             spec.phase,
             "",
-            [],
-            list(opts.flags),
+            (),
+            opts.flags,
             opts.flag_origins,
             m.target,
             m.neuron.target if m.neuron else None,
@@ -298,7 +290,7 @@ def inspect_manifest(path: str) -> dict[str, Any]:
 
 def exit_status(report: dict[str, Any]) -> int:
     """1 when unwaived errors exist, so CI can gate on `neffkit inspect`."""
-    findings = [Finding(**f) for f in report.get("findings", [])]
+    findings = [Finding.from_json(f) for f in report.get("findings", [])]
     return 1 if blocking(findings) else 0
 
 

@@ -84,6 +84,13 @@ def run_json(*args: str) -> dict[str, Any]:
     return json.loads(run_cli(*args, "--json", check=True).stdout)
 
 
+def bundle_json(path: Path) -> dict[str, Any]:
+    """bundle.json of a bundle, opened (and every file verified) through the typed record."""
+    from neffkit.bundle import read_bundle
+
+    return read_bundle(path).record.to_json()
+
+
 def session_cache(session_dir: Path) -> Path:
     """One artifact cache for the whole session: rebuilds in tests reuse its entries."""
     return session_dir / "cache"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from neffkit.bundle import read_zst_text, write_zst_text
+from neffkit.bundle import IoAlias, read_zst_text, write_zst_text
 from neffkit.compile.audit import GraphFacts, audit_buckets, audit_graph
 from neffkit.compile.trace import canonical_text, ensure_fake_process_group, io_alias_map
 from tests.conftest import REPO, run_cli
@@ -26,7 +26,7 @@ def facts_of(
         phase,
         canonical_text(program, names),
         io_alias_map(program, names),
-        list(flags),
+        tuple(flags),
         origins or {},
         target,
         neuron,
@@ -39,8 +39,8 @@ def text_facts(lines: list[str], **kw) -> GraphFacts:
         "g",
         kw.pop("phase", "decode"),
         "\n".join(lines) + "\n",
-        kw.pop("io_alias", []),
-        kw.pop("flags", []),
+        kw.pop("io_alias", ()),
+        tuple(kw.pop("flags", ())),
         kw.pop("origins", {}),
         kw.pop("target", "cpu"),
         kw.pop("neuron", None),
@@ -117,7 +117,7 @@ def test_nk104_aliased_mutations():
         "%1 = aten.as_strided.default(%0, [2, 4], [4, 1]) : float32[2, 4]",
     ]
     assert rules(text_facts(lines)) == ["NK104"]
-    twice = [{"input": "k_cache.0", "output": 0}, {"input": "k_cache.0", "output": 1}]
+    twice = (IoAlias("k_cache.0", 0), IoAlias("k_cache.0", 1))
     assert rules(text_facts(lines[:1], io_alias=twice)) == ["NK104"]
     assert rules(text_facts(lines[:1], io_alias=twice[:1])) == []
 
@@ -222,8 +222,8 @@ def test_build_fails_on_audit_error_unless_waived(monkeypatch, hf_model_dir, tmp
         tmp_path / "w.yaml", hf_model_dir("llama_tied"), buckets=buckets, audit={"waive": ["NK101"]}
     )
     result = build(load_manifest(waived), tmp_path / "out", jobs=1, dry_run=True)
-    assert {f["rule"] for f in result.findings} == {"NK101"}
-    assert all(f["waived"] for f in result.findings)
+    assert {f.rule for f in result.findings} == {"NK101"}
+    assert all(f.waived for f in result.findings)
 
 
 def test_inspect_json_schema_and_ci_gate(bundle, tmp_path):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from neffkit.bundle import read_bundle
 from neffkit.compile.cache import KEY_JSON, ArtifactCache, CacheKey
-from tests.conftest import MODELS, REPO, session_cache, write_manifest
+from tests.conftest import MODELS, REPO, bundle_json, session_cache, write_manifest
 
 
 def _build_cmd(manifest: Path, out: Path, cache: Path, *extra: str) -> list[str]:
@@ -80,7 +79,7 @@ def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_m
         "decode_b4_c64: recompiling, options changed: epilogue_fusion=(unset) → False"
         in proc.stderr
     )
-    graph = next(g for g in read_bundle(tmp_path / "out").graphs if g["name"] == "decode_b4_c64")
+    graph = next(g for g in bundle_json(tmp_path / "out")["graphs"] if g["name"] == "decode_b4_c64")
     assert graph["options"] == {"epilogue_fusion": False, "realize_opcount_threshold": 16}
     assert graph["option_origins"] == {
         "epilogue_fusion": "rule 0",

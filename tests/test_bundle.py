@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from neffkit.bundle import read_bundle, read_zst_text
-from tests.conftest import run_cli
+from tests.conftest import bundle_json, run_cli
 
 
 @pytest.fixture()
@@ -20,7 +20,7 @@ def bundle_copy(bundle, tmp_path):
 
 def test_bundle_layout_and_alias_map(bundle):
     b = read_bundle(bundle("llama"))
-    data = b.data
+    data = b.record.to_json()
     assert data["format"] == 1 and data["target"] == "cpu"
     names = [g["name"] for g in data["graphs"]]
     assert names == [
@@ -51,7 +51,7 @@ def test_bundle_layout_and_alias_map(bundle):
 
 
 def test_tied_bundle_has_no_lm_head(bundle):
-    names = read_bundle(bundle("llama_tied")).data["weights"][0]["names"]
+    names = bundle_json(bundle("llama_tied"))["weights"][0]["names"]
     assert "lm_head.weight" not in names
 
 

@@ -18,6 +18,7 @@ from neffkit.compile.flags import (
 from neffkit.compile.plan import make_plan
 from neffkit.errors import ManifestError
 from neffkit.manifest import load_manifest
+from tests.conftest import bundle_json
 
 GOLDEN = Path(__file__).parent / "golden"
 FP8_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
@@ -119,7 +120,5 @@ def test_golden_neuronx_cc_argv(graph, tmp_path, hf_model_dir):
 
 
 def test_cpu_targets_get_no_neuron_base_flags(bundle):
-    from neffkit.bundle import read_bundle
-
-    for g in read_bundle(bundle("llama_tied")).graphs:
+    for g in bundle_json(bundle("llama_tied"))["graphs"]:
         assert g["flags"] == [] and not set(g["flags"]) & set(BASE_NEURON_FLAGS)

@@ -21,7 +21,7 @@ import pytest
 
 from neffkit.bundle import read_bundle, read_zst_text
 from neffkit.neff import HEADER_SIZE, NeffError, compatibility_problems, pack_header, parse_header
-from tests.conftest import REPO, run_cli, write_manifest
+from tests.conftest import REPO, bundle_json, run_cli, write_manifest
 
 STAND_IN = REPO / "tests" / "tools" / "neuronx-cc"
 NEURON = {"target": "neuron", "neuron": {"target": "trn2", "lnc": 2}}
@@ -69,10 +69,10 @@ def _alias_params(hlo_text: str) -> list[int]:
 @pytest.mark.parametrize(("kind", "tp"), list(LOWERED))
 def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: int) -> None:
     bundle = read_bundle(lowered(kind, tp))
-    data = bundle.data
+    data = bundle.record.to_json()
     assert data["stage"] == "lowered" and data["neuron"] == {"target": "trn2", "lnc": 2}
     layers = data["layout"]["num_layers"]
-    for g in bundle.graphs:
+    for g in data["graphs"]:
         assert g["artifact"] is None and g["ranks"] == "all"  # one HLO module serves every rank
         names = [i["name"] for i in g["inputs"]]
         params = _alias_params(read_zst_text(bundle.path(g["hlo_text"])))
@@ -91,7 +91,7 @@ def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: 
 
 def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
     """What the build's SPMD check compares for the neuron target, checked directly."""
-    from neffkit.compile.build import model_layout
+    from neffkit.compile.build import target_layout
     from neffkit.compile.lower import lower_program
     from neffkit.compile.plan import make_plan
     from neffkit.compile.trace import trace_graph
@@ -105,7 +105,7 @@ def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
         parallel={"tp": 2},
     )
     manifest = load_manifest(path)
-    layout = model_layout(manifest, "cpu")
+    layout = target_layout(manifest)
     spec = make_plan(manifest).graphs[-1]
     shas = []
     for rank in (0, 1):
@@ -131,7 +131,7 @@ def test_hlo_protos_are_byte_identical_across_builds(
         "1",
         buckets=LOWERED[("llama", 1)],
     )
-    for g in read_bundle(first).graphs:
+    for g in bundle_json(first)["graphs"]:
         assert (first / g["hlo"]).read_bytes() == (again / g["hlo"]).read_bytes(), g["name"]
 
 
@@ -199,9 +199,9 @@ def test_compile_finishes_a_lowered_bundle(lowered, tmp_path: Path) -> None:
     out = tmp_path / "compiled"
     proc = _compile(lowered("llama"), out)
     assert proc.returncode == 0, proc.stderr
-    bundle = read_bundle(out)  # every file re-hashed
-    assert bundle.data["stage"] == "compiled"
-    for g in bundle.graphs:
+    data = bundle_json(out)  # every file re-hashed
+    assert data["stage"] == "compiled"
+    for g in data["graphs"]:
         stem = g["name"]
         argv = g["compiler"]["argv"]
         assert argv[:11] == [
@@ -264,8 +264,8 @@ def test_build_with_compiler_compiles_and_caches(
     )  # fmt: skip
     assert first["counters"]["compiled"] == 2 and first["counters"]["cache_hits"] == 0
     assert again["counters"]["compiled"] == 0 and again["counters"]["cache_hits"] == 2
-    bundle = read_bundle(tmp_path / "b")
-    assert all(g["compiler"]["argv"][0] == "neuronx-cc" for g in bundle.graphs)
+    graphs = bundle_json(tmp_path / "b")["graphs"]
+    assert all(g["compiler"]["argv"][0] == "neuronx-cc" for g in graphs)
 
 
 # ---------------------------------------------------------------- NEFF header

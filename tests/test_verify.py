@@ -7,17 +7,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from neffkit.bundle import read_bundle
 from neffkit.compile import verify
-from neffkit.compile.build import model_layout
+from neffkit.compile.build import target_layout
 from neffkit.compile.plan import make_plan
 from neffkit.manifest import load_manifest
-from tests.conftest import run_cli, session_cache
+from tests.conftest import bundle_json, run_cli, session_cache
 
 
 def _setup(bundle_dir: Path, session_dir: Path):
     manifest = load_manifest(session_dir / "llama.yaml")  # written by the session bundle fixture
-    layout = model_layout(manifest, "cpu")
+    layout = target_layout(manifest)
     tensors = load_file(str(bundle_dir / "weights" / "rank0.safetensors"))
     return manifest, layout, [tensors[w.name] for w in layout.weights]
 
@@ -25,7 +24,7 @@ def _setup(bundle_dir: Path, session_dir: Path):
 def test_verify_passes_for_built_artifacts_and_catches_a_wrong_one(bundle, session_dir) -> None:
     bundle_dir = bundle("llama")
     manifest, layout, weights = _setup(bundle_dir, session_dir)
-    data = read_bundle(bundle_dir).data
+    data = bundle_json(bundle_dir)
     for spec in make_plan(manifest).graphs:
         entry = next(g for g in data["graphs"] if g["name"] == spec.name)
         names = [i["name"] for i in entry["inputs"]]
@@ -51,5 +50,5 @@ def test_build_verify_records_results(bundle, session_dir, tmp_path: Path) -> No
         "build", str(session_dir / "llama.yaml"), "-o", str(out),
         "--cache", str(session_cache(session_dir)), "--verify", check=True,
     )  # fmt: skip
-    for g in read_bundle(out).graphs:
+    for g in bundle_json(out)["graphs"]:
         assert g["verify"]["ok"] and g["verify"]["executor"] == "aotinductor", g["name"]

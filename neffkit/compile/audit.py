@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+
+from neffkit.bundle import FindingRecord, IoAlias
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -125,18 +126,8 @@ _DTYPE_BYTES = {
 }
 
 
-@dataclass(frozen=True)
-class Finding:
-    rule: str
-    severity: str
-    graph: str
-    at: str  # node ("%12 = aten.index_put...") or flag
-    message: str
-    fix: str
-    waived: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+# a finding is stored in bundle.json as it is produced: the record type is the bundle's
+Finding = FindingRecord
 
 
 @dataclass(frozen=True)
@@ -190,8 +181,8 @@ class GraphFacts:
     name: str
     phase: str
     text: str
-    io_alias: list[dict[str, Any]]
-    flags: list[str]
+    io_alias: tuple[IoAlias, ...]
+    flags: tuple[str, ...]
     flag_origins: dict[str, str]
     target: str
     neuron_target: str | None = None
@@ -288,7 +279,7 @@ def _host_reads(g: GraphFacts) -> Iterator[Finding]:
 
 
 def _aliasing(g: GraphFacts) -> Iterator[Finding]:
-    names = [a["input"] for a in g.io_alias]
+    names = [a.input for a in g.io_alias]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         yield _finding("NK104", "error", g, dup, "mutated twice through aliases")
     for node in g.nodes:
@@ -337,7 +328,7 @@ GRAPH_RULES = (_kv_writes, _collectives, _host_reads, _aliasing, _bool_and, _fla
 
 def audit_graph(g: GraphFacts, waive: tuple[str, ...] = ()) -> list[Finding]:
     findings = [f for rule in GRAPH_RULES for f in rule(g)]
-    return [Finding(**{**f.to_json(), "waived": f.rule in waive}) for f in findings]
+    return [replace(f, waived=f.rule in waive) for f in findings]
 
 
 def audit_buckets(target: str, prefill: list[int], waive: tuple[str, ...] = ()) -> list[Finding]:

@@ -20,23 +20,16 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from neffkit.bundle import IoAlias
+from neffkit.compile.units import LoweredGraph
 from neffkit.errors import BuildError
 
 EXTRA_HINT = "install the lowering extra: pip install 'neffkit[lower]' (torch-mlir, jax, jaxlib)"
 _MARKER = "neffkit_all_reduce_marker"
 _HLO_MODULE_ID_FIELD = 5  # HloModuleProto.id
-
-
-@dataclass(frozen=True)
-class LoweredGraph:
-    proto: bytes  # serialized HloModuleProto, module id normalised
-    text: str  # HLO text (for inspect, audits and diffs)
-    sha256: str  # of `proto`: the graph's identity on the neuron target
 
 
 def require_lower_extra() -> None:
@@ -58,7 +51,7 @@ def require_lower_extra() -> None:
 def lower_program(
     program: torch.export.ExportedProgram,
     input_names: list[str],
-    io_alias: list[dict[str, Any]],
+    io_alias: tuple[IoAlias, ...],
     world_size: int,
 ) -> LoweredGraph:
     """Lower one exported graph.
@@ -70,7 +63,7 @@ def lower_program(
     gm, num_markers = _functional_graph(program)
     stablehlo = _to_stablehlo(gm)
     stablehlo = _rewrite_all_reduces(stablehlo, num_markers, world_size)
-    aliases = {input_names.index(a["input"]): a["output"] for a in io_alias}
+    aliases = {input_names.index(a.input): a.output for a in io_alias}
     proto, text = _to_hlo(stablehlo, aliases)
     return LoweredGraph(proto, text, hashlib.sha256(proto).hexdigest())
 

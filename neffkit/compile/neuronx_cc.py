@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neffkit.bundle import ArtifactMetadata, CompilerRecord, NeuronRecord
 from neffkit.compile.flags import neuronx_cc_argv
+from neffkit.compile.progress import Progress
+from neffkit.compile.units import Compiled, RunParallel
 from neffkit.errors import BuildError
 from neffkit.neff import NeffError, read_header
 
@@ -78,17 +81,50 @@ def plan_compile(
     neuron_target: str,
     lnc: int,
     stem: str,
-    flags: list[str],
+    flags: tuple[str, ...],
     stage: Path,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+) -> tuple[tuple[Any, ...], CompilerRecord]:
     """run_neuronx_cc's arguments for one graph of a bundle at `stage`, and its compiler record.
 
     Paths in the argv are relative to the bundle (ir/<graph>.hlo.pb → graphs/<graph>.neff), so
     the recorded argv is the same on every host and reruns by hand from the bundle directory.
     """
-    argv = neuronx_cc_argv(f"ir/{stem}.hlo.pb", f"graphs/{stem}.neff", neuron_target, lnc, flags)
+    argv = neuronx_cc_argv(
+        f"ir/{stem}.hlo.pb", f"graphs/{stem}.neff", neuron_target, lnc, list(flags)
+    )
     log = f"logs/{stem}.neuronx-cc.log"
-    return (binary, argv, stage, stage / log, stem), {"argv": argv, "version": version, "log": log}
+    return (binary, argv, stage, stage / log, stem), CompilerRecord(tuple(argv), version, log)
+
+
+def compile_neffs(
+    binary: str,
+    version: str,
+    neuron: NeuronRecord,
+    graphs: list[tuple[str, tuple[str, ...]]],
+    stage: Path,
+    run_parallel: RunParallel,
+    progress: Progress,
+) -> list[Compiled]:
+    """neuronx-cc for each (stem, flags) of a bundle at `stage`, in parallel; NEFFs land in
+    graphs/. The one loop behind both `neffkit build` and `neffkit compile`."""
+    work, records = [], []
+    for stem, flags in graphs:
+        args, record = plan_compile(binary, version, neuron.target, neuron.lnc, stem, flags, stage)
+        work.append(args)
+        records.append(record)
+    names = [stem for stem, _ in graphs]
+    (stage / "graphs").mkdir(parents=True, exist_ok=True)
+    progress.start("neuronx-cc", names)
+    done = run_parallel(run_neuronx_cc, work, names, progress)
+    return [
+        Compiled(
+            stage / "graphs" / f"{stem}.neff",
+            result["seconds"],
+            ArtifactMetadata(neff_header=result["neff_header"]),
+            record,
+        )
+        for stem, result, record in zip(names, done, records, strict=True)
+    ]
 
 
 def run_neuronx_cc(

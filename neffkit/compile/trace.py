@@ -16,11 +16,15 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from neffkit.bundle import IoAlias, TensorRecord
 from neffkit.compile.plan import GraphSpec
+from neffkit.compile.units import LoweredGraph, TraceResult
 from neffkit.errors import BuildError
+from neffkit.manifest import Manifest
 from neffkit.models.config import ModelConfig
 from neffkit.models.llama import DecoderGraph, GraphShape, TensorSpec, kv_inputs, metadata_inputs
 from neffkit.models.parallel import Parallelism
+from neffkit.models.weights import rank_weight_shapes
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,36 @@ class Traced:
     program: ExportedProgram
     canonical_text: str
     graph_sha256: str
-    io_alias: list[dict[str, Any]]
+    io_alias: tuple[IoAlias, ...]
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     sources: list[str]  # per canonical line: the model source line that made the node
+
+
+def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLayout:
+    """Shapes only (safetensors headers): tracing never needs the weight values.
+
+    Every rank's shard has the same names and shapes (that is what makes SPMD possible); this is
+    checked here, before any tracing.
+    """
+    cfg = manifest.model_config
+    par = Parallelism(manifest.parallel.tp, manifest.parallel.ep)
+    shapes = rank_weight_shapes(manifest.model, cfg, par, 0)
+    for rank in range(1, par.tp):
+        if rank_weight_shapes(manifest.model, cfg, par, rank) != shapes:
+            raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
+    return ModelLayout(
+        config=cfg,
+        dtype=manifest.dtype,
+        kv_heads=par.kv_heads_per_rank(cfg),
+        weights=tuple(TensorSpec(name, shape, manifest.dtype) for name, shape in shapes),
+        block_size=manifest.kv_cache.block_size,
+        num_blocks=manifest.kv_cache.num_blocks,
+        max_top_k=manifest.sampling.max_top_k,
+        device=device,
+        par=par,
+        gemv_max_rows=gemv_max_rows,
+    )
 
 
 def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
@@ -146,6 +176,24 @@ def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
     return Traced(spec, program, text, digest, io_alias, specs, outputs, sources)
 
 
+def trace_result(traced: Traced, seconds: float, lowered: LoweredGraph | None) -> TraceResult:
+    """What the build keeps of a trace (the program itself stays in the worker)."""
+    return TraceResult(
+        graph_sha256=traced.graph_sha256,
+        canonical_text=traced.canonical_text,
+        io_alias=traced.io_alias,
+        inputs=tuple(tensor_record(s) for s in traced.inputs),
+        outputs=tuple(tensor_record(s) for s in traced.outputs),
+        sources=tuple(traced.sources),
+        seconds=seconds,
+        lowered=lowered,
+    )
+
+
+def tensor_record(spec: TensorSpec) -> TensorRecord:
+    return TensorRecord(spec.name, tuple(spec.shape), spec.dtype)
+
+
 def node_source(node: torch.fx.Node) -> str:
     """`file.py:123: code` of the innermost frame that created the node ("" for inputs)."""
     trace = node.meta.get("stack_trace") or ""
@@ -166,8 +214,8 @@ def _user_input_names(program: ExportedProgram) -> list[str]:
     ]
 
 
-def io_alias_map(program: ExportedProgram, contract_names: list[str]) -> list[dict[str, Any]]:
-    """Which program output is written back to which input: [{"input": "k_cache.3", "output": 4}]
+def io_alias_map(program: ExportedProgram, contract_names: list[str]) -> tuple[IoAlias, ...]:
+    """Which program output is written back to which input: (IoAlias("k_cache.3", 4), ...)
 
     Read from the signature's USER_INPUT_MUTATION specs, so it can never drift from the graph.
     """
@@ -175,10 +223,10 @@ def io_alias_map(program: ExportedProgram, contract_names: list[str]) -> list[di
     out = []
     for index, spec in enumerate(program.graph_signature.output_specs):
         if spec.kind == OutputKind.USER_INPUT_MUTATION:
-            out.append({"input": placeholder_to_name[spec.target], "output": index})
+            out.append(IoAlias(placeholder_to_name[spec.target], index))
         elif spec.kind != OutputKind.USER_OUTPUT:
             raise BuildError(f"unexpected output kind {spec.kind} in exported graph")
-    return out
+    return tuple(out)
 
 
 def _format_arg(arg: Any, names: dict[torch.fx.Node, str]) -> str:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from neffkit.bundle import IoAlias, VerifyRecord
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.trace import ModelLayout, decoder_module, graph_inputs
 from neffkit.errors import BuildError
@@ -41,14 +41,14 @@ class VerifyResult:
     def ok(self) -> bool:
         return self.tokens_equal and self.max_kv_error <= self.tolerance
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "tokens_equal": self.tokens_equal,
-            "max_kv_error": self.max_kv_error,
-            "tolerance": self.tolerance,
-            "executor": self.executor,
-        }
+    def record(self) -> VerifyRecord:
+        return VerifyRecord(
+            ok=self.ok,
+            tokens_equal=self.tokens_equal,
+            max_kv_error=self.max_kv_error,
+            tolerance=self.tolerance,
+            executor=self.executor,
+        )
 
 
 def representative_inputs(
@@ -124,7 +124,7 @@ def aoti_runner(artifact: Path, names: list[str]) -> Runner:
     return run
 
 
-def xla_cpu_runner(proto: bytes, names: list[str], io_alias: list[dict[str, Any]]) -> Runner:
+def xla_cpu_runner(proto: bytes, names: list[str], io_alias: tuple[IoAlias, ...]) -> Runner:
     from neffkit.xla_cpu import XlaCpu
 
     xla = XlaCpu()
@@ -132,7 +132,7 @@ def xla_cpu_runner(proto: bytes, names: list[str], io_alias: list[dict[str, Any]
 
     def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         outs = xla.run(executable, [xla.put(t.numpy()) for t in inputs])
-        kv = {a["input"]: np.asarray(outs[a["output"]]) for a in io_alias}
+        kv = {a.input: np.asarray(outs[a.output]) for a in io_alias}
         return np.asarray(outs[-1]), kv
 
     return run

@@ -16,73 +16,32 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from neffkit.compile.backends import get_backend
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.progress import Progress
-from neffkit.compile.trace import ModelLayout, trace_graph
-from neffkit.errors import BuildError
-from neffkit.models.llama import TensorSpec
+from neffkit.compile.trace import ModelLayout, trace_graph, trace_result
+from neffkit.compile.units import TraceResult
 
 
-def _quiet() -> None:
+def quiet_warnings() -> None:
     # torch's own pytree deprecation noise, emitted while AOTInductor pickles specs
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
 
 def _worker_init() -> None:
-    _quiet()
+    quiet_warnings()
     # Ctrl-C goes to the whole process group: the parent decides, workers are terminated by it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _spec_json(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype}
-
-
-def trace_job(
-    layout: ModelLayout, spec: GraphSpec, rank: int, target: str = "cpu"
-) -> dict[str, Any]:
-    """Trace one graph on one rank; for neuron also lower it (the HLO is checked and cached)."""
+def trace_job(layout: ModelLayout, spec: GraphSpec, rank: int, target: str) -> TraceResult:
+    """Trace one graph on one rank, and lower it where the target compiles a lowered form."""
     t0 = time.perf_counter()
     traced = trace_graph(layout, spec, rank)
-    lowered = {}
-    if target == "neuron":
-        hlo = get_backend("neuron").lower(traced, layout.par.tp)
-        lowered = {"hlo": {"proto": hlo.proto, "text": hlo.text, "sha256": hlo.sha256}}
-    return {
-        **lowered,
-        "sources": traced.sources,
-        "canonical_text": traced.canonical_text,
-        "graph_sha256": traced.graph_sha256,
-        "io_alias": traced.io_alias,
-        "inputs": [_spec_json(s) for s in traced.inputs],
-        "outputs": [_spec_json(s) for s in traced.outputs],
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-
-
-def compile_job(
-    target: str,
-    layout: ModelLayout,
-    spec: GraphSpec,
-    options: dict[str, Any],
-    out: Path,
-    expected_sha: str,
-    rank: int = 0,
-) -> dict[str, Any]:
-    _quiet()
-    t0 = time.perf_counter()
-    traced = trace_graph(layout, spec, rank)
-    if traced.graph_sha256 != expected_sha:
-        raise BuildError(
-            f"{spec.name}: tracing is not deterministic (the graph changed between "
-            "the trace and compile steps)"
-        )
-    record = get_backend(target).compile(traced.program, out, options)
-    return {"artifact_metadata": record.metadata, "seconds": round(time.perf_counter() - t0, 3)}
+    lowered = get_backend(target).lower(traced, layout.par.tp)
+    return trace_result(traced, round(time.perf_counter() - t0, 3), lowered)
 
 
 def _call(args: tuple[Callable[..., Any], int, tuple]) -> tuple[int, Any]:
@@ -162,4 +121,5 @@ def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
 
 
 def _seconds(value: Any) -> float | None:
-    return value.get("seconds") if isinstance(value, dict) else None
+    """A job's own seconds: results are dataclasses (TraceResult, Compiled) or neuronx-cc dicts."""
+    return value.get("seconds") if isinstance(value, dict) else getattr(value, "seconds", None)

@@ -78,7 +78,7 @@ def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: floa
         from neffkit.runtime.distributed import launched_by_torchrun, run_ranks
         from neffkit.runtime.loader import load
 
-        world_size = read_bundle(bundle, verify=False).data["layout"]["world_size"]
+        world_size = read_bundle(bundle, verify=False).record.world_size
         if world_size > 1 or launched_by_torchrun():
             run_ranks(
                 bundle,

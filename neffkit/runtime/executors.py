@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from neffkit.bundle import Bundle
+from neffkit.bundle import Bundle, GraphRecord
 from neffkit.errors import BundleError
 
 GraphRun = Callable[[list[np.ndarray]], np.ndarray]
@@ -29,12 +29,12 @@ EXECUTORS = ("auto", "aotinductor", "xla-cpu", "neuron")
 class Executor(Protocol):
     name: str
 
-    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun: ...
+    def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun: ...
 
 
 def choose_executor(bundle: Bundle, requested: str) -> str:
     """The executor for this bundle: `auto` picks the target's own; mismatches are refused."""
-    target, stage = bundle.target, bundle.data.get("stage", "compiled")
+    target = bundle.target
     if requested not in EXECUTORS:
         raise BundleError(f"unknown executor {requested!r}; choose from {', '.join(EXECUTORS)}")
     own = "aotinductor" if target in ("cpu", "cuda") else "neuron"
@@ -43,7 +43,7 @@ def choose_executor(bundle: Bundle, requested: str) -> str:
         raise BundleError(f"{bundle.root}: a {target} bundle runs with the aotinductor executor")
     if target == "neuron" and chosen == "aotinductor":
         raise BundleError(f"{bundle.root}: a neuron bundle has no AOTInductor packages")
-    if target == "neuron" and chosen == "neuron" and stage == "lowered":
+    if target == "neuron" and chosen == "neuron" and bundle.record.lowered:
         raise BundleError(
             f"{bundle.root}: this neuron bundle is lowered only (HLO modules, no NEFFs)",
             hint="finish it with `neffkit compile BUNDLE` on a Neuron host, or run its HLO "
@@ -52,10 +52,10 @@ def choose_executor(bundle: Bundle, requested: str) -> str:
     return chosen
 
 
-def _check_static_order(graph: dict[str, Any], num_meta: int, names: list[str]) -> None:
-    expected = [i["name"] for i in graph["inputs"][num_meta:]]
+def _check_static_order(graph: GraphRecord, num_meta: int, names: list[str]) -> None:
+    expected = [i.name for i in graph.inputs[num_meta:]]
     if expected != names:
-        raise BundleError(f"graph {graph['name']}: its inputs do not match the bundle's weights")
+        raise BundleError(f"graph {graph.name}: its inputs do not match the bundle's weights")
 
 
 class AotiExecutor:
@@ -64,10 +64,10 @@ class AotiExecutor:
     def __init__(self, statics: list[torch.Tensor], names: list[str], device: str) -> None:
         self.statics, self.names, self.device = statics, names, device
 
-    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
+    def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun:
         _check_static_order(graph, num_meta, self.names)
         device_index = 0 if self.device == "cuda" else -1
-        package = str(bundle.path(graph["artifact"]))
+        package = str(bundle.path(graph.artifact or ""))
         runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, device_index)
         statics, device = self.statics, self.device
         bound: list[Any] = [(), []]  # (metadata arrays, full input list) of the previous call
@@ -105,10 +105,10 @@ class XlaCpuExecutor:
         self.index = {name: i for i, name in enumerate(names)}
         self.arrays = [self.xla.put(to_numpy(t)) for t in statics]  # device-resident state
 
-    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
+    def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun:
         _check_static_order(graph, num_meta, self.names)
-        executable = self.xla.compile(bundle.path(graph["hlo"]).read_bytes())
-        aliases = [(self.index[a["input"]], a["output"]) for a in graph["io_alias"]]
+        executable = self.xla.compile(bundle.path(graph.hlo or "").read_bytes())
+        aliases = [(self.index[a.input], a.output) for a in graph.io_alias]
         xla, arrays = self.xla, self.arrays
 
         def run(meta: list[np.ndarray]) -> np.ndarray:
@@ -143,10 +143,10 @@ class NeuronExecutor:
         self.names = names
         self.statics = {n: to_numpy(t) for n, t in zip(names, statics, strict=True)}
 
-    def load(self, bundle: Bundle, graph: dict[str, Any], num_meta: int) -> GraphRun:
+    def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun:
         _check_static_order(graph, num_meta, self.names)
-        model = self.spike.SpikeModel.load_from_neff(str(bundle.path(graph["artifact"])))
-        meta_names = [i["name"] for i in graph["inputs"][:num_meta]]
+        model = self.spike.SpikeModel.load_from_neff(str(bundle.path(graph.artifact or "")))
+        meta_names = [i.name for i in graph.inputs[:num_meta]]
         statics = self.statics
 
         def run(meta: list[np.ndarray]) -> np.ndarray:
@@ -156,16 +156,16 @@ class NeuronExecutor:
         return run
 
 
-def check_neff(bundle: Bundle, graph: dict[str, Any], lnc: int | None) -> None:
+def check_neff(bundle: Bundle, graph: GraphRecord, lnc: int | None) -> None:
     """Refuse a NEFF whose header differs from what the bundle recorded, or from this runtime."""
     from neffkit.neff import NeffError, compatibility_problems, read_header
 
-    path: Path = bundle.path(graph["artifact"])
+    path: Path = bundle.path(graph.artifact or "")
     try:
         header = read_header(path)
     except NeffError as exc:
         raise BundleError(str(exc), hint="rebuild or recompile the bundle") from None
-    recorded = graph.get("artifact_metadata", {}).get("neff_header", {})
+    recorded = graph.artifact_metadata.neff_header or {}
     problems = compatibility_problems(header, recorded, lnc)
     if problems:
         raise BundleError(

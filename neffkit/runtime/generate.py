@@ -39,7 +39,7 @@ def generate(
     """
     if not request.texts and not request.token_ids:
         raise RequestError("nothing to generate: give --prompt TEXT or --prompt-ids 1,2,3")
-    world_size = read_bundle(bundle_path, verify=False).data["layout"]["world_size"]
+    world_size = read_bundle(bundle_path, verify=False).record.world_size
     if world_size > 1 or launched_by_torchrun():
         if executor != "auto":
             raise RequestError(

@@ -32,7 +32,6 @@ from neffkit.runtime.kv import allocate_kv_cache
 from neffkit.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-KV_INPUT_PREFIXES = ("k_cache.", "v_cache.")
 
 
 def _base_version(version: str) -> str:
@@ -41,9 +40,9 @@ def _base_version(version: str) -> str:
 
 def check_host(bundle: Bundle, world_size: int = 1) -> None:
     """Refuse a bundle this process cannot run, saying what differs and how to fix it."""
-    data = bundle.data
-    target = data["target"]
-    built_torch = data["versions"]["torch"]
+    record = bundle.record
+    target = record.target
+    built_torch = record.versions.torch
     # HLO modules and NEFFs do not depend on torch; AOTInductor packages do
     if target != "neuron" and _base_version(built_torch) != _base_version(torch.__version__):
         raise BundleError(
@@ -52,14 +51,14 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
             " (AOTInductor artifacts are tied to the torch version that compiled them)",
             hint=f"install torch=={_base_version(built_torch)}, or rebuild the bundle here",
         )
-    need = data.get("host", {})
-    if need.get("machine") and need["machine"] != host.machine():
+    need = record.host
+    if need.machine and need.machine != host.machine():
         raise BundleError(
-            f"{bundle.root}: built for {need['machine']}, this host is {host.machine()}",
+            f"{bundle.root}: built for {need.machine}, this host is {host.machine()}",
             hint="rebuild the bundle on this kind of host",
         )
     if target == "cpu":
-        missing = sorted(set(need.get("cpu_flags", [])) - host.cpu_flags())
+        missing = sorted(set(need.cpu_flags or ()) - host.cpu_flags())
         if missing:
             raise BundleError(
                 f"{bundle.root}: compiled for a CPU with {', '.join(missing)}, "
@@ -73,7 +72,7 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
             f"{bundle.root}: target {target!r} bundles cannot run in this runtime",
             hint="see the README's 'Targets' section",
         )
-    expected = data["layout"]["world_size"]
+    expected = record.world_size
     if world_size != expected:
         raise BundleError(
             f"{bundle.root}: built for {expected} rank(s), launched with {world_size}",
@@ -83,14 +82,14 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
 
 def engine_layout(bundle: Bundle) -> Layout:
     """The scheduler's view of a bundle (buckets, blocks, EOS), from bundle.json alone."""
-    lay = bundle.data["layout"]
+    lay = bundle.record.layout
     return Layout(
-        block_size=lay["block_size"],
-        num_blocks=lay["num_blocks"],
-        prefill_buckets=tuple(lay["buckets"]["prefill"]),
-        decode_buckets=tuple(lay["buckets"]["decode"]),
-        context_buckets=tuple(lay["buckets"]["context"]),
-        eos_token_ids=tuple(bundle.data["model"]["eos_token_ids"]),
+        block_size=lay.block_size,
+        num_blocks=lay.num_blocks,
+        prefill_buckets=lay.buckets.prefill,
+        decode_buckets=lay.buckets.decode,
+        context_buckets=lay.buckets.context,
+        eos_token_ids=bundle.record.model.eos_token_ids,
     )
 
 
@@ -105,7 +104,11 @@ class LoadedBundle:
 def runtime_lnc(bundle: Bundle) -> int:
     """The logical-core size the Neuron runtime will use: its env setting, else the bundle's."""
     configured = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
-    return int(configured) if configured else int(bundle.data["neuron"]["lnc"])
+    if configured:
+        return int(configured)
+    if bundle.record.neuron is None:
+        raise BundleError(f"{bundle.root}: not a neuron bundle (no lnc recorded)")
+    return bundle.record.neuron.lnc
 
 
 def _executor(
@@ -133,47 +136,26 @@ def load(
     if chosen == "neuron":
         for g in bundle.graphs:
             check_neff(bundle, g, runtime_lnc(bundle))
-    data = bundle.data
-    device = "cuda" if data["target"] == "cuda" else "cpu"
-    lay = data["layout"]
-    weights_record = next(w for w in data["weights"] if w["rank"] == rank)
-    tensors = load_file(str(bundle.path(weights_record["file"])), device=device)
-    weights = [tensors[name] for name in weights_record["names"]]
-    dtype = getattr(torch, lay["dtype"])
-    kv_shape = (lay["num_blocks"], lay["block_size"], lay["kv_heads_per_rank"], lay["head_dim"])
-    kv = allocate_kv_cache(lay["num_layers"], kv_shape, dtype, device)
+    record = bundle.record
+    device = "cuda" if record.target == "cuda" else "cpu"
+    lay = record.layout
+    shard = record.weights_of(rank)
+    tensors = load_file(str(bundle.path(shard.file)), device=device)
+    weights = [tensors[name] for name in shard.names]
+    kv = allocate_kv_cache(lay.num_layers, lay.kv_shape, getattr(torch, lay.dtype), device)
     # `rank` (where graphs take it) is this process's own: it precedes the KV caches
-    rank_input = (
-        [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.get("rank_input") else []
-    )
-    kv_names = [f"{kind}_cache.{i}" for i in range(lay["num_layers"]) for kind in ("k", "v")]
-    names = ["rank"] * len(rank_input) + kv_names + list(weights_record["names"])
+    rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
+    kv_names = [f"{kind}_cache.{i}" for i in range(lay.num_layers) for kind in ("k", "v")]
+    names = ["rank"] * len(rank_input) + kv_names + list(shard.names)
     run_with = _executor(bundle, chosen, rank_input + kv + weights, names, rank)
+    statics = set(names)
     entries = []
     # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"
-    mine = [g for g in data["graphs"] if g["ranks"] == "all" or rank in g["ranks"]]
-    for g in mine:
-        meta = tuple(
-            (i["name"], tuple(i["shape"]), i["dtype"])
-            for i in g["inputs"]
-            if not i["name"].startswith(KV_INPUT_PREFIXES)
-            and i["name"] not in tensors
-            and i["name"] != "rank"
-        )
-        b = g["buckets"]
-        entries.append(
-            GraphEntry(
-                g["name"],
-                g["phase"],
-                b["rows"],
-                b["tokens"],
-                b["context"],
-                meta,
-                run_with.load(bundle, g, len(meta)),
-            )
-        )
+    for g in (g for g in record.graphs if g.serves(rank)):
+        meta = tuple((i.name, i.shape, i.dtype) for i in g.inputs if i.name not in statics)
+        b = g.buckets
+        run = run_with.load(bundle, g, len(meta))
+        entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run))
     engine = Engine(entries, engine_layout(bundle))
-    tokenizer = (
-        Tokenizer.from_dir(bundle.path(data["tokenizer"])) if data.get("tokenizer") else None
-    )
+    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     return LoadedBundle(bundle, engine, tokenizer, time.perf_counter() - t0)

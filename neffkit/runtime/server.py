@@ -417,12 +417,9 @@ def serve(
     import uvicorn
 
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
-    name = model_name or bundle.data["manifest"]["name"]
-    tokenizer = (
-        Tokenizer.from_dir(bundle.path(bundle.data["tokenizer"]))
-        if bundle.data.get("tokenizer")
-        else None
-    )
+    name = model_name or bundle.record.name
+    record = bundle.record
+    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
     core, conn = start_core(bundle_path, executor, dist_timeout_s)
     validator = Engine([], engine_layout(bundle))  # buckets and blocks only, no graphs

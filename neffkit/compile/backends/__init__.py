@@ -6,7 +6,10 @@ Values are import paths so that reading the registry imports no torch; `get_back
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neffkit.compile.backends.base import Backend
 
 BACKENDS: dict[str, str] = {  # keys: neffkit.targets.TARGETS (a test checks)
     "cpu": "neffkit.compile.backends.inductor:CpuBackend",
@@ -15,7 +18,7 @@ BACKENDS: dict[str, str] = {  # keys: neffkit.targets.TARGETS (a test checks)
 }
 
 
-def get_backend(target: str) -> Any:
+def get_backend(target: str) -> Backend:
     """Instantiate the backend for `target`; unknown names list the available ones."""
     from neffkit.errors import BuildError
 

@@ -8,66 +8,133 @@ refuses hosts that lack any of them.
 
 from __future__ import annotations
 
-import logging
-import os
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from neffkit import host
-from neffkit.bundle import sha256_file
+from neffkit.bundle import ArtifactMetadata, HostRecord, NeuronRecord, OptionValue
+from neffkit.compile.plan import GraphSpec
+from neffkit.compile.units import BuildContext, Compiled, GraphUnit
 from neffkit.errors import BuildError
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from neffkit.compile.backends.base import CacheFactors
+    from neffkit.compile.trace import ModelLayout, Traced
+    from neffkit.compile.verify import Runner
+    from neffkit.manifest import Manifest
+
+# Decode graphs up to this many rows project as fused reductions on Inductor targets
+# (models/llama.project); at 8 rows the two forms measured equal on the demo model.
+GEMV_MAX_ROWS = 8
 
 
-@dataclass(frozen=True)
-class ArtifactRecord:
-    path: Path
-    sha256: str
-    size: int
-    metadata: dict[str, Any]
+def compile_job(
+    layout: ModelLayout,
+    spec: GraphSpec,
+    options: dict[str, OptionValue],
+    out: Path,
+    expected_sha: str,
+    rank: int = 0,
+) -> Compiled:
+    """A compile worker: re-trace the graph, check it is the one that was checked, compile it."""
+    from neffkit.compile.trace import trace_graph
+    from neffkit.compile.workers import quiet_warnings
+
+    quiet_warnings()
+    t0 = time.perf_counter()
+    traced = trace_graph(layout, spec, rank)
+    if traced.graph_sha256 != expected_sha:
+        raise BuildError(
+            f"{spec.name}: tracing is not deterministic (the graph changed between "
+            "the trace and compile steps)"
+        )
+    metadata = aoti_compile(traced.program, out, options)
+    return Compiled(out, round(time.perf_counter() - t0, 3), ArtifactMetadata(metadata))
+
+
+def aoti_compile(program: object, out: Path, options: dict[str, OptionValue]) -> dict[str, str]:
+    """Compile one exported program into an AOTInductor package; return its own metadata."""
+    from torch._inductor import aoti_compile_and_package
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
+    except Exception as exc:
+        raise BuildError(f"AOTInductor failed for {out.stem}: {exc}") from exc
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(out), "model", False, 1, -1)
+    return dict(loader.get_metadata())
 
 
 class CpuBackend:
     name = "cpu"
     device = "cpu"
     artifact_suffix = ".pt2"
+    gemv_max_rows = GEMV_MAX_ROWS
 
     @property
     def version(self) -> str:
         return f"torch-{torch.__version__}-aotinductor"
 
-    def host_requirements(self) -> dict[str, Any]:
-        return {"machine": host.machine(), "cpu_flags": sorted(host.cpu_flags())}
+    def host_requirements(self) -> HostRecord:
+        return HostRecord(machine=host.machine(), cpu_flags=tuple(sorted(host.cpu_flags())))
 
-    def compile(self, program: Any, out_path: Path, options: dict[str, Any]) -> ArtifactRecord:
-        """Compile one exported program into an AOTInductor package at `out_path`."""
-        from torch._inductor import aoti_compile_and_package
-
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            aoti_compile_and_package(
-                program, package_path=str(out_path), inductor_configs=dict(options)
+    def check_ready(self, lower_only: bool, dry_run: bool) -> None:
+        if lower_only:
+            raise BuildError(
+                f"--lower-only applies to target: neuron (this manifest's target is {self.name!r})"
             )
-        except Exception as exc:
-            raise BuildError(f"AOTInductor failed for {out_path.stem}: {exc}") from exc
-        metadata = torch._C._aoti.AOTIModelPackageLoader(str(out_path), "model", False, 1, -1)
-        meta = dict(metadata.get_metadata())
-        return ArtifactRecord(out_path, sha256_file(out_path), os.path.getsize(out_path), meta)
+
+    def lower(self, traced: Traced, world_size: int) -> None:
+        return None  # AOTInductor compiles the exported program itself
+
+    def cache_factors(self, unit: GraphUnit, manifest: Manifest) -> CacheFactors:
+        return {}
+
+    def write_inputs(self, stage: Path, units: list[GraphUnit]) -> None:
+        pass
+
+    def compile(self, ctx: BuildContext, stage: Path, units: list[GraphUnit]) -> list[Compiled]:
+        work = [
+            (
+                ctx.layout,
+                u.spec,
+                u.options.inductor,
+                stage / "work" / f"{u.stem}{self.artifact_suffix}",
+                u.trace.graph_sha256,
+                u.rank or 0,
+            )
+            for u in units
+        ]
+        names = [u.stem for u in units]
+        ctx.progress.start("compile", names)
+        return ctx.run_parallel(compile_job, work, names, ctx.progress)
+
+    def verify_runner(
+        self, layout: ModelLayout, unit: GraphUnit, stage: Path
+    ) -> tuple[Runner, str]:
+        from neffkit.compile.verify import aoti_runner
+
+        artifact = stage / "graphs" / f"{unit.stem}{self.artifact_suffix}"
+        return aoti_runner(artifact, [i.name for i in unit.trace.inputs]), "aotinductor"
+
+    def target_record(
+        self, manifest: Manifest, lower_only: bool
+    ) -> tuple[NeuronRecord | None, str | None]:
+        return None, None
 
 
 class CudaBackend(CpuBackend):
     name = "cuda"
     device = "cuda"
 
-    def host_requirements(self) -> dict[str, Any]:
+    def host_requirements(self) -> HostRecord:
         if not torch.cuda.is_available():
             raise BuildError(
                 "target 'cuda' needs a CUDA device and a CUDA build of torch",
                 hint="build on a GPU host, or use target: cpu",
             )
         major, minor = torch.cuda.get_device_capability()
-        return {"machine": host.machine(), "cuda_capability": f"{major}.{minor}"}
+        return HostRecord(machine=host.machine(), cuda_capability=f"{major}.{minor}")

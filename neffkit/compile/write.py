@@ -1,0 +1,154 @@
+"""The build's last steps on disk: weight shards, tokenizer, ir/, and the bundle record.
+
+Everything is written into the staging directory; `bundle.write_bundle_json` hashes what is there.
+Records are deterministic (no timings, no paths of the build host beyond the resolved manifest),
+so a rebuild with nothing changed writes a byte-identical bundle.json.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import neffkit
+from neffkit.bundle import (
+    AuditRecord,
+    BucketLists,
+    BundleRecord,
+    FindingRecord,
+    GraphBuckets,
+    GraphRecord,
+    LayoutRecord,
+    ManifestRecord,
+    ModelRecord,
+    Versions,
+    WeightsRecord,
+    write_bundle_json,
+    write_zst_text,
+)
+from neffkit.compile.backends.base import Backend
+from neffkit.compile.trace import ModelLayout
+from neffkit.compile.units import GraphUnit
+from neffkit.manifest import Manifest
+from neffkit.models.weights import iter_rank_weights
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def write_weights(manifest: Manifest, stage: Path, layout: ModelLayout) -> list[WeightsRecord]:
+    """weights/rank{r}.safetensors: each rank's pre-cut shard; a rank reads only its own file."""
+    (stage / "weights").mkdir(parents=True)
+    records = []
+    for rank in range(layout.par.tp):
+        tensors = dict(
+            iter_rank_weights(
+                manifest.model, manifest.model_config, manifest.dtype, layout.par, rank
+            )
+        )
+        file = f"weights/rank{rank}.safetensors"
+        save_file(tensors, str(stage / file))
+        records.append(WeightsRecord(rank, file, tuple(tensors)))
+        del tensors
+    return records
+
+
+def copy_tokenizer(model_dir: Path, out: Path) -> None:
+    present = [name for name in TOKENIZER_FILES if (model_dir / name).exists()]
+    if not present:
+        return
+    out.mkdir(parents=True)
+    for name in present:
+        shutil.copyfile(model_dir / name, out / name)
+
+
+def graph_record(u: GraphUnit, suffix: str, lower_only: bool) -> GraphRecord:
+    """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
+    spec, t = u.spec, u.trace
+    hlo = {}
+    if t.lowered is not None:
+        hlo = {
+            "hlo": f"ir/{u.stem}.hlo.pb",
+            "hlo_text": f"ir/{u.stem}.hlo.txt.zst",
+            "hlo_sha256": t.lowered.sha256,
+            "compiler": u.compiler,
+        }
+    return GraphRecord(
+        name=spec.name,
+        phase=spec.phase,
+        buckets=GraphBuckets(spec.rows, spec.tokens, spec.context),
+        artifact=None if lower_only else f"graphs/{u.stem}{suffix}",
+        ir=f"ir/{u.stem}.txt.zst",
+        graph_sha256=t.graph_sha256,
+        cache_key=u.key.digest if u.key else None,
+        options=u.options.inductor,
+        option_origins=u.options.origins,
+        flags=u.options.flags,
+        flag_origins=u.options.flag_origins,
+        io_alias=t.io_alias,
+        inputs=t.inputs,
+        outputs=t.outputs,
+        ranks="all" if u.rank is None else (u.rank,),
+        artifact_metadata=u.metadata,
+        verify=u.verify,
+        **hlo,
+    )
+
+
+def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
+    b = manifest.buckets
+    return LayoutRecord(
+        world_size=manifest.parallel.tp,
+        tp=manifest.parallel.tp,
+        ep=manifest.parallel.ep,
+        dtype=layout.dtype,
+        num_layers=layout.config.num_layers,
+        kv_heads_per_rank=layout.kv_heads,
+        rank_input=layout.par.needs_rank_input(layout.config),
+        head_dim=layout.config.head_dim,
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        buckets=BucketLists(b.prefill, b.decode, b.context),
+        max_top_k=layout.max_top_k,
+    )
+
+
+def write_bundle(
+    manifest: Manifest,
+    layout: ModelLayout,
+    backend: Backend,
+    stage: Path,
+    units: list[GraphUnit],
+    weights: list[WeightsRecord],
+    findings: list[FindingRecord],
+    lower_only: bool,
+) -> BundleRecord:
+    """ir/, tokenizer/ and bundle.json into the staging directory."""
+    for u in units:
+        write_zst_text(stage / "ir" / f"{u.stem}.txt.zst", u.trace.canonical_text)
+    copy_tokenizer(manifest.model, stage / "tokenizer")
+    neuron, bundle_stage = backend.target_record(manifest, lower_only)
+    model = manifest.model_config.to_json()
+    record = BundleRecord(
+        versions=Versions(neffkit.__version__, torch.__version__, backend.version),
+        target=manifest.target,
+        host=backend.host_requirements(),
+        manifest=ManifestRecord.from_json(manifest.to_json()),
+        model=ModelRecord.from_json(model),
+        layout=layout_record(manifest, layout),
+        graphs=tuple(graph_record(u, backend.artifact_suffix, lower_only) for u in units),
+        weights=tuple(weights),
+        tokenizer="tokenizer" if (stage / "tokenizer").exists() else None,
+        audit=AuditRecord(manifest.audit.waive, tuple(findings)),
+        neuron=neuron,
+        stage=bundle_stage,
+    )
+    return write_bundle_json(stage, record)
