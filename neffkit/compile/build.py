@@ -279,7 +279,7 @@ def compile_units(
     cache. Returns how many were compiled."""
     backend.write_inputs(stage, units)
     misses = [u for u in units if u.cached is None and not ctx.lower_only]
-    for u, done in zip(misses, backend.compile(ctx, stage, misses), strict=True):
+    for u, done in zip(misses, backend.compile(ctx, stage, misses) if misses else [], strict=True):
         u.seconds["compile"] = done.seconds
         u.metadata, u.compiler = done.metadata, done.compiler
         if cache is not None:
