@@ -27,9 +27,9 @@ def ensure_bundle(manifest: Path, bundle: Path) -> Path:
 
 def decode_step_times(engine: Any, prompts: list[list[int]], steps: int) -> list[float]:
     """Wall time of each engine step once every sequence is decoding (host work included)."""
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.protocol import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_ids for s in seqs):
         engine.step()

@@ -26,6 +26,7 @@ from common import (  # noqa: E402
     write_result,
 )
 
+from neffkit.runtime.core import EngineCore  # noqa: E402
 from neffkit.runtime.loader import load  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def main() -> None:
 
     bundle = ensure_bundle(args.manifest, args.bundle)
     loaded = load(bundle)
-    model_dir = Path(loaded.bundle.record.manifest.model_dir)
+    model_dir = Path(loaded.bundle.record.manifest.model)
     max_len = args.prompt_len + args.steps + 8
     eager = HFDecoder(model_dir, compiled=False, max_len=max_len)
     compiled = HFDecoder(model_dir, compiled=True, max_len=max_len)
@@ -55,7 +56,9 @@ def main() -> None:
         compiled.decode_times(prompt_t, 4)  # compile + warm-up, not timed
         samples = {"neffkit": [], "hf_eager": [], "hf_compile": []}
         for _ in range(args.rounds):
-            samples["neffkit"] += decode_step_times(loaded.engine, prompts.tolist(), args.steps)
+            samples["neffkit"] += decode_step_times(
+                EngineCore(loaded.runner), prompts.tolist(), args.steps
+            )
             samples["hf_eager"] += eager.decode_times(prompt_t, args.steps)
             samples["hf_compile"] += compiled.decode_times(prompt_t, args.steps)
         ms = {k: 1000 * median(v) for k, v in samples.items()}

@@ -40,18 +40,22 @@ def main() -> None:
     )
     bundle = ensure_bundle(manifest, WORK / "matrix-bundle")
 
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
+    from neffkit.runtime.protocol import SamplingParams
 
-    engine = load(bundle).engine
+    llm = LLM(load(bundle))
+    engine = llm.core
     rng = random.Random(0)
-    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     rows = []
     for n in args.inputs:
         ttfts, tpots = [], []
         for _ in range(args.prompts):
             prompt = [rng.randrange(3, 1000) for _ in range(n)]
-            seq = engine.add_request(prompt, SamplingParams(max_tokens=OUTPUT, ignore_eos=True))
+            seq = engine.add_request(
+                prompt, SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True)
+            )
             t0 = time.perf_counter()
             while not seq.output_ids:
                 engine.step()

@@ -19,8 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, ensure_bundle, write_result  # noqa: E402
 
-from neffkit.runtime.engine import SamplingParams  # noqa: E402
+from neffkit.runtime.core import EngineCore  # noqa: E402
 from neffkit.runtime.loader import load  # noqa: E402
+from neffkit.runtime.protocol import SamplingParams  # noqa: E402
 
 
 def measure(engine, batch: int, steps: int) -> dict[str, float]:
@@ -35,10 +36,11 @@ def measure(engine, batch: int, steps: int) -> dict[str, float]:
 
         return wrapper
 
-    originals = dict(engine.graphs)
-    engine.graphs = {k: dataclasses.replace(g, run=timed(g.run)) for k, g in originals.items()}
+    runner = engine.runner
+    originals = dict(runner.graphs)
+    runner.graphs = {k: dataclasses.replace(g, run=timed(g.run)) for k, g in originals.items()}
     try:
-        params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+        params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
         seqs = [engine.add_request([5 + i, 6, 7, 8], params) for i in range(batch)]
         while any(not s.output_ids for s in seqs):
             engine.step()
@@ -51,7 +53,7 @@ def measure(engine, batch: int, steps: int) -> dict[str, float]:
             totals.append(total)
             overheads.append(total - graph_time[0])
     finally:
-        engine.graphs = originals
+        runner.graphs = originals
     over, tot = statistics.median(overheads), statistics.median(totals)
     return {"batch": batch, "step_us": 1e6 * tot, "overhead_us": 1e6 * over, "share": over / tot}
 
@@ -62,9 +64,9 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama")
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args()
-    engine = load(ensure_bundle(args.manifest, args.bundle)).engine
+    engine = EngineCore(load(ensure_bundle(args.manifest, args.bundle)).runner)
     rows = []
-    for batch in (1, engine.layout.decode_buckets[-1]):
+    for batch in (1, engine.scheduler.layout.decode_buckets[-1]):
         measure(engine, batch, 20)  # warm-up
         row = measure(engine, batch, args.steps)
         rows.append(row)

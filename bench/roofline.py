@@ -68,8 +68,9 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
+    from neffkit.runtime.protocol import SamplingParams
 
     with safe_open(str(bundle / "weights" / "rank0.safetensors"), "pt") as f:
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
@@ -83,10 +84,11 @@ def main() -> None:
     bytes_per_token = weight_bytes - embed + 768 * 4 + kv_bytes
 
     bandwidth = read_bandwidth()
-    engine = load(bundle).engine
+    llm = LLM(load(bundle))
     prompt = list(range(3, 3 + args.context))
-    engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    times = decode_step_times(engine, [prompt], args.steps)
+    warm_up = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], warm_up)
+    times = decode_step_times(llm.core, [prompt], args.steps)
     measured = statistics.median(times)
     bound = bytes_per_token / bandwidth
     result = {

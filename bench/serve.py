@@ -107,15 +107,17 @@ def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab
 
     import torch
 
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
+    from neffkit.runtime.protocol import SamplingParams
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
-    engine = load(bundle).engine
+    engine = LLM(load(bundle))
     rng = random.Random(concurrency)
     prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(concurrency)]
-    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
-    engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    warm_up = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, warm_up)
     t0 = time.perf_counter()
     engine.generate(prompts, params)
     return concurrency * out_len / (time.perf_counter() - t0)

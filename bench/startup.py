@@ -27,9 +27,10 @@ t0 = time.time()
 load_file(sys.argv[2] + "/weights/rank0.safetensors")  # what reading the weights alone costs
 weights_s = time.time() - t0
 from neffkit.runtime.loader import load
-from neffkit.runtime.engine import SamplingParams
-engine = load(sys.argv[2], verify=True).engine
-seq = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1))[0]
+from neffkit.runtime.protocol import SamplingParams
+from neffkit.runtime.llm import LLM
+engine = LLM(load(sys.argv[2], verify=True))
+seq = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, temperature=0.0))[0]
 token = seq.output_ids[0]
 print(json.dumps({"first_token_at": time.time(), "weights_s": weights_s, "token": token}))
 """

@@ -19,6 +19,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
+from neffkit.runtime.core import EngineCore  # noqa: E402
 from neffkit.runtime.loader import load  # noqa: E402
 
 BUCKETS = {"prefill": [32], "decode": [1], "context": [256]}
@@ -70,7 +71,7 @@ def main() -> None:
     tp1 = ensure_bundle(manifest_for(1, bundles), bundles / "demo-tp1")
     tp2 = ensure_bundle(manifest_for(2, bundles), bundles / "demo-tp2")
 
-    engine = load(tp1).engine
+    engine = EngineCore(load(tp1).runner)
     t1 = [
         t
         for _ in range(args.rounds)
@@ -85,7 +86,7 @@ def main() -> None:
         lambda loaded: [
             t
             for _ in range(args.rounds)
-            for t in decode_step_times(loaded.engine, [list(range(1, 17))], args.steps)
+            for t in decode_step_times(EngineCore(loaded.runner), [list(range(1, 17))], args.steps)
         ],
     )
     model = load(tp1, verify=False).bundle.record.model.config

@@ -21,8 +21,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import UnionType
+from typing import ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import zstandard
 
@@ -66,59 +68,86 @@ JsonObject = dict[str, JsonValue]
 OptionValue = bool | int | float | str
 
 
-def _drop_none(data: JsonObject) -> JsonObject:
-    return {k: v for k, v in data.items() if v is not None}
+def _encode(value: object) -> JsonValue:
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, tuple | list):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    return value  # type: ignore[return-value]
+
+
+def _decode(hint: object, value: JsonValue) -> object:
+    """A JSON value as the field's declared type: records, tuples of them, unions with None."""
+    if value is None:
+        return None
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        for arg in args:
+            if isinstance(arg, type) and issubclass(arg, Record) and isinstance(value, dict):
+                return arg.from_json(value)
+            if get_origin(arg) is tuple and isinstance(value, list):
+                return _decode(arg, value)
+        return value
+    if origin is tuple and isinstance(value, list):
+        return tuple(_decode(args[0], v) for v in value)
+    if isinstance(hint, type) and issubclass(hint, Record) and isinstance(value, dict):
+        return hint.from_json(value)
+    return dict(value) if isinstance(value, dict) else value
+
+
+R = TypeVar("R", bound="Record")
+
+
+class Record:
+    """A frozen dataclass of bundle.json that (de)serialises itself field by field, using its
+    type hints to rebuild nested records and tuples. `OMIT_NONE` drops unset fields."""
+
+    OMIT_NONE: ClassVar[bool] = False
+
+    def to_json(self) -> JsonObject:
+        data = {f.name: _encode(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+        return {k: v for k, v in data.items() if v is not None} if self.OMIT_NONE else data
+
+    @classmethod
+    def from_json(cls: type[R], data: JsonObject) -> R:
+        hints = get_type_hints(cls)
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: _decode(hints[k], v) for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(Record):
     """A graph input or output: name, static shape, dtype name (torch's spelling)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
 
-    def to_json(self) -> JsonObject:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> TensorRecord:
-        return cls(d["name"], tuple(d["shape"]), d["dtype"])
-
 
 @dataclass(frozen=True)
-class IoAlias:
+class IoAlias(Record):
     """Graph output `output` is written back into input `input` (the KV cache, in place)."""
 
     input: str
     output: int
 
-    def to_json(self) -> JsonObject:
-        return {"input": self.input, "output": self.output}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> IoAlias:
-        return cls(d["input"], d["output"])
-
 
 @dataclass(frozen=True)
-class GraphBuckets:
+class GraphBuckets(Record):
+    """The shapes one graph was built for: rows (sequences), tokens per row, context attended."""
+
     rows: int
     tokens: int
     context: int
 
-    def to_json(self) -> JsonObject:
-        return {"rows": self.rows, "tokens": self.tokens, "context": self.context}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> GraphBuckets:
-        return cls(d["rows"], d["tokens"], d["context"])
-
 
 @dataclass(frozen=True)
-class VerifyRecord:
+class VerifyRecord(Record):
     """`build --verify`'s result for one graph, or why it was skipped."""
 
+    OMIT_NONE = True
     ok: bool | None = None
     tokens_equal: bool | None = None
     max_kv_error: float | None = None
@@ -126,52 +155,41 @@ class VerifyRecord:
     executor: str | None = None
     skipped: str | None = None
 
-    def to_json(self) -> JsonObject:
-        return _drop_none(dict(self.__dict__))
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> VerifyRecord:
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class CompilerRecord:
+class CompilerRecord(Record):
     """How neuronx-cc made one NEFF: its argv (paths relative to the bundle), version, log."""
 
     argv: tuple[str, ...]
     version: str
     log: str
 
-    def to_json(self) -> JsonObject:
-        return {"argv": list(self.argv), "version": self.version, "log": self.log}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> CompilerRecord:
-        return cls(tuple(d["argv"]), d["version"], d["log"])
-
 
 @dataclass(frozen=True)
-class ArtifactMetadata:
+class ArtifactMetadata(Record):
     """What the compiler says about an artifact: AOTInductor's own metadata (cpu, cuda) or the
     NEFF header as the build read it (neuron; the loader compares the file against it)."""
 
     aotinductor: dict[str, str] = field(default_factory=dict)
     neff_header: dict[str, int | str] | None = None
 
-    def to_json(self) -> JsonObject:
+    def to_json(self) -> JsonObject:  # stored flat: the AOTInductor keys, or {"neff_header"}
         if self.neff_header is not None:
             return {"neff_header": dict(self.neff_header)}
         return dict(self.aotinductor)
 
     @classmethod
-    def from_json(cls, d: JsonObject) -> ArtifactMetadata:
-        if "neff_header" in d:
-            return cls(neff_header=d["neff_header"])
-        return cls(aotinductor=dict(d))
+    def from_json(cls, data: JsonObject) -> ArtifactMetadata:
+        if "neff_header" in data:
+            return cls(neff_header=data["neff_header"])  # type: ignore[arg-type]
+        return cls(aotinductor=dict(data))  # type: ignore[arg-type]
+
+
+NEURON_GRAPH_FIELDS = ("hlo", "hlo_text", "hlo_sha256", "compiler")
 
 
 @dataclass(frozen=True)
-class GraphRecord:
+class GraphRecord(Record):
     """One graph of the bundle. Deterministic (no timings), so identical rebuilds are identical."""
 
     name: str
@@ -206,83 +224,22 @@ class GraphRecord:
         return self.ranks == "all" or rank in self.ranks
 
     def to_json(self) -> JsonObject:
-        neuron: JsonObject = {}
-        if self.hlo is not None:
-            neuron = {
-                "hlo": self.hlo,
-                "hlo_text": self.hlo_text,
-                "hlo_sha256": self.hlo_sha256,
-                "compiler": self.compiler.to_json() if self.compiler else None,
-            }
-        return {
-            **neuron,
-            "name": self.name,
-            "phase": self.phase,
-            "buckets": self.buckets.to_json(),
-            "artifact": self.artifact,
-            "verify": self.verify.to_json() if self.verify else None,
-            "ir": self.ir,
-            "graph_sha256": self.graph_sha256,
-            "cache_key": self.cache_key,
-            "options": dict(self.options),
-            "option_origins": dict(self.option_origins),
-            "flags": list(self.flags),
-            "flag_origins": dict(self.flag_origins),
-            "io_alias": [a.to_json() for a in self.io_alias],
-            "inputs": [i.to_json() for i in self.inputs],
-            "outputs": [o.to_json() for o in self.outputs],
-            "ranks": self.ranks if self.ranks == "all" else list(self.ranks),
-            "artifact_metadata": self.artifact_metadata.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> GraphRecord:
-        compiler, verify = d.get("compiler"), d.get("verify")
-        return cls(
-            name=d["name"],
-            phase=d["phase"],
-            buckets=GraphBuckets.from_json(d["buckets"]),
-            artifact=d["artifact"],
-            ir=d["ir"],
-            graph_sha256=d["graph_sha256"],
-            cache_key=d.get("cache_key"),
-            options=dict(d.get("options", {})),
-            option_origins=dict(d.get("option_origins", {})),
-            flags=tuple(d.get("flags", [])),
-            flag_origins=dict(d.get("flag_origins", {})),
-            io_alias=tuple(IoAlias.from_json(a) for a in d["io_alias"]),
-            inputs=tuple(TensorRecord.from_json(i) for i in d["inputs"]),
-            outputs=tuple(TensorRecord.from_json(o) for o in d["outputs"]),
-            ranks=d["ranks"] if d["ranks"] == "all" else tuple(d["ranks"]),
-            artifact_metadata=ArtifactMetadata.from_json(d.get("artifact_metadata", {})),
-            verify=VerifyRecord.from_json(verify) if verify else None,
-            hlo=d.get("hlo"),
-            hlo_text=d.get("hlo_text"),
-            hlo_sha256=d.get("hlo_sha256"),
-            compiler=CompilerRecord.from_json(compiler) if compiler else None,
-        )
+        data = super().to_json()
+        if self.hlo is None:  # only neuron graphs carry the HLO fields
+            for key in NEURON_GRAPH_FIELDS:
+                del data[key]
+        return data
 
 
 @dataclass(frozen=True)
-class BucketLists:
+class BucketLists(Record):
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
     context: tuple[int, ...]
 
-    def to_json(self) -> JsonObject:
-        return {
-            "prefill": list(self.prefill),
-            "decode": list(self.decode),
-            "context": list(self.context),
-        }
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> BucketLists:
-        return cls(tuple(d["prefill"]), tuple(d["decode"]), tuple(d["context"]))
-
 
 @dataclass(frozen=True)
-class LayoutRecord:
+class LayoutRecord(Record):
     """What the runtime allocates and schedules by: ranks, KV cache shape, buckets."""
 
     world_size: int
@@ -303,80 +260,43 @@ class LayoutRecord:
         """[num_blocks, block_size, kv_heads_per_rank, head_dim], one K and one V per layer."""
         return (self.num_blocks, self.block_size, self.kv_heads_per_rank, self.head_dim)
 
-    def to_json(self) -> JsonObject:
-        return {**self.__dict__, "buckets": self.buckets.to_json()}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> LayoutRecord:
-        return cls(**{**d, "buckets": BucketLists.from_json(d["buckets"])})
-
 
 @dataclass(frozen=True)
-class WeightsRecord:
+class WeightsRecord(Record):
     """One rank's pre-cut shard: its file and tensor names in graph-input order."""
 
     rank: int
     file: str
     names: tuple[str, ...]
 
-    def to_json(self) -> JsonObject:
-        return {"rank": self.rank, "file": self.file, "names": list(self.names)}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> WeightsRecord:
-        return cls(d["rank"], d["file"], tuple(d["names"]))
-
 
 @dataclass(frozen=True)
-class Versions:
+class Versions(Record):
+    """The tools that made the bundle."""
+
     neffkit: str
-    torch: str
-    backend: str
-
-    def to_json(self) -> JsonObject:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> Versions:
-        return cls(**d)
+    torch: str  # AOTInductor artifacts run only under the torch that compiled them
+    backend: str  # the backend's own version string (AOTInductor, or torch-mlir + jaxlib)
 
 
 @dataclass(frozen=True)
-class HostRecord:
+class HostRecord(Record):
     """What the artifacts need of the host that runs them (none for NEFFs: checked per header)."""
 
+    OMIT_NONE = True
     machine: str | None = None
     cpu_flags: tuple[str, ...] | None = None
     cuda_capability: str | None = None
 
-    def to_json(self) -> JsonObject:
-        data = _drop_none(dict(self.__dict__))
-        if self.cpu_flags is not None:
-            data["cpu_flags"] = list(self.cpu_flags)
-        return data
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> HostRecord:
-        flags = d.get("cpu_flags")
-        return cls(d.get("machine"), tuple(flags) if flags is not None else None,
-                   d.get("cuda_capability"))  # fmt: skip
-
 
 @dataclass(frozen=True)
-class NeuronRecord:
+class NeuronRecord(Record):
     target: str  # trn1 | trn2 | trn3
     lnc: int
 
-    def to_json(self) -> JsonObject:
-        return {"target": self.target, "lnc": self.lnc}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> NeuronRecord:
-        return cls(d["target"], d["lnc"])
-
 
 @dataclass(frozen=True)
-class FindingRecord:
+class FindingRecord(Record):
     """One audit finding: rule id, severity, graph, the node or flag it points at, a fix."""
 
     rule: str
@@ -387,30 +307,15 @@ class FindingRecord:
     fix: str
     waived: bool = False
 
-    def to_json(self) -> JsonObject:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> FindingRecord:
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class AuditRecord:
+class AuditRecord(Record):
     waived: tuple[str, ...] = ()
     findings: tuple[FindingRecord, ...] = ()
 
-    def to_json(self) -> JsonObject:
-        return {"waived": list(self.waived), "findings": [f.to_json() for f in self.findings]}
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> AuditRecord:
-        return cls(tuple(d.get("waived", [])),
-                   tuple(FindingRecord.from_json(f) for f in d.get("findings", [])))  # fmt: skip
-
 
 @dataclass(frozen=True)
-class ModelRecord:
+class ModelRecord(Record):
     """The resolved model config, verbatim (provenance), with the fields the runtime reads typed."""
 
     architecture: str
@@ -420,32 +325,31 @@ class ModelRecord:
     config: JsonObject
 
     def to_json(self) -> JsonObject:
-        return dict(self.config)
+        return _encode(self.config)  # type: ignore[return-value]
 
     @classmethod
-    def from_json(cls, d: JsonObject) -> ModelRecord:
-        return cls(d["architecture"], d["num_layers"], d["vocab_size"],
-                   tuple(d["eos_token_ids"]), dict(d))  # fmt: skip
+    def from_json(cls, data: JsonObject) -> ModelRecord:
+        return super().from_json({**data, "config": data})  # `config`: the whole object
 
 
 @dataclass(frozen=True)
-class ManifestRecord:
+class ManifestRecord(Record):
     """The resolved manifest, verbatim (provenance), with the fields readers need typed."""
 
     name: str
-    model_dir: str
+    model: str  # the model directory the bundle was built from
     resolved: JsonObject
 
     def to_json(self) -> JsonObject:
-        return dict(self.resolved)
+        return _encode(self.resolved)  # type: ignore[return-value]
 
     @classmethod
-    def from_json(cls, d: JsonObject) -> ManifestRecord:
-        return cls(d["name"], d["model"], dict(d))
+    def from_json(cls, data: JsonObject) -> ManifestRecord:
+        return cls(data["name"], data["model"], dict(data))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
-class BundleRecord:
+class BundleRecord(Record):
     """bundle.json: the contract between `neffkit build` and everything that reads a bundle."""
 
     versions: Versions
@@ -482,43 +386,10 @@ class BundleRecord:
         return next(w for w in self.weights if w.rank == rank)
 
     def to_json(self) -> JsonObject:
-        data: JsonObject = {
-            "format": self.format,
-            "versions": self.versions.to_json(),
-            "target": self.target,
-            "host": self.host.to_json(),
-            "manifest": self.manifest.to_json(),
-            "model": self.model.to_json(),
-            "layout": self.layout.to_json(),
-            "graphs": [g.to_json() for g in self.graphs],
-            "weights": [w.to_json() for w in self.weights],
-            "tokenizer": self.tokenizer,
-            "audit": self.audit.to_json(),
-            "files": dict(self.files),
-        }
-        if self.neuron is not None:
-            data["neuron"] = self.neuron.to_json()
-            data["stage"] = self.stage
+        data = super().to_json()
+        if self.neuron is None:  # only neuron bundles carry the chip and stage
+            del data["neuron"], data["stage"]
         return data
-
-    @classmethod
-    def from_json(cls, d: JsonObject) -> BundleRecord:
-        return cls(
-            versions=Versions.from_json(d["versions"]),
-            target=d["target"],
-            host=HostRecord.from_json(d.get("host", {})),
-            manifest=ManifestRecord.from_json(d["manifest"]),
-            model=ModelRecord.from_json(d["model"]),
-            layout=LayoutRecord.from_json(d["layout"]),
-            graphs=tuple(GraphRecord.from_json(g) for g in d["graphs"]),
-            weights=tuple(WeightsRecord.from_json(w) for w in d["weights"]),
-            tokenizer=d.get("tokenizer"),
-            audit=AuditRecord.from_json(d.get("audit", {})),
-            neuron=NeuronRecord.from_json(d["neuron"]) if d.get("neuron") else None,
-            stage=d.get("stage"),
-            files=dict(d.get("files", {})),
-            format=d["format"],
-        )
 
 
 def write_bundle_json(root: Path, record: BundleRecord) -> BundleRecord:

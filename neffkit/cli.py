@@ -14,6 +14,7 @@ import click
 
 from neffkit import __version__
 from neffkit.errors import NeffkitError
+from neffkit.runtime.protocol import OFFLINE
 
 
 def _fail(exc: NeffkitError) -> None:
@@ -140,10 +141,10 @@ def _parse_ids(text: str) -> list[int]:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids: 1,2,3.")
-@click.option("--max-tokens", default=32, type=int, show_default=True)
-@click.option("--temperature", default=0.0, type=float, show_default=True)
-@click.option("--top-k", default=0, type=int, show_default=True)
-@click.option("--top-p", default=1.0, type=float, show_default=True)
+@click.option("--max-tokens", default=OFFLINE.max_tokens, type=int, show_default=True)
+@click.option("--temperature", default=OFFLINE.temperature, type=float, show_default=True)
+@click.option("--top-k", default=OFFLINE.top_k, type=int, show_default=True)
+@click.option("--top-p", default=OFFLINE.top_p, type=float, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens regardless of EOS.")
 @click.option("--json", "as_json", is_flag=True, help="Print outputs and timings as JSON.")
@@ -198,10 +199,11 @@ def run(
     max_waiting: int,
 ) -> None:
     """Generate from BUNDLE (with --prompt/--prompt-ids), or serve the OpenAI API (without)."""
-    from neffkit.runtime.generate import GenerateRequest, generate
+    from neffkit.runtime.llm import GenerateRequest, generate
+    from neffkit.runtime.protocol import SamplingParams
 
     if not prompts and not prompt_ids:  # no prompt: serve the OpenAI API
-        from neffkit.runtime.server import serve
+        from neffkit.runtime.api_server import serve
 
         serve(
             bundle,
@@ -218,12 +220,7 @@ def run(
     request = GenerateRequest(
         texts=list(prompts),
         token_ids=[_parse_ids(p) for p in prompt_ids],
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        ignore_eos=ignore_eos,
+        params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
     )
     report = generate(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints

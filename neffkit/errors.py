@@ -39,7 +39,14 @@ class BundleError(NeffkitError):
 
 
 class RequestError(NeffkitError):
-    """A generation request cannot be served by this bundle (too long, bad sampling values)."""
+    """A generation request cannot be served by this bundle (too long, bad sampling values).
+
+    `param` names the request field at fault (the OpenAI error body's `param`), where one is.
+    """
+
+    def __init__(self, message: str, hint: str | None = None, param: str | None = None) -> None:
+        super().__init__(message, hint)
+        self.param = param
 
 
 class BuildError(NeffkitError):

@@ -52,28 +52,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         rel: (bundle.root / rel).stat().st_size for rel in files if (bundle.root / rel).exists()
     }
     findings = audit_bundle(bundle)
-    graphs = []
-    for g in record.graphs:
-        j = g.to_json()
-        graphs.append(
-            {
-                "name": g.name,
-                "phase": g.phase,
-                "buckets": j["buckets"],
-                "graph_sha256": g.graph_sha256,
-                "artifact": g.artifact,
-                "artifact_bytes": sizes.get(g.artifact, 0) if g.artifact else 0,
-                "hlo": g.hlo,
-                "hlo_sha256": g.hlo_sha256,
-                "neff_header": _neff_header(bundle, g),
-                "verify": j["verify"],
-                "io_alias": j["io_alias"],
-                "ranks": j["ranks"],
-                "options": j["options"],
-                "flags": j["flags"],
-                "findings": sum(f.graph == g.name for f in findings),
-            }
-        )
+    graphs = [_graph_row(bundle, g, sizes, findings) for g in record.graphs]
     counts = Counter(f.severity for f in findings if not f.waived)
     return {
         "schema": INSPECT_SCHEMA_VERSION,
@@ -105,6 +84,29 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "findings": [f.to_json() for f in findings],
         "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
         "waived": list(record.audit.waived),
+    }
+
+
+def _graph_row(
+    bundle: Bundle, g: GraphRecord, sizes: dict[str, int], findings: list[Finding]
+) -> dict[str, Any]:
+    j = g.to_json()
+    return {
+        "name": g.name,
+        "phase": g.phase,
+        "buckets": j["buckets"],
+        "graph_sha256": g.graph_sha256,
+        "artifact": g.artifact,
+        "artifact_bytes": sizes.get(g.artifact, 0) if g.artifact else 0,
+        "hlo": g.hlo,
+        "hlo_sha256": g.hlo_sha256,
+        "neff_header": _neff_header(bundle, g),
+        "verify": j["verify"],
+        "io_alias": j["io_alias"],
+        "ranks": j["ranks"],
+        "options": j["options"],
+        "flags": j["flags"],
+        "findings": sum(f.graph == g.name for f in findings),
     }
 
 
@@ -298,15 +300,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def render(summary: dict[str, Any]) -> Any:
-    """Summary, graph table and findings as rich renderables."""
-    from rich.console import Group
-    from rich.table import Table
-
-    head = Table(show_header=False, box=None)
+def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     lay = summary["layout"]
     counts = summary["finding_counts"]
-    rows = [
+    return [
         ("bundle", summary["bundle"]),
         ("versions", ", ".join(f"{k} {v}" for k, v in summary["versions"].items())),
         ("target", _target_line(summary)),
@@ -329,7 +326,15 @@ def render(summary: dict[str, Any]) -> Any:
             + (f", waived: {', '.join(summary['waived'])}" if summary["waived"] else ""),
         ),
     ]
-    for key, value in rows:
+
+
+def render(summary: dict[str, Any]) -> Any:
+    """Summary, graph table and findings as rich renderables."""
+    from rich.console import Group
+    from rich.table import Table
+
+    head = Table(show_header=False, box=None)
+    for key, value in _summary_rows(summary):
         head.add_row(key, value)
     table = Table(title="graphs")
     for col in (

@@ -294,49 +294,90 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         raise ManifestError(f"name: expected a non-empty string, got {_describe(display_name)}")
     dtype = _choice(data.get("dtype", "float32"), DTYPES, "dtype")
     target = _choice(data.get("target", "cpu"), TARGETS, "target")
+    neuron = _neuron(data, target)
+    parallel = _parallel(data.get("parallel", {}))
+    buckets = _buckets(data["buckets"])
+    kv_cache = _kv_cache(data.get("kv_cache", {}), buckets)
+    raw_s = _mapping(data.get("sampling", {}), "sampling")
+    _no_unknown(raw_s, ("max_top_k",), "sampling")
+    sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
+    compiler = _compiler(data.get("compiler", {}), "compiler")
+    audit = _audit(data.get("audit", {}))
+    model_path, model_config = _model_dir(data["model"], base)
+    try:
+        check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
+    except ModelError as exc:  # models/ knows the layout, the manifest knows where it was set
+        raise ManifestError(f"{exc.field or 'parallel'}: {exc.message}", exc.hint) from exc
+    return Manifest(
+        name=display_name,
+        model=model_path,
+        dtype=dtype,
+        target=target,
+        neuron=neuron,
+        parallel=parallel,
+        kv_cache=kv_cache,
+        buckets=buckets,
+        sampling=sampling,
+        compiler=compiler,
+        model_config=model_config,
+        audit=audit,
+    )
 
-    neuron = None
-    if "neuron" in data:
-        raw = _mapping(data["neuron"], "neuron")
-        _no_unknown(raw, ("target", "lnc"), "neuron")
-        neuron = NeuronOptions(
-            target=_choice(raw.get("target", "trn2"), NEURON_TARGETS, "neuron.target"),
-            lnc=_positive_int(raw.get("lnc", 2), "neuron.lnc"),
-        )
-        if target != "neuron":
-            raise ManifestError(f"neuron: only valid with target: neuron (target is {target!r})")
-    elif target == "neuron":
-        neuron = NeuronOptions()
 
-    raw_par = _mapping(data.get("parallel", {}), "parallel")
-    _no_unknown(raw_par, ("tp", "ep", "per_rank_artifacts"), "parallel")
-    per_rank = raw_par.get("per_rank_artifacts", False)
+def _neuron(data: dict[str, Any], target: str) -> NeuronOptions | None:
+    if "neuron" not in data:
+        return NeuronOptions() if target == "neuron" else None
+    raw = _mapping(data["neuron"], "neuron")
+    _no_unknown(raw, ("target", "lnc"), "neuron")
+    if target != "neuron":
+        raise ManifestError(f"neuron: only valid with target: neuron (target is {target!r})")
+    return NeuronOptions(
+        target=_choice(raw.get("target", "trn2"), NEURON_TARGETS, "neuron.target"),
+        lnc=_positive_int(raw.get("lnc", 2), "neuron.lnc"),
+    )
+
+
+def _parallel(value: Any) -> Parallel:
+    raw = _mapping(value, "parallel")
+    _no_unknown(raw, ("tp", "ep", "per_rank_artifacts"), "parallel")
+    per_rank = raw.get("per_rank_artifacts", False)
     if not isinstance(per_rank, bool):
         raise ManifestError(
             f"parallel.per_rank_artifacts: expected true or false, got {_describe(per_rank)}"
         )
     parallel = Parallel(
-        tp=_positive_int(raw_par.get("tp", 1), "parallel.tp"),
-        ep=_positive_int(raw_par.get("ep", 1), "parallel.ep"),
+        tp=_positive_int(raw.get("tp", 1), "parallel.tp"),
+        ep=_positive_int(raw.get("ep", 1), "parallel.ep"),
         per_rank_artifacts=per_rank,
     )
     if parallel.tp % parallel.ep:
         raise ManifestError(f"parallel.ep: {parallel.ep} must divide parallel.tp ({parallel.tp})")
+    return parallel
 
-    raw_b = _mapping(data["buckets"], "buckets")
-    _no_unknown(raw_b, ("prefill", "decode", "context"), "buckets")
+
+def _buckets(value: Any) -> Buckets:
+    raw = _mapping(value, "buckets")
+    _no_unknown(raw, ("prefill", "decode", "context"), "buckets")
     for key in ("prefill", "decode", "context"):
-        if key not in raw_b:
+        if key not in raw:
             raise ManifestError(f"buckets.{key}: required field is missing")
     buckets = Buckets(
-        prefill=_bucket_list(raw_b["prefill"], "buckets.prefill"),
-        decode=_bucket_list(raw_b["decode"], "buckets.decode"),
-        context=_bucket_list(raw_b["context"], "buckets.context"),
+        prefill=_bucket_list(raw["prefill"], "buckets.prefill"),
+        decode=_bucket_list(raw["decode"], "buckets.decode"),
+        context=_bucket_list(raw["context"], "buckets.context"),
     )
+    if buckets.prefill[0] > buckets.context[-1]:
+        raise ManifestError(
+            f"buckets.prefill[0]: {buckets.prefill[0]} exceeds the largest context bucket "
+            f"({buckets.context[-1]})"
+        )
+    return buckets
 
-    raw_kv = _mapping(data.get("kv_cache", {}), "kv_cache")
-    _no_unknown(raw_kv, ("block_size", "num_blocks"), "kv_cache")
-    block_size = _positive_int(raw_kv.get("block_size", 16), "kv_cache.block_size")
+
+def _kv_cache(value: Any, buckets: Buckets) -> KVCache:
+    raw = _mapping(value, "kv_cache")
+    _no_unknown(raw, ("block_size", "num_blocks"), "kv_cache")
+    block_size = _positive_int(raw.get("block_size", 16), "kv_cache.block_size")
     for key in ("prefill", "context"):
         for i, b in enumerate(getattr(buckets, key)):
             if b % block_size:
@@ -346,7 +387,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
                 )
     # Default: every decode row can hold the largest context, plus the reserved null block 0.
     default_blocks = buckets.context[-1] * buckets.decode[-1] // block_size + 1
-    num_blocks = _positive_int(raw_kv.get("num_blocks", default_blocks), "kv_cache.num_blocks")
+    num_blocks = _positive_int(raw.get("num_blocks", default_blocks), "kv_cache.num_blocks")
     if buckets.context[-1] > (num_blocks - 1) * block_size:
         raise ManifestError(
             f"kv_cache.num_blocks: {num_blocks} blocks of {block_size} tokens "
@@ -354,45 +395,19 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
             f"cannot hold the largest context bucket ({buckets.context[-1]} tokens)",
             hint=f"use num_blocks >= {buckets.context[-1] // block_size + 1}",
         )
-    if buckets.prefill[0] > buckets.context[-1]:
-        raise ManifestError(
-            f"buckets.prefill[0]: {buckets.prefill[0]} exceeds the largest context bucket "
-            f"({buckets.context[-1]})"
-        )
+    return KVCache(block_size=block_size, num_blocks=num_blocks)
 
-    raw_s = _mapping(data.get("sampling", {}), "sampling")
-    _no_unknown(raw_s, ("max_top_k",), "sampling")
-    sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
 
-    compiler = _compiler(data.get("compiler", {}), "compiler")
-    raw_audit = _mapping(data.get("audit", {}), "audit")
-    _no_unknown(raw_audit, ("waive",), "audit")
-    waive = _string_list(raw_audit.get("waive", []), "audit.waive")
+def _audit(value: Any) -> Audit:
+    raw = _mapping(value, "audit")
+    _no_unknown(raw, ("waive",), "audit")
+    waive = _string_list(raw.get("waive", []), "audit.waive")
     for i, rule in enumerate(waive):
         if rule not in AUDIT_RULE_IDS:
             raise ManifestError(
                 f"audit.waive[{i}]: unknown rule {rule!r}; rules: {', '.join(AUDIT_RULE_IDS)}"
             )
-    model_path, model_config = _model_dir(data["model"], base)
-    try:
-        check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
-    except ModelError as exc:  # models/ knows the layout, the manifest knows where it was set
-        raise ManifestError(f"{exc.field or 'parallel'}: {exc.message}", exc.hint) from exc
-
-    return Manifest(
-        name=display_name,
-        model=model_path,
-        dtype=dtype,
-        target=target,
-        neuron=neuron,
-        parallel=parallel,
-        kv_cache=KVCache(block_size=block_size, num_blocks=num_blocks),
-        buckets=buckets,
-        sampling=sampling,
-        compiler=compiler,
-        model_config=model_config,
-        audit=Audit(waive=waive),
-    )
+    return Audit(waive=waive)
 
 
 def load_manifest(path: str | Path) -> Manifest:

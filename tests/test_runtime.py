@@ -13,9 +13,9 @@ def test_runtime_imports_no_compiler(bundle):
     code = f"""
 import sys, json
 from neffkit.runtime.loader import load
-from neffkit.runtime.engine import SamplingParams
-loaded = load({str(bundle("llama_tied"))!r})
-out = loaded.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+from neffkit.runtime.protocol import SamplingParams
+from neffkit.runtime.llm import LLM
+out = LLM(load({str(bundle("llama_tied"))!r})).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
 bad = [m for m in sys.modules if m.startswith(("neffkit.compile", "neffkit.models",
        "torch._dynamo", "torch._inductor"))]
 print(json.dumps({{"bad": bad, "n": len(out[0].output_ids)}}))
@@ -36,26 +36,30 @@ def test_request_beyond_largest_context_lists_buckets(bundle):
 
 
 def test_stop_tokens_and_kv_blocks_are_released(bundle):
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
+    from neffkit.runtime.protocol import SamplingParams
 
-    engine = load(bundle("llama_tied")).engine
-    free = engine.allocator.num_free
-    (ref,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8))
+    engine = LLM(load(bundle("llama_tied")))
+    sched = engine.core.scheduler
+    free = sched.allocator.num_free
+    (ref,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, temperature=0.0))
     stop_at = ref.output_ids[3]
     first = ref.output_ids.index(stop_at)
-    (seq,) = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,)))
+    stop = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(stop_at,))
+    (seq,) = engine.generate([[4, 5, 6]], stop)
     assert seq.output_ids == ref.output_ids[: first + 1] and seq.finish_reason == "stop"
-    assert engine.allocator.num_free == free and engine.kv_usage == 0.0
+    assert sched.allocator.num_free == free and sched.kv_usage == 0.0
 
 
 def test_more_prompts_than_largest_decode_bucket(bundle, hf_model_dir, hf_greedy):
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
+    from neffkit.runtime.protocol import SamplingParams
 
-    engine = load(bundle("llama_tied")).engine
+    engine = LLM(load(bundle("llama_tied")))
     prompts = [[10 + i, 20 + i, 30 + i] for i in range(6)]  # decode buckets are [1, 4]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=6))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
     for prompt, seq in zip(prompts, outs, strict=True):
         assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 6)
 
@@ -64,15 +68,16 @@ def test_decode_rows_taken_over_get_their_own_sampling_and_blocks(bundle, hf_mod
     """Decode metadata is updated in place: a row that passes to another sequence must not keep
     the previous one's temperature or block table. The sampled request finishes first, so the
     greedy ones move up into its row (and later into a smaller bucket); they must stay HF's."""
-    from neffkit.runtime.engine import SamplingParams
+    from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
+    from neffkit.runtime.protocol import SamplingParams
 
-    engine = load(bundle("llama_tied")).engine
+    engine = LLM(load(bundle("llama_tied")))
     sampled = SamplingParams(max_tokens=2, temperature=5.0, top_k=0, seed=7, ignore_eos=True)
-    greedy = SamplingParams(max_tokens=10)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
     prompts = [[7, 8, 9], [40, 41, 42, 43], [50, 51]]
     outs = engine.generate(prompts, [sampled, greedy, greedy])
     assert len(outs[0].output_ids) == 2
     for prompt, seq in zip(prompts[1:], outs[1:], strict=True):
         assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 10)
-    assert engine.kv_usage == 0.0
+    assert engine.core.scheduler.kv_usage == 0.0

@@ -11,8 +11,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from neffkit.bundle import FindingRecord, IoAlias
+from neffkit.errors import BuildError
+
+if TYPE_CHECKING:
+    from neffkit.compile.progress import Progress
+    from neffkit.compile.units import GraphUnit
+    from neffkit.manifest import Manifest
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -355,3 +362,30 @@ def audit_buckets(target: str, prefill: list[int], waive: tuple[str, ...] = ()) 
 def blocking(findings: list[Finding]) -> list[Finding]:
     """Findings that fail a build: errors not waived by the manifest."""
     return [f for f in findings if f.severity == "error" and not f.waived]
+
+
+def audit_units(
+    m: Manifest, units: list[GraphUnit], progress: Progress, fail: bool
+) -> list[Finding]:
+    """The build's audit: every rule on every unit; unwaived errors fail the build (a dry run
+    only reports them)."""
+    neuron = m.neuron.target if m.neuron else None
+    findings = audit_buckets(m.target, list(m.buckets.prefill), m.audit.waive)
+    for u in units:
+        o = u.options
+        facts = GraphFacts(u.spec.name, u.spec.phase, u.trace.canonical_text, u.trace.io_alias,
+                           o.flags, o.flag_origins, m.target, neuron)  # fmt: skip
+        findings += audit_graph(facts, m.audit.waive)
+    for f in findings:
+        if f.severity != "info":
+            waived = " (waived)" if f.waived else ""
+            progress.message(f"{f.severity}: {f.rule} {f.graph}: {f.message}{waived}")
+    errors = blocking(findings)
+    if errors and fail:
+        first = errors[0]
+        raise BuildError(
+            f"{len(errors)} audit error(s); first: {first.rule} in "
+            f"{first.graph}: {first.message} at `{first.at}`",
+            hint=f"{first.fix}; or waive it with `audit: {{waive: [{first.rule}]}}`",
+        )
+    return findings

@@ -12,7 +12,6 @@ terminates the workers and removes the staging directory.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -23,30 +22,30 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from neffkit.bundle import (
-    FORMAT_VERSION,
-    ArtifactMetadata,
-    CompilerRecord,
     FindingRecord,
     JsonObject,
-    VerifyRecord,
     staging_dir,
 )
-from neffkit.compile.audit import GraphFacts, audit_buckets, audit_graph, blocking
+from neffkit.compile.audit import audit_units
 from neffkit.compile.backends import get_backend
 from neffkit.compile.backends.base import Backend
-from neffkit.compile.cache import ArtifactCache, CacheKey, explain_change
+from neffkit.compile.cache import (
+    ArtifactCache,
+    lookup_units,
+    remember_unit,
+    restore_unit,
+    store_unit,
+)
 from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, make_plan
 from neffkit.compile.progress import Progress
 from neffkit.compile.spmd import RankTrace, SPMDMismatchError, check_spmd
 from neffkit.compile.trace import ModelLayout, model_layout
 from neffkit.compile.units import BuildContext, GraphUnit, TraceResult
+from neffkit.compile.verify import verify_units
 from neffkit.compile.workers import trace_job, worker_pool
 from neffkit.compile.write import write_bundle, write_weights
-from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -114,9 +113,9 @@ def build(
         with clock("check"):  # 3. byte-identical on every rank: one artifact serves all (SPMD)
             units = check_graphs(ctx, specs, traces, result.counters)
         with clock("audit"):  # 4. known neuronx-cc / runtime hazards
-            result.findings = audit_units(ctx, units, fail=not dry_run)
+            result.findings = audit_units(manifest, units, progress, fail=not dry_run)
         with clock("cache"):  # 5. look each unit up by every factor that changes its artifact
-            lookup_cache(ctx, backend, cache, units)
+            lookup_units(cache, units, backend, manifest, progress)
         result.counters["cache_hits"] = sum(u.cached is not None for u in units)
         if dry_run:
             result.graphs = [_dry_run_row(u, cache is not None) for u in units]
@@ -128,7 +127,7 @@ def build(
                 result.counters["compiled"] = compile_units(ctx, backend, cache, stage, units)
             if verify:  # 8. every graph against the eager model
                 with clock("verify"):
-                    verify_units(ctx, backend, stage, units)
+                    verify_units(layout, backend, stage, units, progress)
             with clock("write"):  # 9. ir/, tokenizer/, bundle.json; renamed into place
                 write_bundle(
                     manifest, layout, backend, stage, units, weights, result.findings, lower_only
@@ -209,65 +208,6 @@ def _check_spmd(name: str, per_rank: list[TraceResult]) -> None:
                                      for r, x in enumerate(lowered) if x])  # fmt: skip
 
 
-def audit_units(ctx: BuildContext, units: list[GraphUnit], fail: bool) -> list[FindingRecord]:
-    """Run the hazard rules; unwaived errors fail the build (not a dry run, which only reports)."""
-    m = ctx.manifest
-    neuron = m.neuron.target if m.neuron else None
-    findings = audit_buckets(m.target, list(m.buckets.prefill), m.audit.waive)
-    for u in units:
-        o = u.options
-        facts = GraphFacts(u.spec.name, u.spec.phase, u.trace.canonical_text, u.trace.io_alias,
-                           o.flags, o.flag_origins, m.target, neuron)  # fmt: skip
-        findings += audit_graph(facts, m.audit.waive)
-    for f in findings:
-        if f.severity != "info":
-            waived = " (waived)" if f.waived else ""
-            ctx.progress.message(f"{f.severity}: {f.rule} {f.graph}: {f.message}{waived}")
-    errors = blocking(findings)
-    if errors and fail:
-        first = errors[0]
-        raise BuildError(
-            f"{len(errors)} audit error(s); first: {first.rule} in "
-            f"{first.graph}: {first.message} at `{first.at}`",
-            hint=f"{first.fix}; or waive it with `audit: {{waive: [{first.rule}]}}`",
-        )
-    return findings
-
-
-def lookup_cache(
-    ctx: BuildContext, backend: Backend, cache: ArtifactCache | None, units: list[GraphUnit]
-) -> None:
-    """Each unit's cache key, and its cached artifact or why it missed."""
-    host = backend.host_requirements().to_json()
-    for u in units:
-        u.key = cache_key(u, backend, host, ctx.manifest)
-        if cache is None:
-            continue
-        u.cached = cache.lookup(u.key)
-        if u.cached is None:
-            previous = cache.previous_factors(_label(ctx.manifest, u))
-            if previous is not None:
-                u.miss_reason = explain_change(previous, u.key.factors)
-                ctx.progress.message(f"{u.stem}: recompiling, {u.miss_reason}")
-
-
-def cache_key(u: GraphUnit, backend: Backend, host: JsonObject, manifest: Manifest) -> CacheKey:
-    return CacheKey(
-        {
-            **backend.cache_factors(u, manifest),
-            "graph": u.trace.graph_sha256,
-            "inputs": [i.to_json() for i in u.trace.inputs],
-            "outputs": [o.to_json() for o in u.trace.outputs],
-            "options": u.options.inductor,
-            "flags": list(u.options.cache_flags()),
-            "backend": f"{backend.name} {backend.version}",
-            "torch": torch.__version__,
-            "host": host,
-            "format": FORMAT_VERSION,
-        }
-    )
-
-
 def compile_units(
     ctx: BuildContext,
     backend: Backend,
@@ -283,49 +223,16 @@ def compile_units(
         u.seconds["compile"] = done.seconds
         u.metadata, u.compiler = done.metadata, done.compiler
         if cache is not None:
-            cache.store(u.key, done.artifact, _cache_extra(u))
+            store_unit(cache, u, done.artifact)
         _place(done.artifact, stage / "graphs" / f"{u.stem}{backend.artifact_suffix}")
     for u in units:
         if u.cached is not None:
             _place(u.cached, stage / "graphs" / f"{u.stem}{backend.artifact_suffix}", copy=True)
-            u.metadata, u.compiler = _cached_extra(u.cached)
+            restore_unit(u)
         if cache is not None:
-            cache.remember(_label(ctx.manifest, u), u.key)
+            remember_unit(cache, ctx.manifest, u)
     shutil.rmtree(stage / "work", ignore_errors=True)
     return len(misses)
-
-
-def verify_units(ctx: BuildContext, backend: Backend, stage: Path, units: list[GraphUnit]) -> None:
-    """`--verify`: each graph against the eager model; a mismatch fails the build."""
-    from safetensors.torch import load_file
-
-    from neffkit.compile import verify
-
-    layout = ctx.layout
-    if layout.par.tp > 1:
-        for u in units:
-            u.verify = VerifyRecord(skipped="tp > 1: the eager model needs every rank")
-        ctx.progress.message("verify: skipped (tp > 1 graphs need every rank to run eagerly)")
-        return
-    tensors = load_file(str(stage / "weights" / "rank0.safetensors"))
-    weights = [tensors[w.name] for w in layout.weights]
-    failed = []
-    for u in units:
-        runner, executor = backend.verify_runner(layout, u, stage)
-        outcome = verify.verify_graph(layout, u.spec, weights, runner, executor)
-        u.verify = outcome.record()
-        ctx.progress.message(
-            f"verify {u.stem}: tokens {'equal' if outcome.tokens_equal else 'DIFFER'}, "
-            f"max K/V error {outcome.max_kv_error:.2e} ({executor})"
-        )
-        if not outcome.ok:
-            failed.append(u.stem)
-    if failed:
-        raise BuildError(
-            f"--verify: {', '.join(failed)} disagree with the eager model",
-            hint="inspect the graph (`neffkit inspect BUNDLE --graph NAME`) and the options "
-            "applied to it; a bad compiler option is the usual cause",
-        )
 
 
 # ---------------------------------------------------------------- helpers
@@ -344,10 +251,6 @@ class _Clock:
             self.seconds[stage] = round(time.perf_counter() - t0, 3)
 
 
-def _label(manifest: Manifest, u: GraphUnit) -> str:
-    return f"{manifest.name}/{u.stem}"
-
-
 def _place(src: Path, dst: Path, copy: bool = False) -> None:
     if src == dst:
         return
@@ -356,23 +259,6 @@ def _place(src: Path, dst: Path, copy: bool = False) -> None:
         shutil.copyfile(src, dst)
     else:
         os.replace(src, dst)
-
-
-def _cache_extra(u: GraphUnit) -> JsonObject:
-    """What a cache entry carries besides the artifact (restored on a hit)."""
-    extra: JsonObject = {"artifact_metadata": u.metadata.to_json()}
-    if u.compiler is not None:
-        extra["compiler"] = u.compiler.to_json()
-    return extra
-
-
-def _cached_extra(artifact: Path) -> tuple[ArtifactMetadata, CompilerRecord | None]:
-    entry = json.loads((artifact.parent / "key.json").read_text())
-    compiler = entry.get("compiler")
-    return (
-        ArtifactMetadata.from_json(entry.get("artifact_metadata", {})),
-        CompilerRecord.from_json(compiler) if compiler else None,
-    )
 
 
 def _report_row(u: GraphUnit) -> JsonObject:

@@ -18,9 +18,22 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from neffkit.bundle import remove_stale_temp_dirs, sha256_file
+from neffkit.bundle import (
+    FORMAT_VERSION,
+    ArtifactMetadata,
+    CompilerRecord,
+    JsonObject,
+    remove_stale_temp_dirs,
+    sha256_file,
+)
+
+if TYPE_CHECKING:
+    from neffkit.compile.backends.base import Backend
+    from neffkit.compile.progress import Progress
+    from neffkit.compile.units import GraphUnit
+    from neffkit.manifest import Manifest
 
 log = logging.getLogger(__name__)
 KEY_JSON = "key.json"
@@ -138,3 +151,73 @@ class ArtifactCache:
         with os.fdopen(fd, "w") as f:
             json.dump({"label": label, "factors": key.factors}, f, sort_keys=True)
         os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- graph units (the build's view)
+
+
+def lookup_units(
+    cache: ArtifactCache | None,
+    units: list[GraphUnit],
+    backend: Backend,
+    manifest: Manifest,
+    progress: Progress,
+) -> None:
+    """Each unit's cache key, and its cached artifact or why it missed."""
+    host = backend.host_requirements().to_json()
+    for u in units:
+        u.key = unit_key(u, backend, host, manifest)
+        if cache is None:
+            continue
+        u.cached = cache.lookup(u.key)
+        if u.cached is None:
+            previous = cache.previous_factors(_label(manifest, u))
+            if previous is not None:
+                u.miss_reason = explain_change(previous, u.key.factors)
+                progress.message(f"{u.stem}: recompiling, {u.miss_reason}")
+
+
+def unit_key(u: GraphUnit, backend: Backend, host: JsonObject, manifest: Manifest) -> CacheKey:
+    import torch
+
+    return CacheKey(
+        {
+            **backend.cache_factors(u, manifest),
+            "graph": u.trace.graph_sha256,
+            "inputs": [i.to_json() for i in u.trace.inputs],
+            "outputs": [o.to_json() for o in u.trace.outputs],
+            "options": u.options.inductor,
+            "flags": list(u.options.cache_flags()),
+            "backend": f"{backend.name} {backend.version}",
+            "torch": torch.__version__,
+            "host": host,
+            "format": FORMAT_VERSION,
+        }
+    )
+
+
+def store_unit(cache: ArtifactCache, u: GraphUnit, artifact: Path) -> None:
+    """Cache a freshly compiled artifact with what a hit must restore (metadata, compiler)."""
+    assert u.key is not None
+    extra: JsonObject = {"artifact_metadata": u.metadata.to_json()}
+    if u.compiler is not None:
+        extra["compiler"] = u.compiler.to_json()
+    cache.store(u.key, artifact, extra)
+
+
+def restore_unit(u: GraphUnit) -> None:
+    """A hit's artifact metadata and compiler record, from its entry's key.json."""
+    assert u.cached is not None
+    entry = json.loads((u.cached.parent / KEY_JSON).read_text())
+    compiler = entry.get("compiler")
+    u.metadata = ArtifactMetadata.from_json(entry.get("artifact_metadata", {}))
+    u.compiler = CompilerRecord.from_json(compiler) if compiler else None
+
+
+def remember_unit(cache: ArtifactCache, manifest: Manifest, u: GraphUnit) -> None:
+    assert u.key is not None
+    cache.remember(_label(manifest, u), u.key)
+
+
+def _label(manifest: Manifest, u: GraphUnit) -> str:
+    return f"{manifest.name}/{u.stem}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,11 @@ from neffkit.bundle import IoAlias, VerifyRecord
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.trace import ModelLayout, decoder_module, graph_inputs
 from neffkit.errors import BuildError
+
+if TYPE_CHECKING:
+    from neffkit.compile.backends.base import Backend
+    from neffkit.compile.progress import Progress
+    from neffkit.compile.units import GraphUnit
 
 # largest K/V difference tolerated per dtype (fp32 differences seen: ≤ 1e-6)
 KV_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
@@ -165,3 +171,35 @@ def verify_graph(
         KV_TOLERANCE.get(layout.dtype, 5e-2),
         executor,
     )
+
+
+def verify_units(
+    layout: ModelLayout, backend: Backend, stage: Path, units: list[GraphUnit], progress: Progress
+) -> None:
+    """`--verify`: each graph against the eager model; a mismatch fails the build."""
+    from safetensors.torch import load_file
+
+    if layout.par.tp > 1:
+        for u in units:
+            u.verify = VerifyRecord(skipped="tp > 1: the eager model needs every rank")
+        progress.message("verify: skipped (tp > 1 graphs need every rank to run eagerly)")
+        return
+    tensors = load_file(str(stage / "weights" / "rank0.safetensors"))
+    weights = [tensors[w.name] for w in layout.weights]
+    failed = []
+    for u in units:
+        runner, executor = backend.verify_runner(layout, u, stage)
+        outcome = verify_graph(layout, u.spec, weights, runner, executor)
+        u.verify = outcome.record()
+        progress.message(
+            f"verify {u.stem}: tokens {'equal' if outcome.tokens_equal else 'DIFFER'}, "
+            f"max K/V error {outcome.max_kv_error:.2e} ({executor})"
+        )
+        if not outcome.ok:
+            failed.append(u.stem)
+    if failed:
+        raise BuildError(
+            f"--verify: {', '.join(failed)} disagree with the eager model",
+            hint="inspect the graph (`neffkit inspect BUNDLE --graph NAME`) and the options "
+            "applied to it; a bad compiler option is the usual cause",
+        )

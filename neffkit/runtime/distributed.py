@@ -25,14 +25,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from neffkit.errors import NeffkitError
-from neffkit.runtime.engine import Engine, GraphEntry
+from neffkit.bundle import read_bundle
+from neffkit.errors import NeffkitError, RequestError
 from neffkit.runtime.loader import LoadedBundle, load
+from neffkit.runtime.runner import GraphEntry, ModelRunner
 
 log = logging.getLogger(__name__)
 STOP, RUN = 0, 1
 DEFAULT_TIMEOUT_S = 60.0
-_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 T = TypeVar("T")
 
 
@@ -74,18 +74,18 @@ def _packed_size(graph: GraphEntry) -> int:
     return sum(int(np.prod(shape)) for _, shape, _ in graph.meta_specs)
 
 
-def step_buffer_size(engine: Engine) -> int:
+def step_buffer_size(runner: ModelRunner) -> int:
     """One broadcast per step: [command, graph index, metadata of the largest graph]."""
-    return 2 + max(_packed_size(g) for g in engine.graph_list)
+    return 2 + max(_packed_size(g) for g in runner.graph_list)
 
 
 class StepBroadcaster:
-    """Rank 0's `Engine.on_run` hook: one broadcast per step (gloo latency dominates at tp > 1)."""
+    """Rank 0's `ModelRunner.on_run` hook: one broadcast per step (gloo latency dominates)."""
 
-    def __init__(self, engine: Engine, group: dist.ProcessGroup) -> None:
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, group: dist.ProcessGroup) -> None:
+        self.runner = runner
         self.group = group
-        self.size = step_buffer_size(engine)
+        self.size = step_buffer_size(runner)
         self._sent: torch.Tensor | None = None  # alive until the next step (freed by us, not gloo)
 
     def _send(self, command: int, index: int, payload: torch.Tensor | None) -> None:
@@ -97,7 +97,7 @@ class StepBroadcaster:
         _broadcast(buf, self.group)
 
     def __call__(self, index: int, meta: dict[str, np.ndarray]) -> None:
-        self._send(RUN, index, _pack(self.engine.graph_list[index], meta))
+        self._send(RUN, index, _pack(self.runner.graph_list[index], meta))
 
     def stop(self) -> None:
         self._send(STOP, 0, None)
@@ -113,16 +113,16 @@ def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         ) from exc
 
 
-def follow(engine: Engine, group: dist.ProcessGroup) -> int:
+def follow(runner: ModelRunner, group: dist.ProcessGroup) -> int:
     """A follower's loop: receive each step from rank 0 and run it. Returns steps run."""
     steps = 0
-    buf = torch.zeros(step_buffer_size(engine), dtype=torch.int64)
+    buf = torch.zeros(step_buffer_size(runner), dtype=torch.int64)
     while True:
         _broadcast(buf, group)
         if int(buf[0]) == STOP:
             return steps
-        graph = engine.graph_list[int(buf[1])]
-        engine.execute(graph, _unpack(graph, buf.numpy()[2:]))
+        graph = runner.graph_list[int(buf[1])]
+        runner.execute(graph, _unpack(graph, buf.numpy()[2:]))
         steps += 1
 
 
@@ -156,13 +156,32 @@ def follower_main(bundle: str, backend: str, timeout_s: float) -> None:
     control = _init(backend, timeout_s)
     try:
         loaded = load(bundle, rank=dist.get_rank(), world_size=dist.get_world_size())
-        follow(loaded.engine, control)
+        follow(loaded.runner, control)
     finally:
         dist.destroy_process_group()
 
 
 def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _start_followers(
+    bundle: str | Path, world_size: int, backend: str, timeout_s: float
+) -> tuple[list[subprocess.Popen], dict[str, str]]:
+    """Ranks 1..N-1 as plain processes joining through env://, exactly as torchrun would start
+    them; returns them and the launch variables rank 0 (this process) joins with."""
+    launch = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+    cmd = [sys.executable, "-m", "neffkit.runtime.follower", str(bundle), backend, str(timeout_s)]
+    procs = [
+        subprocess.Popen(cmd, env={**os.environ, **launch, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(1, world_size)
+    ]
+    return procs, launch
 
 
 def run_ranks(
@@ -178,43 +197,26 @@ def run_ranks(
     other ranks itself.
     """
     procs: list[subprocess.Popen] = []
+    launch: dict[str, str] = {}
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise NeffkitError(
                 f"the bundle needs {world_size} ranks; torchrun started {os.environ['WORLD_SIZE']}"
             )
     else:
-        # Start the other ranks as plain processes joining through env://, exactly as torchrun
-        # would, and become rank 0 ourselves.
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-        }
-        for r in range(1, world_size):
-            cmd = [
-                sys.executable,
-                "-m",
-                "neffkit.runtime.follower",
-                str(bundle),
-                backend,
-                str(timeout_s),
-            ]
-            procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+        procs, launch = _start_followers(bundle, world_size, backend, timeout_s)
     saved_env = dict(os.environ)
     if procs:  # we are rank 0 of our own launch, for as long as it lasts
-        os.environ.update({k: env[k] for k in _LAUNCH_VARS}, RANK="0", LOCAL_RANK="0")
+        os.environ.update(launch, RANK="0", LOCAL_RANK="0")
     rank = int(os.environ["RANK"])
     control = _init(backend, timeout_s)
     try:
         loaded = load(bundle, rank=rank, world_size=world_size)
         if rank != 0:
-            follow(loaded.engine, control)
+            follow(loaded.runner, control)
             return None
-        broadcaster = StepBroadcaster(loaded.engine, control)
-        loaded.engine.on_run = broadcaster
+        broadcaster = StepBroadcaster(loaded.runner, control)
+        loaded.runner.on_run = broadcaster
         try:
             return leader(loaded)
         finally:
@@ -231,3 +233,21 @@ def run_ranks(
                 p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def run_on_ranks(
+    bundle: str | Path,
+    leader: Callable[[LoadedBundle], T],
+    executor: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> T | None:
+    """`leader(loaded)` on this process's load of the bundle: directly for a one-rank bundle,
+    as rank 0 of every rank otherwise (None on followers of a torchrun launch)."""
+    world_size = read_bundle(bundle, verify=False).record.world_size
+    if world_size == 1 and not launched_by_torchrun():
+        return leader(load(bundle, executor=executor))
+    if executor != "auto":
+        raise RequestError(
+            f"--executor {executor} runs one rank; this bundle has {world_size} ranks"
+        )
+    return run_ranks(bundle, world_size, leader, timeout_s=timeout_s)

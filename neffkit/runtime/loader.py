@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 from neffkit import host
 from neffkit.bundle import Bundle, read_bundle
 from neffkit.errors import BundleError
-from neffkit.runtime.engine import Engine, GraphEntry, Layout
 from neffkit.runtime.executors import (
     AotiExecutor,
     Executor,
@@ -29,6 +28,8 @@ from neffkit.runtime.executors import (
     choose_executor,
 )
 from neffkit.runtime.kv import allocate_kv_cache
+from neffkit.runtime.runner import GraphEntry, ModelRunner
+from neffkit.runtime.scheduler import Layout
 from neffkit.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,23 +81,12 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
         )
 
 
-def engine_layout(bundle: Bundle) -> Layout:
-    """The scheduler's view of a bundle (buckets, blocks, EOS), from bundle.json alone."""
-    lay = bundle.record.layout
-    return Layout(
-        block_size=lay.block_size,
-        num_blocks=lay.num_blocks,
-        prefill_buckets=lay.buckets.prefill,
-        decode_buckets=lay.buckets.decode,
-        context_buckets=lay.buckets.context,
-        eos_token_ids=bundle.record.model.eos_token_ids,
-    )
-
-
 @dataclass
 class LoadedBundle:
+    """One rank's view of a bundle: its graphs (ready to run, weights and KV cache bound)."""
+
     bundle: Bundle
-    engine: Engine
+    runner: ModelRunner
     tokenizer: Tokenizer | None
     load_seconds: float
 
@@ -156,6 +146,6 @@ def load(
         b = g.buckets
         run = run_with.load(bundle, g, len(meta))
         entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run))
-    engine = Engine(entries, engine_layout(bundle))
+    runner = ModelRunner(entries, Layout.of(record))
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
-    return LoadedBundle(bundle, engine, tokenizer, time.perf_counter() - t0)
+    return LoadedBundle(bundle, runner, tokenizer, time.perf_counter() - t0)

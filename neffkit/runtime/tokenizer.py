@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from neffkit.errors import BundleError
+
+# used when the bundle's tokenizer has no chat template (documented in the README)
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 class Tokenizer:
@@ -18,6 +25,7 @@ class Tokenizer:
         if isinstance(bos, dict):
             bos = bos.get("content")
         self.bos_id = tokenizer.token_to_id(bos) if bos and config.get("add_bos_token") else None
+        self._template: Any = None  # compiled on first use
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer | None:
@@ -42,3 +50,14 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self.config.get("chat_template")
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The conversation as prompt text: the bundle's chat template, else the default."""
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        return self._template.render(
+            messages=messages, add_generation_prompt=True, bos_token="", eos_token=""
+        )

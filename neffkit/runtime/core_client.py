@@ -1,6 +1,6 @@
-"""The server's side of the engine: requests in, streamed text out, over the engine core's pipe.
+"""The server's side of the engine core: requests in, streamed text out, over the core's pipe.
 
-The engine runs in its own process (runtime/engine_core.py). This side validates requests against
+The engine core runs in its own process (runtime/core.py). This side validates requests against
 the bundle's buckets before they are sent (a 400, not a failed sequence), bounds the queue (503),
 detokenises incrementally, applies stop strings, and records the latency metrics (TTFT,
 inter-token latency, end-to-end) next to the tokens they measure. A reader thread receives one
@@ -18,9 +18,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from neffkit.errors import BundleError, RequestError
-from neffkit.runtime.engine import Engine, SamplingParams
-from neffkit.runtime.engine_core import FAILED, READY, STEP
+from neffkit.runtime.core import FAILED, READY, STEP
 from neffkit.runtime.metrics import Metrics
+from neffkit.runtime.protocol import SamplingParams
+from neffkit.runtime.scheduler import Layout, check_fits
 from neffkit.runtime.tokenizer import Tokenizer
 
 
@@ -63,13 +64,13 @@ class EngineClient:
         self,
         core: BaseProcess,
         conn: Connection,
-        validator: Engine,
+        layout: Layout,
         tokenizer: Tokenizer | None,
         metrics: Metrics,
         max_waiting: int = 256,
     ) -> None:
         self.core, self.conn = core, conn
-        self.validator = validator  # graphless Engine: the bundle's buckets and block counts
+        self.layout = layout  # the bundle's buckets and block counts: requests checked here
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -81,7 +82,7 @@ class EngineClient:
 
     @property
     def max_model_len(self) -> int:
-        return self.validator.max_model_len
+        return self.layout.max_model_len
 
     def start(self) -> None:
         """Wait until the core has loaded the bundle (or say why it could not)."""
@@ -119,7 +120,7 @@ class EngineClient:
         """Validate (RequestError → 400), bound the queue (→ 503), send to the core."""
         if self._error is not None:
             raise RuntimeError(f"the engine stopped: {self._error}")
-        self.validator.validate(prompt_ids, params)
+        check_fits(self.layout, prompt_ids, params)
         with self._lock:
             queued = sum(1 for s in self._live.values() if s.first_token_at is None)
             if queued >= self.max_waiting:

@@ -1,0 +1,295 @@
+"""OpenAI-compatible HTTP API over a bundle (FastAPI + uvicorn, as vLLM serves): routes only.
+
+Requests are parsed and validated in protocol.py, checked against the bundle's buckets and sent
+to the engine core by core_client.py; this module turns their events into responses.
+
+POST /v1/completions and /v1/chat/completions (SSE streaming with `data: [DONE]`, `usage`,
+`stream_options.include_usage`), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM
+names). Bad requests get a 400 with an OpenAI-style error body naming the field; a full waiting
+queue gets a 503. A client that disconnects mid-request has its sequence and KV blocks freed.
+Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bearer KEY` on /v1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+import neffkit
+from neffkit.bundle import Bundle, read_bundle
+from neffkit.errors import RequestError
+from neffkit.runtime.core import start_core
+from neffkit.runtime.core_client import EngineClient, Event, ServerBusy, Stream
+from neffkit.runtime.metrics import Metrics
+from neffkit.runtime.protocol import ApiRequest, parse_body, parse_chat, parse_completion
+from neffkit.runtime.scheduler import Layout
+from neffkit.runtime.tokenizer import Tokenizer
+
+DISCONNECT_POLL_S = 0.5
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: int = 400) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}},
+        status_code=code,
+    )
+
+
+# ---------------------------------------------------------------- the app
+
+
+class App:
+    def __init__(
+        self,
+        bundle: Bundle,
+        tokenizer: Tokenizer | None,
+        engine_loop: EngineClient,
+        metrics: Metrics,
+        model_name: str,
+        api_key: str | None = None,
+    ) -> None:
+        self.loop, self.metrics = engine_loop, metrics
+        self.model_name, self.api_key = model_name, api_key
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        self.digest = bundle.digest
+
+    def prompt_ids(self, request: ApiRequest) -> list[int]:
+        """The request's prompt as token ids: encoded text, given ids, or the chat template."""
+        field = "messages" if request.messages is not None else "prompt"
+        if isinstance(request.prompt, list):
+            return request.prompt
+        if self.tokenizer is None:
+            raise RequestError(
+                f"this bundle has no tokenizer: send {field} as token ids", param=field
+            )
+        if request.messages is not None:
+            return self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
+        return self.tokenizer.encode(request.prompt or "")
+
+    # ------------------------------------------------------------ running
+
+    def submit(self, parsed: ApiRequest) -> tuple[Stream, asyncio.Queue[Event]]:
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        stream = self.loop.submit(
+            self.prompt_ids(parsed),
+            parsed.params,
+            parsed.stop,
+            lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
+        )
+        return stream, queue
+
+    async def collect(self, request: Request, stream: Stream, queue: asyncio.Queue[Event]) -> Event:
+        """Wait for the whole output; abort if the client disconnects meanwhile."""
+        text, ids = [], []
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    self.loop.abort(stream)
+                    raise
+                continue
+            text.append(event.text)
+            ids += event.token_ids
+            if event.finish_reason is not None:
+                return Event("".join(text), ids, event.finish_reason, event.prompt_tokens,
+                             event.completion_tokens)  # fmt: skip
+
+    async def respond(self, request: Request, parsed: ApiRequest, shape: Chunks) -> Response:
+        """Submit, then stream (SSE) or wait for the whole answer."""
+        stream, queue = self.submit(parsed)
+        if parsed.stream:
+            usage = shape.usage if parsed.include_usage else None
+            return StreamingResponse(
+                self.sse(stream, queue, shape, usage), media_type="text/event-stream"
+            )
+        return JSONResponse(shape.whole(await self.collect(request, stream, queue)))
+
+    async def sse(
+        self, stream: Stream, queue: asyncio.Queue[Event], shape: Chunks,
+        usage_chunk: Callable[[Event], dict] | None,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        """`data: {json}` per event, then usage (if asked), then `data: [DONE]`."""
+        finished = False
+        try:
+            first = shape.first()
+            if first:
+                yield f"data: {json.dumps(first)}\n\n"
+            while True:
+                event = await queue.get()
+                if event.finish_reason == "error":
+                    yield f"data: {json.dumps({'error': {'message': 'engine failure'}})}\n\n"
+                    finished = True
+                    return
+                yield f"data: {json.dumps(shape.chunk(event))}\n\n"
+                if event.finish_reason is not None:
+                    finished = True
+                    if usage_chunk is not None:
+                        yield f"data: {json.dumps(usage_chunk(event))}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not finished:  # client gone (cancelled) or server stopping: free its KV blocks
+                self.loop.abort(stream)
+
+
+class CompletionChunks:
+    """/v1/completions bodies: plain, streamed chunks, and the usage chunk."""
+
+    def __init__(self, model: str) -> None:
+        self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                     "created": int(time.time()), "model": model}  # fmt: skip
+
+    def _choice(self, e: Event) -> dict[str, Any]:
+        return {"index": 0, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
+
+    def first(self) -> dict[str, Any]:
+        return {}
+
+    def chunk(self, e: Event) -> dict[str, Any]:
+        return {**self.base, "choices": [self._choice(e)]}
+
+    def usage(self, e: Event) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": _usage(e)}
+
+    def whole(self, e: Event) -> dict[str, Any]:
+        return {**self.base, "choices": [self._choice(e)], "usage": _usage(e)}
+
+
+class ChatChunks:
+    """/v1/chat/completions bodies; the first streamed chunk carries the role, as OpenAI's does."""
+
+    def __init__(self, model: str) -> None:
+        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                     "model": model}  # fmt: skip
+
+    def _delta(self, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+        return {**self.base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+
+    def first(self) -> dict[str, Any]:
+        return self._delta({"role": "assistant", "content": ""}, None)
+
+    def chunk(self, e: Event) -> dict[str, Any]:
+        return self._delta({"content": e.text} if e.text else {}, e.finish_reason)
+
+    def usage(self, e: Event) -> dict[str, Any]:
+        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(e)}
+
+    def whole(self, e: Event) -> dict[str, Any]:
+        message = {"role": "assistant", "content": e.text}
+        choice = {"index": 0, "message": message, "finish_reason": e.finish_reason}
+        return {**self.base, "object": "chat.completion", "choices": [choice], "usage": _usage(e)}
+
+
+Chunks = CompletionChunks | ChatChunks
+
+
+def _usage(event: Event) -> dict[str, int]:
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+    }
+
+
+def create_app(app_state: App) -> FastAPI:
+    s = app_state
+    api = FastAPI(title="neffkit", version=neffkit.__version__, docs_url=None, redoc_url=None)
+
+    @api.middleware("http")
+    async def auth(request: Request, call_next: Callable) -> Response:
+        if s.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization") != f"Bearer {s.api_key}":
+                return error_body("invalid or missing API key", "authentication_error", code=401)
+        return await call_next(request)
+
+    @api.exception_handler(ServerBusy)
+    async def busy(request: Request, exc: ServerBusy) -> Response:
+        return error_body(exc.message, "server_busy", code=503)
+
+    @api.exception_handler(RequestError)
+    async def bad_request(request: Request, exc: RequestError) -> Response:
+        hint = f" ({exc.hint})" if exc.hint else ""
+        return error_body(exc.message + hint, "invalid_request_error", exc.param)
+
+    @api.get("/health")
+    async def health() -> Response:
+        if not s.loop.healthy:
+            return PlainTextResponse("engine stopped", status_code=503)
+        return PlainTextResponse("ok")
+
+    @api.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": neffkit.__version__, "bundle_digest": s.digest}
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(s.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": s.created,
+                    "owned_by": "neffkit",
+                    "max_model_len": s.loop.max_model_len,
+                }
+            ],
+        }
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = parse_completion(parse_body(await request.body()), s.model_name)
+        return await s.respond(request, parsed, CompletionChunks(s.model_name))
+
+    @api.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        parsed = parse_chat(parse_body(await request.body()), s.model_name)
+        return await s.respond(request, parsed, ChatChunks(s.model_name))
+
+    return api
+
+
+def serve(
+    bundle_path: Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_waiting: int = 256,
+    executor: str = "auto",
+    dist_timeout_s: float = 60.0,
+) -> None:
+    """Serve until SIGINT/SIGTERM. The engine core runs in its own process (runtime/core.py)."""
+    import uvicorn
+
+    bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
+    record = bundle.record
+    name = model_name or record.name
+    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
+    metrics = Metrics(name)
+    core, conn = start_core(bundle_path, executor, dist_timeout_s)
+    client = EngineClient(core, conn, Layout.of(record), tokenizer, metrics, max_waiting)
+    try:
+        client.start()
+        api = create_app(App(bundle, tokenizer, client, metrics, name, api_key))
+        config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
+        print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)
+        uvicorn.Server(config).run()
+    finally:
+        client.stop()

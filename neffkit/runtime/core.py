@@ -1,0 +1,159 @@
+"""The engine core: scheduler + runner, one `step` at a time; and its own process when serving.
+
+`EngineCore.step` is the whole loop body (nano-vllm's `LLMEngine.step`): admit, run one prefill
+chunk, run one decode step, hand the scheduler the tokens. Offline generation (llm.py) drives it
+directly. When serving, an AOTInductor graph call holds the GIL for its whole run, so an engine
+thread inside the HTTP server would serialise every graph call with all request handling; as in
+vLLM's V1 engine core, the core runs in its own process and talks to the server over one pipe:
+the server sends `("add", id, prompt_ids, params)` and `("abort", id, reason)`, the core answers
+once per step with every request's new tokens and the scheduler's state. Detokenisation stays in
+the server (core_client.py). With tp > 1 this process is rank 0 and starts the other ranks, as an
+offline run does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+from neffkit.errors import RequestError
+from neffkit.runtime.protocol import SamplingParams
+from neffkit.runtime.runner import ModelRunner
+from neffkit.runtime.scheduler import Scheduler, SequenceState
+
+# messages core → server
+READY, STEP, FAILED = "ready", "step", "failed"
+
+
+class EngineCore:
+    """Continuous batching over fixed-shape graphs. Not thread-safe: one caller drives `step`."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(runner.layout)
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.layout.max_model_len
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
+        """Queue a request (RequestError if no bucket can serve it); unseeded ones get a seed."""
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
+        seq = SequenceState(next(self._ids), list(prompt_ids), params, seed & 0xFFFFFFFF)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: SequenceState, reason: str = "abort") -> None:
+        self.scheduler.abort(seq, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[SequenceState]:
+        """Admit what fits, run one prefill chunk and one decode step; return touched sequences."""
+        sched, touched = self.scheduler, []
+        sched.admit()
+        chunk = sched.next_prefill()
+        if chunk is not None:
+            touched += sched.prefilled(chunk, self.runner.prefill(chunk))
+        batch = sched.next_decode()
+        if batch is not None:
+            touched += sched.decoded(batch, self.runner.decode(batch))
+        return touched
+
+
+# ---------------------------------------------------------------- the core's own process
+
+
+def serve_engine(core: EngineCore, conn: Connection) -> None:
+    """The core process's loop: messages in, one STEP message out per engine step."""
+    live: dict[int, SequenceState] = {}
+    sent: dict[int, int] = {}
+    conn.send((READY, core.max_model_len))
+    while True:
+        if not core.has_work():
+            conn.poll(None)  # idle: sleep until the server sends something
+        changed = False
+        while conn.poll():
+            msg = conn.recv()
+            changed = True
+            if msg[0] == "stop":
+                return
+            if msg[0] == "add":
+                _, rid, prompt_ids, params = msg
+                try:
+                    live[rid], sent[rid] = core.add_request(prompt_ids, params), 0
+                except RequestError:  # the server validates first; this is a safety net
+                    conn.send((STEP, ([(rid, [], "error")], None)))
+            elif msg[0] == "abort":
+                _, rid, reason = msg
+                if rid in live:
+                    core.abort(live.pop(rid), reason)
+                    sent.pop(rid)
+        outputs = []
+        if core.has_work():
+            core.step()
+            for rid, seq in list(live.items()):
+                if len(seq.output_ids) == sent[rid] and not seq.finished:
+                    continue
+                outputs.append((rid, seq.output_ids[sent[rid] :], seq.finish_reason))
+                sent[rid] = len(seq.output_ids)
+                if seq.finished:
+                    del live[rid], sent[rid]
+        if outputs or changed:
+            s = core.scheduler
+            conn.send((STEP, (outputs, (len(s.running), s.num_waiting, s.kv_usage))))
+
+
+def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: float) -> None:
+    """Entry point of the core process (spawned by the server).
+
+    The core leaves one core to the HTTP process (`NEFFKIT_ENGINE_THREADS` overrides): on a
+    2-core host that measured 1.4x the single-stream throughput of two intra-op threads
+    competing with the server (bench/serve.py).
+    """
+    try:
+        import torch
+
+        cores = os.cpu_count() or 1
+        torch.set_num_threads(int(os.environ.get("NEFFKIT_ENGINE_THREADS", 0)) or max(1, cores - 1))
+        from neffkit.runtime.distributed import run_on_ranks
+
+        run_on_ranks(
+            bundle,
+            lambda loaded: serve_engine(EngineCore(loaded.runner), conn),
+            executor=executor,
+            timeout_s=dist_timeout_s,
+        )
+    except BaseException as exc:  # noqa: BLE001 - the server reports it and stops
+        from neffkit.errors import NeffkitError
+
+        detail = exc.message if isinstance(exc, NeffkitError) else traceback.format_exc()
+        try:
+            conn.send((FAILED, detail))
+        except OSError:
+            pass
+
+
+def start_core(
+    bundle: Path, executor: str, dist_timeout_s: float
+) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(
+        target=core_main,
+        args=(theirs, str(bundle), executor, dist_timeout_s),
+        name="neffkit-engine-core",
+        daemon=True,
+    )
+    proc.start()
+    theirs.close()
+    return proc, ours

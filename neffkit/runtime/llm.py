@@ -1,0 +1,102 @@
+"""Offline generation (`neffkit run --prompt`): prompts in, outputs and timings out.
+
+`LLM` runs prompts to completion together on one loaded bundle (continuous batching through the
+engine core), as vLLM's `LLM.generate` does; `generate` is the CLI's entry point, which also
+starts the other ranks of a multi-rank bundle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neffkit.bundle import JsonObject
+from neffkit.errors import RequestError
+from neffkit.runtime.core import EngineCore
+from neffkit.runtime.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
+from neffkit.runtime.loader import LoadedBundle
+from neffkit.runtime.protocol import OFFLINE, SamplingParams
+from neffkit.runtime.scheduler import SequenceState, check_fits
+
+
+class LLM:
+    """Generation over one loaded bundle."""
+
+    def __init__(self, loaded: LoadedBundle) -> None:
+        self.loaded = loaded
+        self.core = EngineCore(loaded.runner)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[SequenceState]:
+        """Run prompts to completion together; results in the order given. Every prompt is
+        checked before any runs, so a request that cannot fit fails the whole call at once."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        pairs = list(zip(prompts, per_prompt, strict=True))
+        for prompt, p in pairs:
+            check_fits(self.core.scheduler.layout, prompt, p)
+        seqs = [self.core.add_request(prompt, p) for prompt, p in pairs]
+        timings = self.core.runner.timings
+        while self.core.has_work():
+            calls = timings.prefill_chunks + timings.decode_steps
+            self.core.step()
+            if timings.prefill_chunks + timings.decode_steps == calls:  # never, if blocks add up
+                raise RuntimeError("the scheduler ran no graph in a step with work waiting")
+        return seqs
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    params: SamplingParams = OFFLINE
+
+
+def generate(
+    bundle_path: Path,
+    request: GenerateRequest,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    executor: str = "auto",
+) -> JsonObject | None:
+    """Prompts run together (continuous batching); outputs come back in the order given.
+
+    A bundle built for several ranks runs one process per rank (rank 0 returns the report, other
+    ranks of a torchrun launch return None).
+    """
+    if not request.texts and not request.token_ids:
+        raise RequestError("nothing to generate: give --prompt TEXT or --prompt-ids 1,2,3")
+    return run_on_ranks(
+        bundle_path, lambda loaded: _report(loaded, request), executor, dist_timeout_s
+    )
+
+
+def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
+    tok = loaded.tokenizer
+    if request.texts and tok is None:
+        raise RequestError("this bundle has no tokenizer: use --prompt-ids")
+    prompts = [tok.encode(t) for t in request.texts] if tok and request.texts else []
+    prompts += request.token_ids
+    llm = LLM(loaded)
+    t0 = time.perf_counter()
+    seqs = llm.generate(prompts, request.params)
+    wall = time.perf_counter() - t0
+    t = loaded.runner.timings
+    return {
+        "outputs": [
+            {
+                "token_ids": s.output_ids,
+                "text": tok.decode(s.output_ids) if tok else None,
+                "finish_reason": s.finish_reason,
+            }
+            for s in seqs
+        ],
+        "timings": {
+            "load_s": round(loaded.load_seconds, 4),
+            "prefill_s": round(t.prefill_s, 4),
+            "decode_s": round(t.decode_s, 4),
+            "decode_tokens": t.decode_tokens,
+            "decode_ms_per_token": round(1000 * t.decode_s / max(t.decode_steps, 1), 4),
+            "wall_s": round(wall, 4),
+        },
+    }

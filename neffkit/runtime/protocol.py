@@ -1,0 +1,181 @@
+"""Requests as the runtime takes them: sampling parameters and the OpenAI request bodies.
+
+The one place where a request is validated and where every default lives. `SamplingParams` checks
+itself when it is made (as vLLM's `_verify_args` does) and names the field at fault, so the
+server, the offline CLI and the engine core share one set of rules; what depends on the bundle
+(prompt length against the context buckets, KV blocks) is the scheduler's check
+(`scheduler.check_fits`). Errors are RequestErrors carrying the field in `param`, which the server
+turns into a 400 with an OpenAI error body. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from neffkit.errors import RequestError
+
+# Defaults, one place. The API's are OpenAI's (and vLLM's): a request that omits a field.
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0  # <= 0: no top-k beyond the bundle's max_top_k
+# `neffkit run --prompt` is a check a person reads: greedy (reproducible) and a little longer
+OFFLINE_MAX_TOKENS = 32
+OFFLINE_TEMPERATURE = 0.0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops; validated on construction."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise RequestError(
+                f"max_tokens must be positive, got {self.max_tokens!r}", param="max_tokens"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(
+                f"temperature must be >= 0, got {self.temperature}", param="temperature"
+            )
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if not _is_int(self.top_k):
+            raise RequestError(f"top_k must be an integer, got {self.top_k!r}", param="top_k")
+        if self.seed is not None and not _is_int(self.seed):
+            raise RequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
+
+
+OFFLINE = SamplingParams(max_tokens=OFFLINE_MAX_TOKENS, temperature=OFFLINE_TEMPERATURE)
+
+
+# ---------------------------------------------------------------- OpenAI request bodies
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A parsed /v1/completions or /v1/chat/completions body (the prompt not yet encoded)."""
+
+    prompt: str | list[int] | None  # completions: text or token ids
+    messages: list[dict[str, str]] | None  # chat: role/content pairs, content flattened
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python; a JSON true is never a valid number here
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = "/".join("number" if k is float else k.__name__ for k in kinds)
+        raise RequestError(f"{name} must be {names}, got {json.dumps(value)}", param=name)
+    return value
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    model = _get(body, "model", (str,), served)
+    if model != served:
+        raise RequestError(
+            f"model {model!r} does not exist; this server has {served!r}", param="model"
+        )
+
+
+def _sampling(body: dict[str, Any], max_tokens_field: str) -> SamplingParams:
+    if _get(body, "n", (int,), 1) != 1:
+        raise RequestError("only n=1 is supported", param="n")
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    try:
+        return SamplingParams(
+            max_tokens=_get(body, max_tokens_field, (int,), DEFAULT_MAX_TOKENS),
+            temperature=float(_get(body, "temperature", (int, float), DEFAULT_TEMPERATURE)),
+            top_k=_get(body, "top_k", (int,), DEFAULT_TOP_K),
+            top_p=float(_get(body, "top_p", (int, float), DEFAULT_TOP_P)),
+            seed=_get(body, "seed", (int,), None),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        )
+    except RequestError as exc:  # chat names its length field max_completion_tokens
+        if exc.param == "max_tokens" and max_tokens_field != "max_tokens":
+            exc = RequestError(
+                exc.message.replace("max_tokens", max_tokens_field), param=max_tokens_field
+            )
+        raise exc from None
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise RequestError("stop must be a string or a list of strings", param="stop")
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get(body, "stream", (bool,), False)
+    options = _get(body, "stream_options", (dict,), {})
+    return stream, bool(options.get("include_usage", False))
+
+
+def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
+    check_model(body, served)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, str) or isinstance(prompt, list) and all(map(_is_int, prompt))):
+        raise RequestError(
+            "prompt must be a string or a list of token ids (one prompt per request)",
+            param="prompt",
+        )
+    params = _sampling(body, "max_tokens")
+    return ApiRequest(prompt, None, params, _stop(body), *_stream_flags(body))
+
+
+def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
+    check_model(body, served)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+        content = m.get("content", "")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", param="messages")
+        flat.append({"role": m["role"], "content": content})
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    return ApiRequest(None, flat, _sampling(body, field), _stop(body), *_stream_flags(body))

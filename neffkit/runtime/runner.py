@@ -1,0 +1,182 @@
+"""One rank's graphs and their metadata: what the scheduler decided in, sampled tokens out.
+
+The runner owns a rank's graph entries (each an executor's `run(metadata) → tokens`), builds each
+step's metadata with numpy (the decode graphs' arrays are allocated once and updated in place),
+and times the graph calls. It is all a follower rank needs: followers receive (graph index,
+metadata) from rank 0 and call `execute`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from neffkit.runtime.scheduler import DecodeBatch, Layout, PrefillChunk, SequenceState
+
+# metadata arrays in the graph's input order → sampled tokens; the executor binds the rest
+Executable = Callable[[list[np.ndarray]], np.ndarray]
+# called with (graph index, metadata) before every graph call: the multi-rank broadcast
+OnRun = Callable[[int, dict[str, np.ndarray]], None]
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    """One compiled graph as the runner sees it: its bucket and its metadata input order."""
+
+    name: str
+    phase: str
+    rows: int
+    tokens: int
+    context: int
+    meta_specs: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in input order
+    run: Executable
+
+    @property
+    def meta_inputs(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.meta_specs)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(phase, the phase's own bucket, context): how the scheduler's choice finds it."""
+        return (self.phase, self.tokens if self.phase == "prefill" else self.rows, self.context)
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    prefill_chunks: int = 0
+
+
+class DecodeBuffers:
+    """One decode graph's metadata arrays, allocated once and updated in place every step.
+
+    A decode step changes few values per row (token, position, slot, length); the block table
+    row changes when a sequence enters a new block and the sampling values when a row gets
+    another sequence. Passing the same arrays every step also lets the executor bind them to
+    the graph once (it compares the arrays it is given with the last call's). Keeps the host's
+    share of a demo-model decode step small.
+    """
+
+    def __init__(self, graph: GraphEntry, block_size: int) -> None:
+        self.block_size = block_size
+        self.meta = {name: np.empty(shape, dtype) for name, shape, dtype in graph.meta_specs}
+        m = self.meta
+        self.ids, self.pos, self.slots = m["input_ids"], m["positions"], m["slot_mapping"]
+        self.tables, self.lens = m["block_tables"], m["context_lens"]
+        self.rows: list[tuple[int, int] | None] = [None] * graph.rows  # (request, blocks) per row
+        for i in range(graph.rows):
+            self._pad(i)
+
+    def fill(self, seqs: list[SequenceState]) -> None:
+        bs = self.block_size
+        for i, seq in enumerate(seqs):
+            pos = seq.length - 1  # the last sampled token enters the cache at this position
+            used = pos // bs + 1
+            self.ids[i, 0] = seq.output_ids[-1]
+            self.pos[i, 0] = pos
+            self.slots[i, 0] = seq.blocks[used - 1] * bs + pos % bs
+            self.lens[i] = pos + 1
+            if self.rows[i] != (seq.request_id, used):
+                row = self.rows[i]
+                if row is None or row[0] != seq.request_id:
+                    write_sampling(self.meta, i, seq)
+                self.tables[i, :used] = seq.blocks[:used]
+                self.tables[i, used:] = -1
+                self.rows[i] = (seq.request_id, used)
+        for i in range(len(seqs), len(self.rows)):
+            if self.rows[i] is not None:
+                self._pad(i)
+
+    def _pad(self, i: int) -> None:
+        """A padding row: nothing visible, its K/V write goes to the null slot."""
+        self.ids[i], self.pos[i], self.slots[i], self.tables[i], self.lens[i] = 0, 0, -1, -1, 0
+        m = self.meta
+        m["temperature"][i], m["top_k"][i], m["top_p"][i], m["seed"][i] = 0, 0, 1, 0
+        self.rows[i] = None
+
+
+def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) -> None:
+    p = seq.params
+    meta["temperature"][row], meta["top_k"][row], meta["top_p"][row] = (
+        p.temperature,
+        p.top_k,
+        p.top_p,
+    )
+    meta["seed"][row] = seq.seed
+
+
+class ModelRunner:
+    """A rank's graphs: prefill chunks and decode batches in, sampled tokens out."""
+
+    def __init__(self, graphs: list[GraphEntry], layout: Layout, on_run: OnRun | None = None):
+        self.layout = layout
+        self.graph_list = list(graphs)
+        self.graphs = {g.key: g for g in graphs}
+        self._index = {g.name: i for i, g in enumerate(graphs)}
+        self.on_run = on_run
+        self.timings = Timings()
+        self._decode_buffers: dict[str, DecodeBuffers] = {}
+
+    def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one graph on host metadata; returns the sampled tokens."""
+        return graph.run([meta[name] for name in graph.meta_inputs])
+
+    def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
+        if self.on_run is not None:
+            self.on_run(self._index[graph.name], meta)
+        return self.execute(graph, meta)
+
+    def prefill(self, chunk: PrefillChunk) -> int:
+        """Write the chunk's K/V; the sampled token counts only after a prompt's last chunk."""
+        graph = self.graphs[("prefill", chunk.tokens, chunk.context)]
+        seq, start, n, tokens = chunk.seq, chunk.start, chunk.length, chunk.tokens
+        bs = self.layout.block_size
+        positions = np.zeros((1, tokens), dtype=np.int64)
+        positions[0, :n] = np.arange(start, start + n)
+        blocks = np.asarray(seq.blocks, dtype=np.int64)
+        slots = np.full((1, tokens), -1, dtype=np.int64)
+        slots[0, :n] = blocks[positions[0, :n] // bs] * bs + positions[0, :n] % bs
+        input_ids = np.zeros((1, tokens), dtype=np.int64)
+        input_ids[0, :n] = seq.prompt_ids[start : start + n]
+        table = np.full((1, chunk.context // bs), -1, dtype=np.int64)
+        used = self.layout.blocks_for(start + n)
+        table[0, :used] = seq.blocks[:used]
+        meta = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slots,
+            "block_tables": table,
+            "context_lens": np.array([start + n], dtype=np.int64),
+            "last_token_index": np.array([n - 1], dtype=np.int64),
+            "temperature": np.zeros(1, dtype=np.float32),
+            "top_k": np.zeros(1, dtype=np.int64),
+            "top_p": np.ones(1, dtype=np.float32),
+            "seed": np.zeros(1, dtype=np.int64),
+        }
+        write_sampling(meta, 0, seq)
+        t0 = time.perf_counter()
+        next_tokens = self._run(graph, meta)
+        self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.prefill_chunks += 1
+        return int(next_tokens[0])
+
+    def decode(self, batch: DecodeBatch) -> list[int]:
+        graph = self.graphs[("decode", batch.batch, batch.context)]
+        buffers = self._decode_buffers.get(graph.name)
+        if buffers is None:
+            buffers = self._decode_buffers[graph.name] = DecodeBuffers(
+                graph, self.layout.block_size
+            )
+        buffers.fill(batch.rows)
+        t0 = time.perf_counter()
+        next_tokens = self._run(graph, buffers.meta)
+        self.timings.decode_s += time.perf_counter() - t0
+        self.timings.decode_steps += 1
+        self.timings.decode_tokens += len(batch.rows)
+        return next_tokens.tolist()

@@ -1,0 +1,252 @@
+"""Scheduling over fixed-shape graphs: admission, KV blocks, bucket choice, continuous batching.
+
+Each step runs at most one prefill chunk (the smallest prefill bucket that fits; prompts longer
+than the largest bucket run as several chunks) and then one decode step over the running
+sequences (the smallest batch and context buckets that fit, rows padded). KV blocks for a
+request's whole budget (prompt + max_tokens) are reserved when it is admitted, so a running
+request never runs out of cache and nothing is ever preempted. Block 0 is the null block: padding
+slots and -1 block-table entries land there, so it is never handed out.
+
+Pure Python, no graphs: the runner (runner.py) turns what is scheduled here into metadata, and the
+scheduler's tests run against a fake runner in milliseconds.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from neffkit.bundle import BundleRecord
+from neffkit.errors import RequestError
+from neffkit.runtime.protocol import SamplingParams
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The scheduler's view of a bundle: buckets, KV blocks, end-of-sequence ids."""
+
+    block_size: int  # tokens per KV block
+    num_blocks: int  # block 0 included (the null block, never handed out)
+    prefill_buckets: tuple[int, ...]  # tokens per prefill chunk
+    decode_buckets: tuple[int, ...]  # sequences per decode step
+    context_buckets: tuple[int, ...]  # tokens attended; the largest is max_model_len
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, record: BundleRecord) -> Layout:
+        lay = record.layout
+        return cls(
+            block_size=lay.block_size,
+            num_blocks=lay.num_blocks,
+            prefill_buckets=lay.buckets.prefill,
+            decode_buckets=lay.buckets.decode,
+            context_buckets=lay.buckets.context,
+            eos_token_ids=record.model.eos_token_ids,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.context_buckets[-1]
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass
+class SequenceState:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """`length` prompt tokens of `seq` from `start`, in the (tokens, context) prefill graph."""
+
+    seq: SequenceState
+    start: int
+    length: int
+    tokens: int
+    context: int
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One token for each of `rows`, in the (batch, context) decode graph; rows past them pad."""
+
+    rows: list[SequenceState]
+    batch: int
+    context: int
+
+
+class BlockAllocator:
+    """Free-list of KV blocks 1..num_blocks-1."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise MemoryError(f"{count} KV blocks requested, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
+    i = bisect.bisect_left(buckets, need)
+    return buckets[i] if i < len(buckets) else None
+
+
+def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Refuse what no bucket can serve, with the buckets in the message."""
+    if not prompt_ids:
+        raise RequestError("prompt is empty: at least one token is needed", param="prompt")
+    total = len(prompt_ids) + params.max_tokens
+    if total > layout.max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the largest context bucket ({layout.max_model_len}); context buckets: "
+            f"{list(layout.context_buckets)}",
+            hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
+            param="prompt",
+        )
+    if layout.blocks_for(total) > layout.num_blocks - 1:
+        raise RequestError(
+            f"request needs {layout.blocks_for(total)} KV blocks; the bundle has "
+            f"{layout.num_blocks - 1}",
+            param="prompt",
+        )
+
+
+class Scheduler:
+    """Queues and KV blocks. Not thread-safe: one caller drives it (the engine core)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.allocator = BlockAllocator(layout.num_blocks)
+        self.waiting: deque[SequenceState] = deque()
+        self.prefilling: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+
+    def add(self, seq: SequenceState) -> None:
+        check_fits(self.layout, seq.prompt_ids, seq.params)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.allocator.num_free / self.allocator.num_usable
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet decoding (waiting for blocks, or prefilling)."""
+        return len(self.waiting) + len(self.prefilling)
+
+    def abort(self, seq: SequenceState, reason: str = "abort") -> None:
+        """End a request wherever it is and free its blocks (client went away, stop string)."""
+        if seq.finished:
+            return
+        seq.finish_reason = reason
+        self._release(seq)
+
+    def admit(self) -> None:
+        """Waiting requests whose whole budget fits in the free blocks, in arrival order."""
+        while self.waiting:
+            seq = self.waiting[0]
+            need = self.layout.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
+            if need > self.allocator.num_free:
+                return
+            self.waiting.popleft()
+            seq.blocks = self.allocator.allocate(need)
+            self.prefilling.append(seq)
+
+    def next_prefill(self) -> PrefillChunk | None:
+        if not self.prefilling:
+            return None
+        seq = self.prefilling[0]
+        lay = self.layout
+        start = seq.num_prefilled
+        n = min(len(seq.prompt_ids) - start, lay.prefill_buckets[-1])
+        tokens = smallest_fitting(lay.prefill_buckets, n)
+        context = smallest_fitting(lay.context_buckets, max(start + n, tokens or 0))
+        assert tokens is not None and context is not None  # check_fits bounded the prompt
+        return PrefillChunk(seq, start, n, tokens, context)
+
+    def prefilled(self, chunk: PrefillChunk, token: int) -> list[SequenceState]:
+        """After a chunk ran: the sequence decodes once its whole prompt is in the cache."""
+        seq = chunk.seq
+        seq.num_prefilled += chunk.length
+        if seq.num_prefilled < len(seq.prompt_ids):
+            return []
+        self.prefilling.popleft()
+        self.running.append(seq)
+        self._append(seq, token)
+        return [seq]
+
+    def next_decode(self) -> DecodeBatch | None:
+        if not self.running:
+            return None
+        largest = self.layout.decode_buckets[-1]
+        rows = self.running[:largest]
+        if len(self.running) > largest:
+            # Rotate so that more sequences than the largest bucket all make progress.
+            self.running = self.running[largest:] + rows
+        batch = smallest_fitting(self.layout.decode_buckets, len(rows))
+        context = smallest_fitting(self.layout.context_buckets, max(s.length for s in rows))
+        assert batch is not None and context is not None
+        return DecodeBatch(rows, batch, context)
+
+    def decoded(self, batch: DecodeBatch, tokens: list[int]) -> list[SequenceState]:
+        for seq, token in zip(batch.rows, tokens, strict=False):  # padding rows last
+            self._append(seq, token)
+        return batch.rows
+
+    def _append(self, seq: SequenceState, token: int) -> None:
+        seq.output_ids.append(token)
+        params = seq.params
+        if not params.ignore_eos and token in self.layout.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens:
+            seq.finish_reason = "length"
+        if seq.finished:
+            self._release(seq)
+
+    def _release(self, seq: SequenceState) -> None:
+        for queue in (self.waiting, self.prefilling):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []

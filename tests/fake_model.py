@@ -1,0 +1,96 @@
+"""A stand-in for compiled graphs that honours the paged-KV contract, for scheduler tests in ms.
+
+Each graph entry is a real `runner.GraphEntry` whose `run` reads the metadata the real runner
+builds: every real token is written to its slot of a shared cache (`slot_mapping`, -1 = padding,
+which lands in the null block as the real kernels do), and a row's next token is the sum of the
+context it attends (`block_tables` + `context_lens`) modulo the vocabulary, plus the row's seed
+when it samples (`temperature > 0`). So a wrong slot, block table, length or sampling row changes
+the tokens, and `oracle` computes the right ones straight from the sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from neffkit.runtime.runner import GraphEntry, ModelRunner
+from neffkit.runtime.scheduler import Layout
+
+VOCAB = 97
+EOS = 96
+
+
+def oracle(prompt: list[int], n: int, seed: int = 0, sampled: bool = False) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        token = (sum(seq) + (seed if sampled else 0)) % VOCAB
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def _specs(phase: str, rows: int, tokens: int, context: int, block_size: int) -> tuple:
+    specs = [
+        ("input_ids", (rows, tokens), "int64"),
+        ("positions", (rows, tokens), "int64"),
+        ("slot_mapping", (rows, tokens), "int64"),
+        ("block_tables", (rows, context // block_size), "int64"),
+        ("context_lens", (rows,), "int64"),
+    ]
+    if phase == "prefill":
+        specs.append(("last_token_index", (rows,), "int64"))
+    specs += [
+        ("temperature", (rows,), "float32"),
+        ("top_k", (rows,), "int64"),
+        ("top_p", (rows,), "float32"),
+        ("seed", (rows,), "int64"),
+    ]
+    return tuple(specs)
+
+
+@dataclass
+class PagedSumModel:
+    layout: Layout
+    calls: list[tuple[str, dict[str, np.ndarray]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.cache = np.zeros(self.layout.num_blocks * self.layout.block_size, dtype=np.int64)
+
+    def run(self, name: str, specs: tuple, arrays: list[np.ndarray]) -> np.ndarray:
+        meta = {spec[0]: a.copy() for spec, a in zip(specs, arrays, strict=True)}
+        self.calls.append((name, meta))
+        bs = self.layout.block_size
+        slots = np.maximum(meta["slot_mapping"], 0)  # padding → the null block's slot 0
+        self.cache[slots] = np.where(meta["slot_mapping"] >= 0, meta["input_ids"], 0)
+        out = np.zeros(len(meta["context_lens"]), dtype=np.int64)
+        for row, length in enumerate(meta["context_lens"]):
+            positions = np.arange(length)
+            table = meta["block_tables"][row]
+            assert (table[: -(-length // bs)] > 0).all(), "a used block-table entry is null"
+            total = self.cache[table[positions // bs] * bs + positions % bs].sum()
+            seed = meta["seed"][row] if meta["temperature"][row] > 0 else 0
+            out[row] = (total + seed) % VOCAB
+        return out
+
+    def graph(self, phase: str, rows: int, tokens: int, context: int) -> GraphEntry:
+        specs = _specs(phase, rows, tokens, context, self.layout.block_size)
+        name = f"{phase}_{rows}x{tokens}_c{context}"
+        return GraphEntry(
+            name, phase, rows, tokens, context, specs, lambda a: self.run(name, specs, a)
+        )
+
+
+def fake_runner(
+    prefill: tuple[int, ...] = (8, 16),
+    decode: tuple[int, ...] = (1, 4),
+    context: tuple[int, ...] = (32, 64),
+    num_blocks: int = 33,
+    block_size: int = 8,
+    eos: tuple[int, ...] = (EOS,),
+) -> tuple[ModelRunner, PagedSumModel]:
+    layout = Layout(block_size, num_blocks, prefill, decode, context, eos)
+    model = PagedSumModel(layout)
+    graphs = [model.graph("prefill", 1, t, c) for t in prefill for c in context if t <= c]
+    graphs += [model.graph("decode", b, 1, c) for b in decode for c in context]
+    return ModelRunner(graphs, layout), model
