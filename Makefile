@@ -1,8 +1,11 @@
 # make demo: set up and build + run the demo bundle.  make test: set up and run the tests.
+# make test-fast: the tests that build nothing (under a minute).
 PY := .venv/bin/python
+# test processes (pytest-xdist); they share built bundles, so 2 suits a 2-core machine
+TEST_WORKERS ?= 2
 VENV_STAMP := .venv/.neffkit-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(VENV_STAMP)
 
@@ -20,7 +23,11 @@ demo: setup
 	$(PY) -m neffkit run bundles/demo-llama --prompt "def main(" --max-tokens 48
 
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+
+# no bundle builds (no g++): manifest, plan, flags, audit rules, scheduler, protocol, layering
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "not slow"
 
 lint: setup
 	.venv/bin/ruff check neffkit tests bench tools

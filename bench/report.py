@@ -78,7 +78,7 @@ def serve(d: dict[str, Any]) -> str:
     return (
         "**Serving** (`bench/serve.py`): concurrent streaming clients against `neffkit run` "
         f"({d['input_len']}-token prompts, {d['output_len']} output tokens, ignore_eos), vLLM "
-        "bench-serve definitions; *engine alone* is `Engine.generate` on the same work with no "
+        "bench-serve definitions; *engine alone* is `LLM.generate` on the same work with no "
         "HTTP, in the same run.\n\n"
         + _table(
             [

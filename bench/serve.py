@@ -101,7 +101,7 @@ async def run_level(
 
 
 def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab: int) -> float:
-    """Output tokens/s of the same work through Engine.generate in this process, no HTTP: the
+    """Output tokens/s of the same work through LLM.generate in this process, no HTTP: the
     ceiling the server is measured against (same intra-op threads as the server's engine core)."""
     import os
 

@@ -199,7 +199,7 @@ def run(
     max_waiting: int,
 ) -> None:
     """Generate from BUNDLE (with --prompt/--prompt-ids), or serve the OpenAI API (without)."""
-    from neffkit.runtime.llm import GenerateRequest, generate
+    from neffkit.runtime.llm import GenerateRequest, run_offline
     from neffkit.runtime.protocol import SamplingParams
 
     if not prompts and not prompt_ids:  # no prompt: serve the OpenAI API
@@ -222,7 +222,7 @@ def run(
         token_ids=[_parse_ids(p) for p in prompt_ids],
         params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
     )
-    report = generate(bundle, request, dist_timeout, executor)
+    report = run_offline(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints
         return
     if as_json:

@@ -1,14 +1,22 @@
 """Shared fixtures: tiny random HF checkpoints (the oracle) and bundles built from them once per
-session. Builds dominate the suite's time (g++ per graph), so every test reuses these bundles."""
+run. Builds dominate the suite's time (g++ per graph), so every test reuses these bundles.
+
+Under pytest-xdist (`make test` runs two workers) the workers share one directory of models,
+bundles and artifact cache: each is made once, by whichever worker asks first, under a file lock
+the other waits on. Each family's bundle has as few graphs as its tests need (one decode bucket
+unless a test needs a bucket switch).
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +42,12 @@ COMMON = dict(
 )
 
 # kind → (transformers config class, extra config, buckets)
-SMALL = {"prefill": [16], "decode": [1, 4], "context": [64]}
+SMALL = {"prefill": [16], "decode": [4], "context": [64]}  # two graphs: one prefill, one decode
+# decode [1, 4]: rows move into a smaller bucket (runtime tests); context [32, 64]: a bucket switch
+TWO_DECODE = {"prefill": [16], "decode": [1, 4], "context": [64]}
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [32, 64]}),
-    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, SMALL),
+    "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 1}, SMALL),  # MQA + qkv bias
@@ -58,12 +68,32 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
 }
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
-    "llama": ({"tp": 2}, {"prefill": [16], "decode": [1, 4], "context": [256]}),
+    "llama": ({"tp": 2}, {"prefill": [16], "decode": [4], "context": [256]}),
     "qwen3": ({"tp": 2}, SMALL),
     "qwen2": ({"tp": 2}, SMALL),  # one KV head: replicated on both ranks
     "qwen3_moe": ({"tp": 2, "ep": 2}, SMALL),
     "mixtral": ({"tp": 2, "ep": 2}, SMALL),
 }
+
+
+# Tests that build bundles (g++ per graph) or start servers are `slow`: `make test-fast` skips them.
+SLOW_FIXTURES = {"bundle", "tp_bundle", "serve_bundle", "server", "lowered"}
+SLOW_MODULES = {
+    "test_build",
+    "test_generate",
+    "test_neuron",
+    "test_parallel",
+    "test_runtime",
+    "test_server",
+    "test_verify",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -98,7 +128,26 @@ def session_cache(session_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("neffkit")
+    """One directory for the run; xdist workers share it (their basetemps are its siblings)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root = base / "neffkit-shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+@contextmanager
+def exclusive(session_dir: Path, name: str) -> Iterator[None]:
+    """Hold the run-wide lock `name`: one worker makes a shared thing, the others wait for it."""
+    locks = session_dir / "locks"
+    locks.mkdir(exist_ok=True)
+    with (locks / f"{name}.lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
@@ -120,7 +169,11 @@ def hf_model_dir(session_dir: Path) -> Callable[[str], Path]:
 
     def get(kind: str) -> Path:
         if kind not in made:
-            made[kind] = make_hf_model(kind, session_dir / "models" / kind)
+            out = session_dir / "models" / kind
+            with exclusive(session_dir, f"model-{kind}"):
+                if not (out / "config.json").exists():
+                    make_hf_model(kind, out)
+            made[kind] = out
         return made[kind]
 
     return get
@@ -141,18 +194,33 @@ def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
 
 
 def build_session_bundle(session_dir: Path, model_dir: Path, name: str, **manifest: Any) -> Any:
-    """Write manifest NAME.yaml and build it into bundles/NAME with the session's cache."""
-    from neffkit.compile.build import build
+    """Write manifest NAME.yaml and build it into bundles/NAME with the run's cache, once per
+    run: a later call (from any xdist worker) gets the first build's result back."""
+    from neffkit.compile.build import BuildResult, build
     from neffkit.manifest import load_manifest
 
-    path = write_manifest(session_dir / f"{name}.yaml", model_dir, **manifest)
-    jobs = int(os.environ.get("NEFFKIT_TEST_JOBS", os.cpu_count() or 2))
-    return build(
-        load_manifest(path),
-        session_dir / "bundles" / name,
-        jobs=jobs,
-        cache_dir=session_cache(session_dir),
-    )
+    report = session_dir / "bundles" / f"{name}.report.json"
+    with exclusive(session_dir, f"bundle-{name}"):
+        if report.exists():
+            data = json.loads(report.read_text())
+            return BuildResult(Path(data["bundle"]), counters=data["counters"])
+        path = write_manifest(session_dir / f"{name}.yaml", model_dir, **manifest)
+        result = build(
+            load_manifest(path),
+            session_dir / "bundles" / name,
+            jobs=build_jobs_per_worker(),
+            cache_dir=session_cache(session_dir),
+        )
+        report.write_text(json.dumps(result.report()))
+        return result
+
+
+def build_jobs_per_worker() -> int:
+    """Build workers per test build: the cores shared among the xdist workers."""
+    if os.environ.get("NEFFKIT_TEST_JOBS"):
+        return int(os.environ["NEFFKIT_TEST_JOBS"])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    return max(1, (os.cpu_count() or 2) // workers)
 
 
 @pytest.fixture(scope="session")

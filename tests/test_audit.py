@@ -198,6 +198,7 @@ def test_model_graphs_are_clean(bundle, tp_bundle):
         assert report["findings"] == [] and report["finding_counts"]["error"] == 0
 
 
+@pytest.mark.slow
 def test_build_fails_on_audit_error_unless_waived(monkeypatch, hf_model_dir, tmp_path):
     from neffkit.compile.build import build
     from neffkit.errors import BuildError

@@ -31,7 +31,7 @@ class FakeLoaded:
 def drain(core: EngineCore, until=None, max_steps: int = 500) -> None:
     """Step until `until()` (default: no work left); a scheduler that stalls fails, not hangs."""
     for _ in range(max_steps):
-        if (until() if until else not core.has_work()):
+        if until() if until else not core.has_work():
             return
         core.step()
     raise AssertionError(f"no progress after {max_steps} steps")

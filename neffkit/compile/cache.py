@@ -47,7 +47,7 @@ def default_cache_dir() -> Path:
 class CacheKey:
     """Every factor that changes a compiled artifact, and nothing else."""
 
-    factors: dict[str, Any]
+    factors: JsonObject
 
     @property
     def digest(self) -> str:
@@ -67,7 +67,7 @@ def changed_keys(old: dict[Any, Any], new: dict[Any, Any]) -> list[Any]:
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
 
 
-def explain_change(old: dict[str, Any], new: dict[str, Any]) -> str:
+def explain_change(old: JsonObject, new: JsonObject) -> str:
     """`flags changed: -O2 → -O3; torch changed: 2.12.0 → 2.13.0`."""
     parts = []
     for name in changed_keys(old, new):
@@ -115,7 +115,7 @@ class ArtifactCache:
         shutil.rmtree(entry, ignore_errors=True)
         return None
 
-    def store(self, key: CacheKey, artifact: Path, extra: dict[str, Any] | None = None) -> Path:
+    def store(self, key: CacheKey, artifact: Path, extra: JsonObject | None = None) -> Path:
         """Copy `artifact` into a new entry atomically; return the cached artifact's path."""
         tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.tmp))
         try:
@@ -138,7 +138,7 @@ class ArtifactCache:
     def _label_path(self, label: str) -> Path:
         return self.labels / (hashlib.sha256(label.encode()).hexdigest()[:32] + ".json")
 
-    def previous_factors(self, label: str) -> dict[str, Any] | None:
+    def previous_factors(self, label: str) -> JsonObject | None:
         try:
             return json.loads(self._label_path(label).read_text())["factors"]
         except (OSError, ValueError, KeyError):

@@ -16,8 +16,8 @@ work dirs) are kept in the argv but left out of cache keys. Imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from neffkit.bundle import OptionValue
 from neffkit.compile.plan import GraphSpec
 from neffkit.errors import ManifestError
 from neffkit.manifest import Manifest
@@ -38,7 +38,7 @@ BASE_NEURON_FLAGS: tuple[str, ...] = (
 # Realise (store once) any reused expression of more than 16 ops. Inductor's CPU default (50)
 # inlined the rotated query into the attention-score reduction, recomputing pow/cos/sin for every
 # context position of every layer: demo model, decode batch 1, 0.35 ms → 0.20 ms per step.
-BASE_INDUCTOR_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 16}
+BASE_INDUCTOR_OPTIONS: dict[str, OptionValue] = {"realize_opcount_threshold": 16}
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Flag:
 
 @dataclass(frozen=True)
 class ResolvedOptions:
-    inductor: dict[str, Any]
+    inductor: dict[str, OptionValue]
     origins: dict[str, str]  # inductor option → origin
     flags: tuple[str, ...]  # rendered compiler argv (neuron)
     flag_origins: dict[str, str]  # rendered flag → origin(s)
@@ -150,7 +150,7 @@ def _layers(manifest: Manifest, spec: GraphSpec) -> list[tuple[str, str, tuple[s
 
 
 def resolve_options(manifest: Manifest, spec: GraphSpec) -> ResolvedOptions:
-    options: dict[str, Any] = {}
+    options: dict[str, OptionValue] = {}
     origins: dict[str, str] = {}
     raw_flags: list[Flag] = []
     for origin, where, flags, inductor in _layers(manifest, spec):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,14 @@ SIGNAL_HINTS: dict[int, tuple[str, str]] = {
         "retry this graph with -O1 through compiler.per_graph, and report the log to Neuron",
     ),
 }
+
+
+@dataclass(frozen=True)
+class NeffRun:
+    """One neuronx-cc run, as its worker reports it."""
+
+    seconds: float
+    neff_header: dict[str, int | str]
 
 
 def find_compiler() -> str | None:
@@ -119,17 +128,15 @@ def compile_neffs(
     return [
         Compiled(
             stage / "graphs" / f"{stem}.neff",
-            result["seconds"],
-            ArtifactMetadata(neff_header=result["neff_header"]),
+            result.seconds,
+            ArtifactMetadata(neff_header=result.neff_header),
             record,
         )
         for stem, result, record in zip(names, done, records, strict=True)
     ]
 
 
-def run_neuronx_cc(
-    binary: str, argv: list[str], cwd: Path, log: Path, graph: str
-) -> dict[str, Any]:
+def run_neuronx_cc(binary: str, argv: list[str], cwd: Path, log: Path, graph: str) -> NeffRun:
     """Run one compile (argv[0] replaced by `binary`) in `cwd`; the NEFF path is argv's --output.
 
     Output goes to `log`. On failure the error names the graph, the exit status or signal, the
@@ -151,7 +158,7 @@ def run_neuronx_cc(
         header = read_header(neff)
     except (OSError, NeffError) as exc:
         raise BuildError(f"{graph}: neuronx-cc exited 0 but wrote no valid NEFF: {exc}") from exc
-    return {"seconds": round(time.perf_counter() - t0, 3), "neff_header": header.to_json()}
+    return NeffRun(round(time.perf_counter() - t0, 3), header.to_json())
 
 
 def compile_failure(graph: str, returncode: int, log: Path) -> BuildError:

@@ -121,5 +121,5 @@ def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
 
 
 def _seconds(value: Any) -> float | None:
-    """A job's own seconds: results are dataclasses (TraceResult, Compiled) or neuronx-cc dicts."""
-    return value.get("seconds") if isinstance(value, dict) else getattr(value, "seconds", None)
+    """A job's own seconds (TraceResult, Compiled, NeffRun all carry them)."""
+    return getattr(value, "seconds", None)

@@ -18,13 +18,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import neffkit
-from neffkit.bundle import Bundle, read_bundle
+from neffkit.bundle import Bundle, JsonObject, read_bundle
 from neffkit.errors import RequestError
 from neffkit.runtime.core import start_core
 from neffkit.runtime.core_client import EngineClient, Event, ServerBusy, Stream
@@ -150,19 +149,19 @@ class CompletionChunks:
         self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                      "created": int(time.time()), "model": model}  # fmt: skip
 
-    def _choice(self, e: Event) -> dict[str, Any]:
+    def _choice(self, e: Event) -> JsonObject:
         return {"index": 0, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
 
-    def first(self) -> dict[str, Any]:
+    def first(self) -> JsonObject:
         return {}
 
-    def chunk(self, e: Event) -> dict[str, Any]:
+    def chunk(self, e: Event) -> JsonObject:
         return {**self.base, "choices": [self._choice(e)]}
 
-    def usage(self, e: Event) -> dict[str, Any]:
+    def usage(self, e: Event) -> JsonObject:
         return {**self.base, "choices": [], "usage": _usage(e)}
 
-    def whole(self, e: Event) -> dict[str, Any]:
+    def whole(self, e: Event) -> JsonObject:
         return {**self.base, "choices": [self._choice(e)], "usage": _usage(e)}
 
 
@@ -173,20 +172,20 @@ class ChatChunks:
         self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                      "model": model}  # fmt: skip
 
-    def _delta(self, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
+    def _delta(self, delta: dict[str, str], finish: str | None) -> JsonObject:
         return {**self.base, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
 
-    def first(self) -> dict[str, Any]:
+    def first(self) -> JsonObject:
         return self._delta({"role": "assistant", "content": ""}, None)
 
-    def chunk(self, e: Event) -> dict[str, Any]:
+    def chunk(self, e: Event) -> JsonObject:
         return self._delta({"content": e.text} if e.text else {}, e.finish_reason)
 
-    def usage(self, e: Event) -> dict[str, Any]:
+    def usage(self, e: Event) -> JsonObject:
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(e)}
 
-    def whole(self, e: Event) -> dict[str, Any]:
+    def whole(self, e: Event) -> JsonObject:
         message = {"role": "assistant", "content": e.text}
         choice = {"index": 0, "message": message, "finish_reason": e.finish_reason}
         return {**self.base, "object": "chat.completion", "choices": [choice], "usage": _usage(e)}
@@ -238,19 +237,21 @@ def create_app(app_state: App) -> FastAPI:
         return Response(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": s.model_name,
-                    "object": "model",
-                    "created": s.created,
-                    "owned_by": "neffkit",
-                    "max_model_len": s.loop.max_model_len,
-                }
-            ],
-        }
+    async def models() -> Response:  # a JSONResponse: FastAPI builds no response model for it
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": s.model_name,
+                        "object": "model",
+                        "created": s.created,
+                        "owned_by": "neffkit",
+                        "max_model_len": s.loop.max_model_len,
+                    }
+                ],
+            }
+        )
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -53,7 +53,7 @@ class GenerateRequest:
     params: SamplingParams = OFFLINE
 
 
-def generate(
+def run_offline(
     bundle_path: Path,
     request: GenerateRequest,
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
