@@ -69,6 +69,23 @@ def test_nk101_unclamped_kv_write():
     assert rules(facts_of(KVWrite(clamp=True), args, names)) == []
 
 
+class Embed(torch.nn.Module):
+    def __init__(self, clamp: bool) -> None:
+        super().__init__()
+        self.clamp = clamp
+
+    def forward(self, input_ids, table):
+        ids = input_ids.clamp(0, table.shape[0] - 1) if self.clamp else input_ids
+        return table[ids].sum(-1)
+
+
+def test_nk109_unclamped_embedding_gather():
+    args = (torch.tensor([[3, 99999]]), torch.ones(8, 4))
+    names = ["input_ids", "model.embed_tokens.weight"]
+    assert rules(facts_of(Embed(clamp=False), args, names)) == ["NK109"]
+    assert rules(facts_of(Embed(clamp=True), args, names)) == []
+
+
 @pytest.fixture()
 def fake_pg():
     ensure_fake_process_group(0, 2)

@@ -75,6 +75,12 @@ RULES: dict[str, Rule] = {
             "prefer an all-reduce formulation (experts computed densely per rank)",
         ),
         Rule(
+            "NK109",
+            "embedding gather with token ids not clamped to the vocabulary",
+            "clamp input_ids to [0, vocab) before the gather: an out-of-range id is an "
+            "out-of-bounds DMA on Neuron and a crash on CPU",
+        ),
+        Rule(
             "NK201",
             "prefill bucket not a multiple of 128 (NCC_INKI016 for NKI attention)",
             "use prefill buckets that are multiples of 128 on neuron",
@@ -251,6 +257,26 @@ def _kv_writes(g: GraphFacts) -> Iterator[Finding]:
                 break
 
 
+def _embedding_gathers(g: GraphFacts) -> Iterator[Finding]:
+    """A gather from the embedding table whose indices reach `input_ids` without a clamp."""
+    nodes = g.nodes
+    for node in nodes:
+        if not node.target.startswith(("aten.index.Tensor", "aten.embedding")) or not node.refs:
+            continue
+        table = nodes[node.refs[0]]
+        if table.target != "input" or "embed_tokens" not in table.name:
+            continue
+        for ref in node.refs[1:]:
+            if _producers_reach(
+                nodes,
+                ref,
+                goal=lambda n: n.target == "input" and n.name == "input_ids",
+                stop=lambda n: n.target.startswith(CLAMPS),
+            ):
+                yield _finding("NK109", "error", g, node.text)
+                break
+
+
 def _collectives(g: GraphFacts) -> Iterator[Finding]:
     nodes = g.nodes
     outputs = next((n for n in nodes if n.target == "output"), None)
@@ -330,7 +356,15 @@ def _flag_rules(g: GraphFacts) -> Iterator[Finding]:
         yield _finding("NK205", "warning", g, levels[-1] if levels else "(default -O)")
 
 
-GRAPH_RULES = (_kv_writes, _collectives, _host_reads, _aliasing, _bool_and, _flag_rules)
+GRAPH_RULES = (
+    _kv_writes,
+    _embedding_gathers,
+    _collectives,
+    _host_reads,
+    _aliasing,
+    _bool_and,
+    _flag_rules,
+)
 
 
 def audit_graph(g: GraphFacts, waive: tuple[str, ...] = ()) -> list[Finding]:

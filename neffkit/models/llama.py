@@ -82,7 +82,7 @@ class DecoderGraph(torch.nn.Module):
         shape: GraphShape,
         weight_names: list[str],
         num_meta: int,
-        max_top_k: int,
+        max_top_k: int | None,
         par: Parallelism | None = None,
         gemv_max_rows: int = 0,
     ) -> None:
@@ -108,7 +108,10 @@ class DecoderGraph(torch.nn.Module):
         temperature, top_k, top_p, seed = meta[-4:]
         rows, tokens = input_ids.shape
 
-        h = w["model.embed_tokens.weight"][input_ids]  # [B, T, hidden]
+        # Ids are validated on the host; the clamp is defence in depth: an out-of-range gather is
+        # an out-of-bounds DMA on Neuron and a crash on CPU (audit rule NK109).
+        ids = input_ids.clamp(0, cfg.vocab_size - 1)
+        h = w["model.embed_tokens.weight"][ids]  # [B, T, hidden]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)  # [B, T, 1, D]
         masks = {
             window: context_mask(positions, context_lens, shape.context, window)
@@ -151,7 +154,8 @@ class DecoderGraph(torch.nn.Module):
         h_last = rms_norm(h_last, w["model.norm.weight"], cfg.rms_norm_eps)
         head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         logits = self._project(h_last, head)  # [B, vocab]
-        return sample(logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k)
+        width = self.max_top_k or cfg.vocab_size  # candidates: the cap, else the whole vocab
+        return sample(logits, temperature, top_k, top_p, seed, last_pos, width)
 
     def _attention(self, x, w, p, cos, sin, k_cache, v_cache, slots, block_tables, mask):
         cfg = self.cfg
