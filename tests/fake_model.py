@@ -89,7 +89,7 @@ def fake_runner(
     block_size: int = 8,
     eos: tuple[int, ...] = (EOS,),
 ) -> tuple[ModelRunner, PagedSumModel]:
-    layout = Layout(block_size, num_blocks, prefill, decode, context, eos)
+    layout = Layout(block_size, num_blocks, prefill, decode, context, eos, VOCAB)
     model = PagedSumModel(layout)
     graphs = [model.graph("prefill", 1, t, c) for t in prefill for c in context if t <= c]
     graphs += [model.graph("decode", b, 1, c) for b in decode for c in context]

@@ -18,13 +18,32 @@ from typing import Any
 from neffkit.errors import RequestError
 
 # Defaults, one place. The API's are OpenAI's (and vLLM's): a request that omits a field.
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # /v1/completions; chat leaves it unset: up to the context limit
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
-DEFAULT_TOP_K = 0  # <= 0: no top-k beyond the bundle's max_top_k
+DEFAULT_TOP_K = 0  # <= 0 (or -1): the whole vocabulary, or the bundle's max_top_k cap
 # `neffkit run --prompt` is a check a person reads: greedy (reproducible) and a little longer
 OFFLINE_MAX_TOKENS = 32
 OFFLINE_TEMPERATURE = 0.0
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the graphs read sampling values as float32
+# OpenAI/vLLM request fields this server does not implement (yet): a request that sets one to
+# anything but its no-op value gets a 400 naming it, never a silently different answer.
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -35,7 +54,7 @@ def _is_int(value: Any) -> bool:
 class SamplingParams:
     """How one request samples and when it stops; validated on construction."""
 
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the largest context bucket
     temperature: float = DEFAULT_TEMPERATURE
     top_k: int = DEFAULT_TOP_K
     top_p: float = DEFAULT_TOP_P
@@ -44,20 +63,22 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
             raise RequestError(
                 f"max_tokens must be positive, got {self.max_tokens!r}", param="max_tokens"
             )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise RequestError(
-                f"temperature must be >= 0, got {self.temperature}", param="temperature"
+                f"temperature must be >= 0 and finite, got {self.temperature}", param="temperature"
             )
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if not _is_int(self.top_k):
-            raise RequestError(f"top_k must be an integer, got {self.top_k!r}", param="top_k")
-        if self.seed is not None and not _is_int(self.seed):
-            raise RequestError(f"seed must be an integer, got {self.seed!r}", param="seed")
+        if not _is_int(self.top_k) or not INT64_MIN <= self.top_k <= INT64_MAX:
+            raise RequestError(f"top_k must be a 64-bit integer, got {self.top_k!r}", param="top_k")
+        if self.seed is not None and not (
+            _is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}", param="seed")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
 
@@ -78,6 +99,7 @@ class ApiRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -101,6 +123,24 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any)
     return value
 
 
+def _float(body: dict[str, Any], name: str, default: float) -> float:
+    value = _get(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:  # a JSON integer too large for a float
+        raise RequestError(f"{name} is out of range, got {value}", param=name) from None
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    for name, no_ops in UNSUPPORTED.items():
+        if name in body and not any(body[name] == v and type(body[name]) is type(v)
+                                    or body[name] is v for v in no_ops):  # fmt: skip
+            raise RequestError(
+                f"{name} is not supported by this server; omit it (got {json.dumps(body[name])})",
+                param=name,
+            )
+
+
 def check_model(body: dict[str, Any], served: str) -> None:
     model = _get(body, "model", (str,), served)
     if model != served:
@@ -109,16 +149,19 @@ def check_model(body: dict[str, Any], served: str) -> None:
         )
 
 
-def _sampling(body: dict[str, Any], max_tokens_field: str) -> SamplingParams:
+def _sampling(
+    body: dict[str, Any], max_tokens_field: str, default_max_tokens: int | None
+) -> SamplingParams:
     if _get(body, "n", (int,), 1) != 1:
         raise RequestError("only n=1 is supported", param="n")
+    check_unsupported(body)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     try:
         return SamplingParams(
-            max_tokens=_get(body, max_tokens_field, (int,), DEFAULT_MAX_TOKENS),
-            temperature=float(_get(body, "temperature", (int, float), DEFAULT_TEMPERATURE)),
+            max_tokens=_get(body, max_tokens_field, (int,), default_max_tokens),
+            temperature=_float(body, "temperature", DEFAULT_TEMPERATURE),
             top_k=_get(body, "top_k", (int,), DEFAULT_TOP_K),
-            top_p=float(_get(body, "top_p", (int, float), DEFAULT_TOP_P)),
+            top_p=_float(body, "top_p", DEFAULT_TOP_P),
             seed=_get(body, "seed", (int,), None),
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
@@ -142,10 +185,18 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise RequestError("stop must be a string or a list of strings", param="stop")
 
 
+def _include_stop(body: dict[str, Any]) -> bool:
+    return _get(body, "include_stop_str_in_output", (bool,), False)
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
-    return stream, bool(options.get("include_usage", False))
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise RequestError("stream_options.include_usage must be true or false",
+                           param="stream_options")  # fmt: skip
+    return stream, bool(include_usage)
 
 
 def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
@@ -158,8 +209,8 @@ def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
             "prompt must be a string or a list of token ids (one prompt per request)",
             param="prompt",
         )
-    params = _sampling(body, "max_tokens")
-    return ApiRequest(prompt, None, params, _stop(body), *_stream_flags(body))
+    params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    return ApiRequest(prompt, None, params, _stop(body), *_stream_flags(body), _include_stop(body))
 
 
 def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
@@ -172,10 +223,19 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
         content = m.get("content", "")
+        if content is None:
+            content = ""
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise RequestError(
+                    f"messages[{i}].content parts must be objects with a text string",
+                    param="messages",
+                )
+            content = "".join(texts)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", param="messages")
         flat.append({"role": m["role"], "content": content})
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    return ApiRequest(None, flat, _sampling(body, field), _stop(body), *_stream_flags(body))
+    params = _sampling(body, field, None)  # chat: up to the context limit, as vLLM
+    return ApiRequest(None, flat, params, _stop(body), *_stream_flags(body), _include_stop(body))

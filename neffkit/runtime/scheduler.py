@@ -33,6 +33,8 @@ class Layout:
     decode_buckets: tuple[int, ...]  # sequences per decode step
     context_buckets: tuple[int, ...]  # tokens attended; the largest is max_model_len
     eos_token_ids: tuple[int, ...]
+    vocab_size: int  # prompt token ids must lie in [0, vocab_size)
+    max_top_k: int | None = None  # the bundle's cap on sampling candidates (None: no cap)
 
     @classmethod
     def of(cls, record: BundleRecord) -> Layout:
@@ -44,6 +46,8 @@ class Layout:
             decode_buckets=lay.buckets.decode,
             context_buckets=lay.buckets.context,
             eos_token_ids=record.model.eos_token_ids,
+            vocab_size=record.model.vocab_size,
+            max_top_k=lay.max_top_k,
         )
 
     @property
@@ -123,14 +127,36 @@ def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+def output_budget(layout: Layout, prompt_len: int, params: SamplingParams) -> int:
+    """Tokens a request may generate: its max_tokens, or (unset) up to the largest context."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return layout.max_model_len - prompt_len
+
+
 def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) -> None:
     """Refuse what no bucket can serve, with the buckets in the message."""
     if not prompt_ids:
         raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-    total = len(prompt_ids) + params.max_tokens
+    bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < layout.vocab_size), None)
+    if bad is not None:
+        raise RequestError(
+            f"prompt[{bad}]: token id {prompt_ids[bad]} is outside the vocabulary "
+            f"[0, {layout.vocab_size})",
+            param="prompt",
+        )
+    cap = layout.max_top_k
+    if cap is not None and params.top_k > cap:
+        raise RequestError(
+            f"top_k {params.top_k} exceeds this bundle's sampling cap (sampling.max_top_k: {cap})",
+            hint="ask for top_k <= the cap, or build without sampling.max_top_k",
+            param="top_k",
+        )
+    budget = output_budget(layout, len(prompt_ids), params)
+    total = len(prompt_ids) + max(budget, 1)
     if total > layout.max_model_len:
         raise RequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max(budget, 1)}) = {total} "
             f"exceeds the largest context bucket ({layout.max_model_len}); context buckets: "
             f"{list(layout.context_buckets)}",
             hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
