@@ -205,7 +205,7 @@ def run(
     if not prompts and not prompt_ids:  # no prompt: serve the OpenAI API
         from neffkit.runtime.api_server import serve
 
-        serve(
+        status = serve(
             bundle,
             executor=executor,
             dist_timeout_s=dist_timeout,
@@ -215,7 +215,7 @@ def run(
             model_name=served_model_name,
             max_waiting=max_waiting,
         )
-        return
+        sys.exit(status)
 
     request = GenerateRequest(
         texts=list(prompts),

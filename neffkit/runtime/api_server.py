@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +27,7 @@ import neffkit
 from neffkit.bundle import Bundle, JsonObject, read_bundle
 from neffkit.errors import RequestError
 from neffkit.runtime.core import start_core
-from neffkit.runtime.core_client import EngineClient, Event, ServerBusy, Stream
+from neffkit.runtime.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.protocol import ApiRequest, parse_body, parse_chat, parse_completion
 from neffkit.runtime.scheduler import Layout
@@ -71,7 +72,7 @@ class App:
                 f"this bundle has no tokenizer: send {field} as token ids", param=field
             )
         if request.messages is not None:
-            return self.tokenizer.encode(self.tokenizer.render_chat(request.messages))
+            return self.tokenizer.encode_chat(request.messages)
         return self.tokenizer.encode(request.prompt or "")
 
     # ------------------------------------------------------------ running
@@ -84,6 +85,7 @@ class App:
             parsed.params,
             parsed.stop,
             lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
+            parsed.include_stop,
         )
         return stream, queue
 
@@ -98,6 +100,8 @@ class App:
                     self.loop.abort(stream)
                     raise
                 continue
+            if event.finish_reason == "error":
+                raise EngineDead(f"the engine failed: {event.text}")
             text.append(event.text)
             ids += event.token_ids
             if event.finish_reason is not None:
@@ -127,7 +131,9 @@ class App:
             while True:
                 event = await queue.get()
                 if event.finish_reason == "error":
-                    yield f"data: {json.dumps({'error': {'message': 'engine failure'}})}\n\n"
+                    error = {"message": f"the engine failed: {event.text}",
+                             "type": "engine_error", "param": None, "code": 500}  # fmt: skip
+                    yield f"data: {json.dumps({'error': error})}\n\n"
                     finished = True
                     return
                 yield f"data: {json.dumps(shape.chunk(event))}\n\n"
@@ -217,6 +223,10 @@ def create_app(app_state: App) -> FastAPI:
     async def busy(request: Request, exc: ServerBusy) -> Response:
         return error_body(exc.message, "server_busy", code=503)
 
+    @api.exception_handler(EngineDead)
+    async def engine_dead(request: Request, exc: EngineDead) -> Response:
+        return error_body(exc.message, "engine_error", code=500)
+
     @api.exception_handler(RequestError)
     async def bad_request(request: Request, exc: RequestError) -> Response:
         hint = f" ({exc.hint})" if exc.hint else ""
@@ -275,8 +285,9 @@ def serve(
     max_waiting: int = 256,
     executor: str = "auto",
     dist_timeout_s: float = 60.0,
-) -> None:
-    """Serve until SIGINT/SIGTERM. The engine core runs in its own process (runtime/core.py)."""
+) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
+    in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
     import uvicorn
 
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
@@ -285,12 +296,22 @@ def serve(
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
     core, conn = start_core(bundle_path, executor, dist_timeout_s)
-    client = EngineClient(core, conn, Layout.of(record), tokenizer, metrics, max_waiting)
+    server: list[uvicorn.Server] = []
+
+    def shut_down(detail: str) -> None:  # the reader thread: uvicorn polls should_exit
+        print(f"neffkit: the engine failed ({detail}); shutting down", file=sys.stderr, flush=True)
+        if server:
+            server[0].should_exit = True
+
+    layout = Layout.of(record)
+    client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, shut_down)
     try:
         client.start()
         api = create_app(App(bundle, tokenizer, client, metrics, name, api_key))
         config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
+        server.append(uvicorn.Server(config))
         print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)
-        uvicorn.Server(config).run()
+        server[0].run()
     finally:
         client.stop()
+    return 1 if client.failure is not None else 0

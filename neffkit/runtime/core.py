@@ -17,6 +17,7 @@ import itertools
 import multiprocessing
 import os
 import traceback
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np
 from neffkit.errors import RequestError
 from neffkit.runtime.protocol import SamplingParams
 from neffkit.runtime.runner import ModelRunner
-from neffkit.runtime.scheduler import Scheduler, SequenceState
+from neffkit.runtime.scheduler import Scheduler, SequenceState, output_budget
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -46,6 +47,9 @@ class EngineCore:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
         """Queue a request (RequestError if no bucket can serve it); unseeded ones get a seed."""
+        layout = self.scheduler.layout
+        if params.max_tokens is None:  # up to the context limit (check_fits refuses <= 0)
+            params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         seq = SequenceState(next(self._ids), list(prompt_ids), params, seed & 0xFFFFFFFF)
         self.scheduler.add(seq)
@@ -136,7 +140,11 @@ def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: floa
     except BaseException as exc:  # noqa: BLE001 - the server reports it and stops
         from neffkit.errors import NeffkitError
 
-        detail = exc.message if isinstance(exc, NeffkitError) else traceback.format_exc()
+        if isinstance(exc, NeffkitError):
+            detail = exc.message
+        else:  # the whole story goes to the log; the cause goes to the server and its clients
+            traceback.print_exc()
+            detail = f"{type(exc).__name__}: {exc}"
         try:
             conn.send((FAILED, detail))
         except OSError:

@@ -10,6 +10,7 @@ message per engine step and hands each request's events to its callback.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -17,16 +18,24 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from neffkit.errors import BundleError, RequestError
+from neffkit.errors import BundleError, NeffkitError, RequestError
 from neffkit.runtime.core import FAILED, READY, STEP
+from neffkit.runtime.detokenizer import IncrementalDetokenizer
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.protocol import SamplingParams
 from neffkit.runtime.scheduler import Layout, check_fits
 from neffkit.runtime.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 class ServerBusy(RequestError):
     """The waiting queue is full (503)."""
+
+
+class EngineDead(NeffkitError):
+    """The engine core (or one of its ranks) died: requests fail with a 5xx naming the cause, and
+    the server shuts down with a non-zero status so a supervisor restarts it."""
 
 
 @dataclass
@@ -47,11 +56,10 @@ class Stream:
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
-    stop: tuple[str, ...]
     emit: Callable[[Event], None]
+    detok: IncrementalDetokenizer | None  # None: a bundle without a tokenizer (ids only)
     arrived: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
-    sent_text: str = ""
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
@@ -68,8 +76,10 @@ class EngineClient:
         tokenizer: Tokenizer | None,
         metrics: Metrics,
         max_waiting: int = 256,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.core, self.conn = core, conn
+        self.on_failure = on_failure  # called once, from the reader thread, when the core dies
         self.layout = layout  # the bundle's buckets and block counts: requests checked here
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -108,6 +118,11 @@ class EngineClient:
     def healthy(self) -> bool:
         return self._error is None and self.core.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped, once it has."""
+        return self._error
+
     # ------------------------------------------------------------ any thread
 
     def submit(
@@ -116,10 +131,11 @@ class EngineClient:
         params: SamplingParams,
         stop: tuple[str, ...],
         emit: Callable[[Event], None],
+        include_stop: bool = False,
     ) -> Stream:
         """Validate (RequestError → 400), bound the queue (→ 503), send to the core."""
         if self._error is not None:
-            raise RuntimeError(f"the engine stopped: {self._error}")
+            raise EngineDead(f"the engine failed: {self._error}")
         check_fits(self.layout, prompt_ids, params)
         with self._lock:
             queued = sum(1 for s in self._live.values() if s.first_token_at is None)
@@ -128,7 +144,12 @@ class EngineClient:
                     f"server busy: {queued} requests already waiting for KV-cache blocks "
                     f"(limit {self.max_waiting}, --max-waiting)"
                 )
-            stream = Stream(next(self._ids), list(prompt_ids), params, stop, emit)
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, stop, include_stop)
+                if self.tokenizer
+                else None
+            )
+            stream = Stream(next(self._ids), list(prompt_ids), params, emit, detok)
             self._live[stream.rid] = stream
             self.conn.send(("add", stream.rid, stream.prompt_ids, params))
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -151,7 +172,8 @@ class EngineClient:
             try:
                 kind, payload = self.conn.recv()
             except (EOFError, OSError):
-                kind, payload = FAILED, "the engine process exited"
+                self.core.join(timeout=5)
+                kind, payload = FAILED, f"the engine process exited (code {self.core.exitcode})"
             if kind == FAILED:
                 self._fail(str(payload))
                 return
@@ -166,11 +188,15 @@ class EngineClient:
                     self.metrics.observe_stats(*stats)
 
     def _fail(self, detail: str) -> None:
+        """The core is gone: every live request ends with the cause; then the server stops."""
         self._error = detail
+        log.error("neffkit: the engine failed: %s", detail)
         with self._lock:
             streams, self._live = list(self._live.values()), {}
         for stream in streams:
-            stream.emit(Event("", [], finish_reason="error"))
+            stream.emit(Event(detail, [], finish_reason="error"))
+        if self.on_failure is not None:
+            self.on_failure(detail)
 
     def _deliver(self, stream: Stream, new_ids: list[int], finish: str | None) -> None:
         now = time.perf_counter()
@@ -183,18 +209,17 @@ class EngineClient:
             stream.last_token_at = now
             self.metrics.generation_tokens.inc(len(new_ids))
             stream.output_ids += new_ids
-        text = self.tokenizer.decode(stream.output_ids) if self.tokenizer else ""
-        cut = _first_stop(text, stream.stop, len(stream.sent_text))
-        if cut is not None:
-            text, finish = text[:cut], "stop"
-        elif finish is None and text.endswith("\ufffd"):
-            text = stream.sent_text  # a multi-byte character is incomplete: wait for its rest
-        delta = ""
-        if text.startswith(stream.sent_text):  # decoding a longer prefix never rewrites the past
-            delta, stream.sent_text = text[len(stream.sent_text) :], text
+        delta, stopped = "", False
+        if stream.detok is not None:
+            delta = stream.detok.step(new_ids)
+            stopped = stream.detok.stopped
+            if stopped:
+                finish = "stop"
+            elif finish is not None:
+                delta += stream.detok.finish()
         event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids))
         if finish is not None:
-            if cut is not None:
+            if stopped:
                 self.abort(stream, "stop")  # the core has not finished it: free its blocks
             else:
                 with self._lock:
@@ -202,10 +227,3 @@ class EngineClient:
                     self._live.pop(stream.rid, None)
                 self.metrics.finished(finish, now - stream.arrived)
         stream.emit(event)
-
-
-def _first_stop(text: str, stops: tuple[str, ...], searched_upto: int) -> int | None:
-    """Index where the earliest stop string starts (searching only text not yet sent)."""
-    start = max(0, searched_upto - max((len(s) for s in stops), default=0))
-    hits = [i for s in stops if s and (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
