@@ -56,7 +56,10 @@ class Buckets:
 
 @dataclass(frozen=True)
 class Sampling:
-    max_top_k: int = 64
+    # None: sampling draws from the whole vocabulary (OpenAI's and vLLM's top_k semantics); N caps
+    # the candidates at the N most likely tokens for speed (recorded in the bundle; a request
+    # asking for top_k above the cap is refused)
+    max_top_k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,8 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     kv_cache = _kv_cache(data.get("kv_cache", {}), buckets)
     raw_s = _mapping(data.get("sampling", {}), "sampling")
     _no_unknown(raw_s, ("max_top_k",), "sampling")
-    sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
+    cap = raw_s.get("max_top_k")
+    sampling = Sampling(None if cap is None else _positive_int(cap, "sampling.max_top_k"))
     compiler = _compiler(data.get("compiler", {}), "compiler")
     audit = _audit(data.get("audit", {}))
     model_path, model_config = _model_dir(data["model"], base)

@@ -41,6 +41,12 @@ COMMON = dict(
     bos_token_id=None,
 )
 
+# the test checkpoints' chat template (transformers >= 4.43 saves it as chat_template.jinja)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant: {% endif %}"
+)
+
 # kind → (transformers config class, extra config, buckets)
 SMALL = {"prefill": [16], "decode": [4], "context": [64]}  # two graphs: one prefill, one decode
 # decode [1, 4]: rows move into a smaller bucket (runtime tests); context [32, 64]: a bucket switch
@@ -160,6 +166,7 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(DEMO_MODEL / name, out / name)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # unlike neffkit's default one
     return out
 
 

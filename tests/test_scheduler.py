@@ -7,6 +7,7 @@ accounting, aborts and stop conditions are checked without compiling anything.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -192,3 +193,23 @@ def test_unseeded_requests_get_distinct_seeds() -> None:
     core = EngineCore(runner)
     seeds = {core.add_request([1, 2], SamplingParams(max_tokens=1)).seed for _ in range(8)}
     assert len(seeds) > 1
+
+
+def test_unset_max_tokens_runs_up_to_the_context_limit() -> None:
+    engine, _ = llm()
+    (seq,) = engine.generate([list(range(1, 11))], SamplingParams(max_tokens=None, **GREEDY))
+    assert len(seq.output_ids) == 64 - 10 and seq.finish_reason == "length"
+    assert seq.output_ids == oracle(list(range(1, 11)), 54)
+    with pytest.raises(RequestError, match="exceeds the largest context bucket"):
+        engine.generate([[1] * 64], SamplingParams(max_tokens=None))
+
+
+def test_top_k_above_the_bundle_cap_is_refused() -> None:
+    runner, _ = fake_runner()
+    capped = dataclasses.replace(runner.layout, max_top_k=16)
+    check_fits(capped, [1, 2], SamplingParams(top_k=16))
+    check_fits(capped, [1, 2], SamplingParams(top_k=0))  # unset: the cap's candidates
+    with pytest.raises(RequestError) as err:
+        check_fits(capped, [1, 2], SamplingParams(top_k=17))
+    assert err.value.param == "top_k" and "sampling.max_top_k: 16" in err.value.message
+    check_fits(runner.layout, [1, 2], SamplingParams(top_k=10_000))  # no cap: any top_k

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,3 +264,233 @@ def test_tp2_bundle_serves_from_rank0(tp_bundle) -> None:
         assert out.choices[0].text == want
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------- fuzzing
+
+FUZZ_FIELDS = (
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos",
+    "logprobs", "echo", "presence_penalty", "logit_bias",
+)  # fmt: skip
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = (
+        st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)
+        | st.sampled_from(["tiny", "def main(", "\n"])
+    )  # fmt: skip
+    return st.recursive(
+        scalars,
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(FUZZ_FIELDS + ("role", "content", "type", "text")),
+                inner,
+                max_size=3,
+            )
+        ),  # fmt: skip
+        max_leaves=8,
+    )
+
+
+def _bodies():
+    from hypothesis import strategies as st
+
+    token_ids = st.lists(st.integers(min_value=-3, max_value=1100), min_size=0, max_size=5)
+    plausible = st.fixed_dictionaries(
+        {"model": st.just("tiny"), "max_tokens": st.integers(min_value=-1, max_value=3)},
+        optional={
+            "prompt": st.text(max_size=8) | token_ids,
+            "temperature": st.sampled_from([0, 0.5, 1.0]),
+            "stream": st.booleans(),
+            "seed": st.integers(min_value=0, max_value=2**33),
+            "stop": st.sampled_from(["\n", ["a", "b"]]),
+        },
+    )
+    hostile = st.dictionaries(st.sampled_from(FUZZ_FIELDS), _json_values(), max_size=6)
+    return st.tuples(
+        st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        st.one_of(st.builds(lambda a, b: {**a, **b}, plausible, hostile), hostile),
+        st.integers(min_value=0, max_value=30),  # truncate the JSON this often (0 = never)
+    )
+
+
+def test_fuzzed_requests_never_hurt_the_server(server: Server) -> None:
+    """Generated bodies (wrong types, nulls, huge numbers, NaN, truncated JSON): no 5xx, an
+    OpenAI error body on every 4xx, and the engine alive with the same greedy answer after."""
+    from hypothesis import HealthCheck, given, settings
+
+    def greedy() -> str:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+        return httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["text"]
+
+    before = greedy()
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(_bodies())
+    def check(case) -> None:
+        path, body, cut = case
+        raw = json.dumps(body).encode()
+        if cut == 1:
+            raw = raw[: len(raw) // 2]
+        with httpx.stream("POST", server.url + path, content=raw, timeout=60,
+                          headers={"content-type": "application/json"}) as resp:  # fmt: skip
+            resp.read()
+            assert resp.status_code < 500, (body, resp.text)
+            if resp.status_code >= 400:
+                error = resp.json()["error"]
+                assert {"message", "type", "param", "code"} <= set(error), resp.text
+
+    check()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert greedy() == before
+
+
+def test_out_of_vocabulary_ids_get_400_and_the_server_keeps_serving(server: Server) -> None:
+    for prompt in ([1, 99999], [-1, 5]):
+        resp = httpx.post(f"{server.url}/v1/completions",
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 2})  # fmt: skip
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+        assert "outside the vocabulary" in resp.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    out = server.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
+                                             temperature=0)  # fmt: skip
+    assert out.usage.completion_tokens == 3
+
+
+# ---------------------------------------------------------------- a dead engine
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def post() -> None:
+        result.append(httpx.post(f"{url}/v1/completions", json=body, timeout=120))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread, result
+
+
+def _wait_submitted(srv: Server, count: int = 1) -> None:
+    deadline = time.monotonic() + 30
+    while _counter(srv.metrics(), "vllm:prompt_tokens_total") < count:
+        assert time.monotonic() < deadline, "the request never reached the engine client"
+        time.sleep(0.05)
+
+
+def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -> None:
+    """Kill the engine core with a request in flight: that request gets a 500 naming the cause,
+    the server logs it and exits 1 (a supervisor restarts it), and nothing is left running."""
+    srv = Server(serve_bundle, "--served-model-name", "tiny")
+    try:
+        (core,) = _children(srv.proc.pid)
+        os.kill(core, signal.SIGSTOP)  # frozen: the next request is in flight for certain
+        thread, result = _post_in_background(
+            srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8}
+        )
+        _wait_submitted(srv)
+        os.kill(core, signal.SIGKILL)
+        thread.join(timeout=60)
+        resp = result[0]
+        assert resp.status_code == 500, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "engine_error" and "the engine process exited" in error["message"]
+        assert srv.proc.wait(timeout=60) == 1
+        assert "the engine failed" in srv.proc.stderr.read()
+        assert not _alive(core)
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def test_a_dead_follower_rank_stops_the_tp2_server(tp_bundle) -> None:
+    srv = Server(tp_bundle("qwen3").bundle, "--served-model-name", "tiny", "--dist-timeout", "20")
+    try:
+        (core,) = _children(srv.proc.pid)
+        (follower,) = _children(core)
+        os.kill(follower, signal.SIGKILL)
+        thread, result = _post_in_background(
+            srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8}
+        )
+        thread.join(timeout=90)
+        resp = result[0]
+        assert resp.status_code == 500 and "lost contact" in resp.json()["error"]["message"]
+        assert srv.proc.wait(timeout=60) == 1
+        assert not _alive(core) and not _alive(follower)
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def test_stop_strings_cut_the_answer_right_before_them(server: Server) -> None:
+    """Any stop string taken from a greedy completion: the answer is that completion cut right
+    before the stop's first occurrence, plain and streamed alike."""
+    client = server.client()
+    base = dict(model="tiny", prompt="def main(", max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True})  # fmt: skip
+    full = client.completions.create(**base).choices[0].text
+    assert len(full) > 12
+    stops = {full[i : i + n] for i in (1, len(full) // 3, len(full) // 2) for n in (1, 2, 4)}
+    stops |= {full[-3:], "\n\n", "never-in-there"}
+    for stop in sorted(stops):
+        want = full.split(stop, 1)[0]
+        plain = client.completions.create(**base, stop=[stop]).choices[0]
+        streamed = "".join(
+            c.choices[0].text for c in client.completions.create(**base, stop=[stop], stream=True)
+            if c.choices
+        )  # fmt: skip
+        assert plain.text == want == streamed, repr(stop)
+        assert plain.finish_reason == ("stop" if stop in full else "length")
+        kept = (
+            client.completions.create(
+                **{**base, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}},
+                stop=[stop],
+            )
+            .choices[0]
+            .text
+        )
+        assert kept == (want + stop if stop in full else full)
+
+
+def test_chat_renders_the_bundle_chat_template(server: Server, serve_bundle: Path) -> None:
+    """The bundle's chat_template.jinja (not neffkit's default) with the real eos_token; the
+    prompt ids equal HF's apply_chat_template, so the answer equals the completion of them."""
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(serve_bundle / "tokenizer")
+    messages = [{"role": "user", "content": "def main("}]
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("### user: def main(<|endoftext|>")
+    ids = hf(text, add_special_tokens=False).input_ids
+    client = server.client()
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
+                                          temperature=0)  # fmt: skip
+    assert chat.usage.prompt_tokens == len(ids)
+    same = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == same.choices[0].text

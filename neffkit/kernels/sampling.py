@@ -3,7 +3,8 @@
 Randomness comes from a counter-based integer hash of (seed, position, candidate) turned into Gumbel
 noise, so a graph is a pure function of its inputs: same seed → same tokens on every target and
 rank, and nothing stateful is captured by torch.export. Sampling draws from the `max_top_k` most
-likely tokens (a static shape); `top_k <= 0` means all of them. Temperature 0 means greedy (argmax).
+likely tokens (a static shape: the whole vocabulary unless the manifest caps it); `top_k <= 0`
+means all of them. Temperature 0 means greedy (argmax).
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Text ↔ token ids with the `tokenizers` library (no transformers on the serving path)."""
+"""Text ↔ token ids with the `tokenizers` library (no transformers on the serving path).
+
+Encoding is HF's: `AutoTokenizer(text).input_ids` runs the tokenizer's own post-processor, which
+adds BOS where the tokenizer defines it (Llama 3), and so does `encode`. Chat prompts render the
+bundle's chat template (`chat_template.jinja`, else `tokenizer_config.json`'s) with the real
+`bos_token`/`eos_token` and are encoded without special tokens, as `apply_chat_template` does.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from neffkit.errors import BundleError
+from neffkit.errors import BundleError, RequestError
 
 # used when the bundle's tokenizer has no chat template (documented in the README)
 DEFAULT_CHAT_TEMPLATE = (
@@ -17,14 +23,20 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def _token_text(value: Any) -> str:
+    """A special token as tokenizer_config.json spells it: a string, an AddedToken dict, or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
 class Tokenizer:
-    def __init__(self, tokenizer: _HFTokenizer, config: dict) -> None:
+    def __init__(
+        self, tokenizer: _HFTokenizer, config: dict, chat_template: str | None = None
+    ) -> None:
         self._tok = tokenizer
         self.config = config
-        bos = config.get("bos_token")
-        if isinstance(bos, dict):
-            bos = bos.get("content")
-        self.bos_id = tokenizer.token_to_id(bos) if bos and config.get("add_bos_token") else None
+        self.chat_template = chat_template or config.get("chat_template")
         self._template: Any = None  # compiled on first use
 
     @classmethod
@@ -38,26 +50,44 @@ class Tokenizer:
             raise BundleError(f"{file}: cannot load tokenizer: {exc}") from exc
         cfg_file = path / "tokenizer_config.json"
         config = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-        return cls(tok, config)
+        template = path / "chat_template.jinja"  # transformers >= 4.43 saves it beside the config
+        return cls(tok, config, template.read_text() if template.exists() else None)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.bos_id is not None else ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    @property
-    def chat_template(self) -> str | None:
-        return self.config.get("chat_template")
-
     def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The conversation as prompt text: the bundle's chat template, else the default."""
+        """The conversation as prompt text: the bundle's chat template, else the default.
+        A template that refuses the conversation (`raise_exception`) is a RequestError."""
+        import jinja2
+
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-        return self._template.render(
-            messages=messages, add_generation_prompt=True, bos_token="", eos_token=""
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=_token_text(self.config.get("bos_token")),
+                eos_token=_token_text(self.config.get("eos_token")),
+            )
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"the chat template refused the messages: {exc}",
+                               param="messages") from None  # fmt: skip
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _raise_template_error(message: str) -> None:
+    import jinja2
+
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,194 @@
+"""Fuzz a running (or freshly started) `neffkit run` server with generated requests.
+
+Bodies mix plausible values (short prompts, small max_tokens, in- and out-of-vocabulary token ids)
+with hostile ones (wrong types, nulls, huge numbers, NaN, nested junk, truncated JSON), for both
+/v1/completions and /v1/chat/completions, streamed and not. The server must answer every one with
+a status below 500 and an OpenAI error body on every 4xx, keep /health at 200, and give the same
+greedy answer before and after.
+
+    python tools/fuzz_server.py BUNDLE --requests 10000 --seed 0
+
+Prints a JSON summary (status counts, dropped connections, health, greedy answer unchanged) and
+exits 1 if any check failed. The server it starts is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+FIELDS = (
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos",
+    "logprobs", "echo", "presence_penalty", "logit_bias", "user",
+)  # fmt: skip
+
+
+def junk(rng: random.Random, depth: int = 0) -> Any:
+    """Any JSON value, hostile ones included."""
+    kinds = ["null", "bool", "int", "huge", "float", "nan", "str", "list", "dict"]
+    kind = rng.choice(kinds if depth < 2 else kinds[:7])
+    return {
+        "null": lambda: None,
+        "bool": lambda: rng.random() < 0.5,
+        "int": lambda: rng.randint(-5, 40),
+        "huge": lambda: rng.choice([2**63, -(2**63) - 1, 10**30, 2**64, 9223372036854775807]),
+        "float": lambda: rng.choice([0.0, 0.5, 1.0, -1.0, 1e308, 1e-320, 3.5e38]),
+        "nan": lambda: rng.choice([float("nan"), float("inf"), float("-inf")]),
+        "str": lambda: rng.choice(["", "hi", "def main(", "\n\n", "\x00", "é" * 3, "🙂"]),
+        "list": lambda: [junk(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+        "dict": lambda: {
+            rng.choice(FIELDS): junk(rng, depth + 1) for _ in range(rng.randint(0, 2))
+        },
+    }[kind]()
+
+
+def plausible(rng: random.Random, field: str, vocab: int) -> Any:
+    """A value of the right type, sometimes out of range."""
+    if field == "prompt":
+        return rng.choice([
+            "def main(", "", [rng.randrange(vocab) for _ in range(rng.randint(1, 6))],
+            [1, vocab], [-1, 2], [[3, 4, 5]], ["a", "b"],
+        ])  # fmt: skip
+    if field == "messages":
+        return [{"role": "user", "content": rng.choice(["hi", "", None, [{"type": "text",
+                 "text": "hi"}]])}]  # fmt: skip
+    return {
+        "model": lambda: rng.choice(["tiny", "other"]),
+        "max_tokens": lambda: rng.randint(-1, 6),
+        "max_completion_tokens": lambda: rng.randint(0, 6),
+        "temperature": lambda: rng.choice([0, 0.0, 0.7, 2, -0.1]),
+        "top_p": lambda: rng.choice([1, 0.9, 0.0, 1.5]),
+        "top_k": lambda: rng.choice([0, -1, 1, 5, 1000]),
+        "seed": lambda: rng.randint(0, 2**32),
+        "stop": lambda: rng.choice(["\n", ["a", "b"], []]),
+        "stop_token_ids": lambda: [rng.randrange(vocab)],
+        "stream": lambda: rng.random() < 0.5,
+        "stream_options": lambda: {"include_usage": rng.random() < 0.5},
+        "n": lambda: rng.choice([1, 2]),
+        "ignore_eos": lambda: rng.random() < 0.5,
+    }.get(field, lambda: junk(rng))()
+
+
+def request(rng: random.Random, vocab: int) -> tuple[str, bytes]:
+    chat = rng.random() < 0.4
+    body: dict[str, Any] = {"model": "tiny"}
+    body["messages" if chat else "prompt"] = plausible(rng, "messages" if chat else "prompt", vocab)
+    body["max_tokens"] = rng.randint(1, 4)
+    for field in rng.sample(FIELDS, rng.randint(0, 5)):
+        body[field] = plausible(rng, field, vocab) if rng.random() < 0.6 else junk(rng)
+    raw = json.dumps(body).encode()
+    if rng.random() < 0.05:
+        raw = raw[: rng.randint(0, len(raw))]  # truncated JSON
+    elif rng.random() < 0.03:
+        raw = json.dumps(junk(rng)).encode()  # not an object at all
+    return ("/v1/chat/completions" if chat else "/v1/completions"), raw
+
+
+def is_openai_error(resp: Any) -> bool:
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+
+
+def send(client: Any, url: str, path: str, raw: bytes) -> tuple[int | str, bool]:
+    """(status or 'dropped', whether a 4xx carried an OpenAI error body)."""
+    import httpx
+
+    try:
+        with client.stream("POST", url + path, content=raw,
+                           headers={"content-type": "application/json"}) as resp:  # fmt: skip
+            resp.read()
+            ok_body = resp.status_code < 400 or resp.status_code >= 500 or is_openai_error(resp)
+            return resp.status_code, ok_body
+    except httpx.HTTPError:
+        return "dropped", True
+
+
+def greedy(client: Any, url: str) -> str:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+    return client.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+
+
+def fuzz(url: str, vocab: int, requests: int, seed: int) -> dict[str, Any]:
+    import httpx
+
+    rng = random.Random(seed)
+    statuses: Counter[str] = Counter()
+    bad_bodies = 0
+    with httpx.Client(timeout=60) as client:
+        before = greedy(client, url)
+        for _ in range(requests):
+            status, ok_body = send(client, url, *request(rng, vocab))
+            statuses[str(status)] += 1
+            bad_bodies += not ok_body
+        health = client.get(url + "/health").status_code
+        after = greedy(client, url)
+    server_errors = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
+    return {
+        "requests": requests,
+        "seed": seed,
+        "statuses": dict(sorted(statuses.items())),
+        "server_errors": server_errors,
+        "dropped": statuses.get("dropped", 0),
+        "4xx_without_error_body": bad_bodies,
+        "health_after": health,
+        "greedy_unchanged": before == after,
+        "ok": server_errors == 0 and "dropped" not in statuses and bad_bodies == 0
+        and health == 200 and before == after,
+    }  # fmt: skip
+
+
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 120) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the server did not become healthy")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    vocab = json.loads((args.bundle / "bundle.json").read_text())["model"]["vocab_size"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "neffkit", "run", str(args.bundle), "--port", str(port),
+           "--served-model-name", "tiny"]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, server)
+        t0 = time.perf_counter()
+        summary = fuzz(url, vocab, args.requests, args.seed)
+        summary["seconds"] = round(time.perf_counter() - t0, 1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    print(json.dumps(summary, indent=2))
+    sys.exit(0 if summary["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
