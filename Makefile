@@ -23,7 +23,7 @@ demo: setup
 	$(PY) -m neffkit run bundles/demo-llama --prompt "def main(" --max-tokens 48
 
 test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist worksteal --durations=25
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # no bundle builds (no g++): manifest, plan, flags, audit rules, scheduler, protocol, layering
 test-fast: setup

@@ -21,6 +21,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
+# one worker runs this module, so its tests share one server (pytest-xdist --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("server")
+
 # decode buckets up to 8, so 16 concurrent streams exercise batching and queueing
 SERVE_BUCKETS = {"prefill": [16], "decode": [1, 4, 8], "context": [64]}
 
@@ -366,14 +369,16 @@ def test_out_of_vocabulary_ids_get_400_and_the_server_keeps_serving(server: Serv
 # ---------------------------------------------------------------- a dead engine
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, marker: str) -> list[int]:
+    """Child processes of `pid` whose command line contains `marker`."""
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and marker in cmdline:
             kids.append(int(stat.parent.name))
     return kids
 
@@ -409,7 +414,7 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -
     the server logs it and exits 1 (a supervisor restarts it), and nothing is left running."""
     srv = Server(serve_bundle, "--served-model-name", "tiny")
     try:
-        (core,) = _children(srv.proc.pid)
+        (core,) = _children(srv.proc.pid, "spawn_main")  # not the resource tracker
         os.kill(core, signal.SIGSTOP)  # frozen: the next request is in flight for certain
         thread, result = _post_in_background(
             srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8}
@@ -432,8 +437,8 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -
 def test_a_dead_follower_rank_stops_the_tp2_server(tp_bundle) -> None:
     srv = Server(tp_bundle("qwen3").bundle, "--served-model-name", "tiny", "--dist-timeout", "20")
     try:
-        (core,) = _children(srv.proc.pid)
-        (follower,) = _children(core)
+        (core,) = _children(srv.proc.pid, "spawn_main")
+        (follower,) = _children(core, "neffkit.runtime.follower")
         os.kill(follower, signal.SIGKILL)
         thread, result = _post_in_background(
             srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8}
