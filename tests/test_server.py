@@ -68,9 +68,12 @@ class Server:
 def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
     from tests.conftest import build_session_bundle
 
+    # the llama bundle's KV cache size, so its prefill and decode graphs are the same graphs
+    # (cache hits): only decode_b8 is compiled for the server
     return build_session_bundle(
-        session_dir, hf_model_dir("llama"), "llama_serve", buckets=SERVE_BUCKETS
-    ).bundle
+        session_dir, hf_model_dir("llama"), "llama_serve", buckets=SERVE_BUCKETS,
+        kv_cache={"block_size": 16, "num_blocks": 17},
+    ).bundle  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -499,3 +502,27 @@ def test_chat_renders_the_bundle_chat_template(server: Server, serve_bundle: Pat
     assert chat.usage.prompt_tokens == len(ids)
     same = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
     assert chat.choices[0].message.content == same.choices[0].text
+
+
+def test_a_list_of_prompts_and_n_choices(server: Server) -> None:
+    client = server.client()
+    prompts = ["def main(", [5, 6, 7]]
+    each = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0)
+        .choices[0].text
+        for p in prompts
+    ]  # fmt: skip
+    both = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == each
+    assert both.usage.completion_tokens == 10
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=5,
+                                           temperature=0, stream=True):  # fmt: skip
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[0], streamed[1]] == each
+    sampled = dict(model="tiny", prompt="def main(", max_tokens=8, temperature=1.5, n=3, seed=11)
+    out, again = client.completions.create(**sampled), client.completions.create(**sampled)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]  # seeded
+    assert len({c.text for c in out.choices}) > 1  # distinct seeds per sample
+    assert out.usage.completion_tokens == 24

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -62,90 +63,124 @@ class App:
         self.created = int(time.time())
         self.digest = bundle.digest
 
-    def prompt_ids(self, request: ApiRequest) -> list[int]:
-        """The request's prompt as token ids: encoded text, given ids, or the chat template."""
+    def prompt_ids(self, request: ApiRequest) -> list[list[int]]:
+        """Each prompt as token ids: encoded text, given ids, or the rendered chat template."""
         field = "messages" if request.messages is not None else "prompt"
-        if isinstance(request.prompt, list):
-            return request.prompt
+        if all(isinstance(p, list) for p in request.prompts) and request.messages is None:
+            return [list(p) for p in request.prompts]  # type: ignore[arg-type]
         if self.tokenizer is None:
             raise RequestError(
                 f"this bundle has no tokenizer: send {field} as token ids", param=field
             )
         if request.messages is not None:
-            return self.tokenizer.encode_chat(request.messages)
-        return self.tokenizer.encode(request.prompt or "")
+            return [self.tokenizer.encode_chat(request.messages)]
+        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts]
 
     # ------------------------------------------------------------ running
 
-    def submit(self, parsed: ApiRequest) -> tuple[Stream, asyncio.Queue[Event]]:
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+    def submit(self, parsed: ApiRequest) -> Choices:
+        """Every choice (prompt × n) to the engine, on one queue of (index, event); if one is
+        refused, the ones already sent are aborted."""
+        prompts = self.prompt_ids(parsed)
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        stream = self.loop.submit(
-            self.prompt_ids(parsed),
-            parsed.params,
-            parsed.stop,
-            lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
-            parsed.include_stop,
-        )
-        return stream, queue
+        choices = Choices(queue, sum(map(len, prompts)))
+        try:
+            for i, ids in enumerate(prompts):
+                for j in range(parsed.n):
+                    index = i * parsed.n + j
+                    params = parsed.params  # distinct seeds for the n samples of one prompt
+                    if j and params.seed is not None:
+                        params = replace(params, seed=params.seed + j)
+                    elif j:
+                        params = replace(params, seed=None)
 
-    async def collect(self, request: Request, stream: Stream, queue: asyncio.Queue[Event]) -> Event:
-        """Wait for the whole output; abort if the client disconnects meanwhile."""
-        text, ids = [], []
-        while True:
+                    def emit(event: Event, index: int = index) -> None:
+                        loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+                    choices.streams.append(
+                        self.loop.submit(ids, params, parsed.stop, emit, parsed.include_stop)
+                    )
+        except Exception:
+            choices.abort(self.loop)
+            raise
+        return choices
+
+    async def collect(self, request: Request, choices: Choices) -> list[Event]:
+        """Wait for every choice's whole output; abort all if the client disconnects."""
+        texts: list[list[str]] = [[] for _ in choices.streams]
+        done: dict[int, Event] = {}
+        while len(done) < len(choices.streams):
             try:
-                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                index, event = await asyncio.wait_for(choices.queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():
-                    self.loop.abort(stream)
+                    choices.abort(self.loop)
                     raise
                 continue
             if event.finish_reason == "error":
                 raise EngineDead(f"the engine failed: {event.text}")
-            text.append(event.text)
-            ids += event.token_ids
+            texts[index].append(event.text)
             if event.finish_reason is not None:
-                return Event("".join(text), ids, event.finish_reason, event.prompt_tokens,
-                             event.completion_tokens)  # fmt: skip
+                done[index] = replace(event, text="".join(texts[index]))
+        return [done[i] for i in range(len(choices.streams))]
 
     async def respond(self, request: Request, parsed: ApiRequest, shape: Chunks) -> Response:
         """Submit, then stream (SSE) or wait for the whole answer."""
-        stream, queue = self.submit(parsed)
+        choices = self.submit(parsed)
         if parsed.stream:
-            usage = shape.usage if parsed.include_usage else None
             return StreamingResponse(
-                self.sse(stream, queue, shape, usage), media_type="text/event-stream"
+                self.sse(choices, shape, parsed.include_usage), media_type="text/event-stream"
             )
-        return JSONResponse(shape.whole(await self.collect(request, stream, queue)))
+        events = await self.collect(request, choices)
+        return JSONResponse(shape.whole(events, choices.usage(events)))
 
-    async def sse(
-        self, stream: Stream, queue: asyncio.Queue[Event], shape: Chunks,
-        usage_chunk: Callable[[Event], dict] | None,
-    ) -> AsyncIterator[str]:  # fmt: skip
+    async def sse(self, choices: Choices, shape: Chunks, include_usage: bool) -> AsyncIterator[str]:
         """`data: {json}` per event, then usage (if asked), then `data: [DONE]`."""
-        finished = False
+        finished: dict[int, Event] = {}
         try:
-            first = shape.first()
-            if first:
-                yield f"data: {json.dumps(first)}\n\n"
-            while True:
-                event = await queue.get()
+            for index in range(len(choices.streams)):
+                first = shape.first(index)
+                if first:
+                    yield f"data: {json.dumps(first)}\n\n"
+            while len(finished) < len(choices.streams):
+                index, event = await choices.queue.get()
                 if event.finish_reason == "error":
                     error = {"message": f"the engine failed: {event.text}",
                              "type": "engine_error", "param": None, "code": 500}  # fmt: skip
                     yield f"data: {json.dumps({'error': error})}\n\n"
-                    finished = True
                     return
-                yield f"data: {json.dumps(shape.chunk(event))}\n\n"
+                yield f"data: {json.dumps(shape.chunk(index, event))}\n\n"
                 if event.finish_reason is not None:
-                    finished = True
-                    if usage_chunk is not None:
-                        yield f"data: {json.dumps(usage_chunk(event))}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
+                    finished[index] = event
+            if include_usage:
+                events = [finished[i] for i in range(len(choices.streams))]
+                yield f"data: {json.dumps(shape.usage(choices.usage(events)))}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # client gone (cancelled) or server stopping: free its KV blocks
-                self.loop.abort(stream)
+            if len(finished) < len(choices.streams):  # client gone or server stopping
+                choices.abort(self.loop)
+
+
+@dataclass
+class Choices:
+    """The engine streams of one request's choices, and the queue their events arrive on."""
+
+    queue: asyncio.Queue[tuple[int, Event]]
+    prompt_tokens: int  # each prompt counted once, whatever n
+    streams: list[Stream] = field(default_factory=list)
+
+    def abort(self, client: EngineClient) -> None:
+        for stream in self.streams:
+            client.abort(stream)
+
+    def usage(self, events: list[Event]) -> dict[str, int]:
+        completion = sum(e.completion_tokens for e in events)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
 
 
 class CompletionChunks:
@@ -155,20 +190,21 @@ class CompletionChunks:
         self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                      "created": int(time.time()), "model": model}  # fmt: skip
 
-    def _choice(self, e: Event) -> JsonObject:
-        return {"index": 0, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
+    def _choice(self, index: int, e: Event) -> JsonObject:
+        return {"index": index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
 
-    def first(self) -> JsonObject:
+    def first(self, index: int) -> JsonObject:
         return {}
 
-    def chunk(self, e: Event) -> JsonObject:
-        return {**self.base, "choices": [self._choice(e)]}
+    def chunk(self, index: int, e: Event) -> JsonObject:
+        return {**self.base, "choices": [self._choice(index, e)]}
 
-    def usage(self, e: Event) -> JsonObject:
-        return {**self.base, "choices": [], "usage": _usage(e)}
+    def usage(self, usage: dict[str, int]) -> JsonObject:
+        return {**self.base, "choices": [], "usage": usage}
 
-    def whole(self, e: Event) -> JsonObject:
-        return {**self.base, "choices": [self._choice(e)], "usage": _usage(e)}
+    def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
+        choices = [self._choice(i, e) for i, e in enumerate(events)]
+        return {**self.base, "choices": choices, "usage": usage}
 
 
 class ChatChunks:
@@ -178,34 +214,29 @@ class ChatChunks:
         self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                      "model": model}  # fmt: skip
 
-    def _delta(self, delta: dict[str, str], finish: str | None) -> JsonObject:
+    def _delta(self, index: int, delta: dict[str, str], finish: str | None) -> JsonObject:
         return {**self.base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}  # fmt: skip
 
-    def first(self) -> JsonObject:
-        return self._delta({"role": "assistant", "content": ""}, None)
+    def first(self, index: int) -> JsonObject:
+        return self._delta(index, {"role": "assistant", "content": ""}, None)
 
-    def chunk(self, e: Event) -> JsonObject:
-        return self._delta({"content": e.text} if e.text else {}, e.finish_reason)
+    def chunk(self, index: int, e: Event) -> JsonObject:
+        return self._delta(index, {"content": e.text} if e.text else {}, e.finish_reason)
 
-    def usage(self, e: Event) -> JsonObject:
-        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": _usage(e)}
+    def usage(self, usage: dict[str, int]) -> JsonObject:
+        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
-    def whole(self, e: Event) -> JsonObject:
-        message = {"role": "assistant", "content": e.text}
-        choice = {"index": 0, "message": message, "finish_reason": e.finish_reason}
-        return {**self.base, "object": "chat.completion", "choices": [choice], "usage": _usage(e)}
+    def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": e.text},
+             "finish_reason": e.finish_reason}
+            for i, e in enumerate(events)
+        ]  # fmt: skip
+        return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}
 
 
 Chunks = CompletionChunks | ChatChunks
-
-
-def _usage(event: Event) -> dict[str, int]:
-    return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
-    }
 
 
 def create_app(app_state: App) -> FastAPI:

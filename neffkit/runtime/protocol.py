@@ -27,6 +27,7 @@ OFFLINE_MAX_TOKENS = 32
 OFFLINE_TEMPERATURE = 0.0
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_CHOICES = 64  # prompts × n in one request (each holds its own KV blocks)
 FLOAT32_MAX = 3.4028234663852886e38  # the graphs read sampling values as float32
 # OpenAI/vLLM request fields this server does not implement (yet): a request that sets one to
 # anything but its no-op value gets a 400 naming it, never a silently different answer.
@@ -93,13 +94,14 @@ OFFLINE = SamplingParams(max_tokens=OFFLINE_MAX_TOKENS, temperature=OFFLINE_TEMP
 class ApiRequest:
     """A parsed /v1/completions or /v1/chat/completions body (the prompt not yet encoded)."""
 
-    prompt: str | list[int] | None  # completions: text or token ids
+    prompts: list[str | list[int]]  # completions: one or more prompts, text or token ids
     messages: list[dict[str, str]] | None  # chat: role/content pairs, content flattened
     params: SamplingParams
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     include_stop: bool = False  # vLLM's include_stop_str_in_output
+    n: int = 1  # choices per prompt (distinct seeds)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -152,8 +154,6 @@ def check_model(body: dict[str, Any], served: str) -> None:
 def _sampling(
     body: dict[str, Any], max_tokens_field: str, default_max_tokens: int | None
 ) -> SamplingParams:
-    if _get(body, "n", (int,), 1) != 1:
-        raise RequestError("only n=1 is supported", param="n")
     check_unsupported(body)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     try:
@@ -199,18 +199,42 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
+def _is_prompt(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and bool(value) and all(map(_is_int, value))
+    )
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of either (one choice per prompt)."""
+    prompt = body.get("prompt")
+    if _is_prompt(prompt) or prompt == []:
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(map(_is_prompt, prompt)):
+        return list(prompt)
+    raise RequestError(
+        "prompt must be a string, a list of token ids, or a list of strings or token-id lists",
+        param="prompt",
+    )
+
+
+def _n(body: dict[str, Any], prompts: int) -> int:
+    n = _get(body, "n", (int,), 1)
+    if n < 1 or n * prompts > MAX_CHOICES:
+        raise RequestError(
+            f"n must be at least 1, with at most {MAX_CHOICES} choices per request "
+            f"({prompts} prompt(s) × n = {n * prompts})",
+            param="n",
+        )
+    return n
+
+
 def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
     check_model(body, served)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, str) or isinstance(prompt, list) and all(map(_is_int, prompt))):
-        raise RequestError(
-            "prompt must be a string or a list of token ids (one prompt per request)",
-            param="prompt",
-        )
+    prompts = _prompts(body)
     params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS)
-    return ApiRequest(prompt, None, params, _stop(body), *_stream_flags(body), _include_stop(body))
+    return ApiRequest(prompts, None, params, _stop(body), *_stream_flags(body),
+                      _include_stop(body), _n(body, len(prompts)))  # fmt: skip
 
 
 def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
@@ -238,4 +262,5 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
         flat.append({"role": m["role"], "content": content})
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     params = _sampling(body, field, None)  # chat: up to the context limit, as vLLM
-    return ApiRequest(None, flat, params, _stop(body), *_stream_flags(body), _include_stop(body))
+    return ApiRequest([], flat, params, _stop(body), *_stream_flags(body),
+                      _include_stop(body), _n(body, 1))  # fmt: skip
