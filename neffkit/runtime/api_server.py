@@ -65,12 +65,12 @@ class App:
 
     def prompt_ids(self, request: ApiRequest) -> list[list[int]]:
         """Each prompt as token ids: encoded text, given ids, or the rendered chat template."""
-        field = "messages" if request.messages is not None else "prompt"
+        param = "messages" if request.messages is not None else "prompt"
         if all(isinstance(p, list) for p in request.prompts) and request.messages is None:
             return [list(p) for p in request.prompts]  # type: ignore[arg-type]
         if self.tokenizer is None:
             raise RequestError(
-                f"this bundle has no tokenizer: send {field} as token ids", param=field
+                f"this bundle has no tokenizer: send {param} as token ids", param=param
             )
         if request.messages is not None:
             return [self.tokenizer.encode_chat(request.messages)]

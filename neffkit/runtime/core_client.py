@@ -162,7 +162,10 @@ class EngineClient:
                 return
             stream.done = True
             self._live.pop(stream.rid, None)
-            self.conn.send(("abort", stream.rid, reason))
+            try:
+                self.conn.send(("abort", stream.rid, reason))
+            except OSError:  # the core is gone: nothing holds the request's blocks any more
+                pass
         self.metrics.finished(reason, time.perf_counter() - stream.arrived)
 
     # ------------------------------------------------------------ reader thread
