@@ -90,10 +90,8 @@ class App:
                 for j in range(parsed.n):
                     index = i * parsed.n + j
                     params = parsed.params  # distinct seeds for the n samples of one prompt
-                    if j and params.seed is not None:
-                        params = replace(params, seed=params.seed + j)
-                    elif j:
-                        params = replace(params, seed=None)
+                    if j and params.seed is not None:  # (unseeded ones each get their own)
+                        params = replace(params, seed=(params.seed + j) % 2**63)
 
                     def emit(event: Event, index: int = index) -> None:
                         loop.call_soon_threadsafe(queue.put_nowait, (index, event))
