@@ -253,7 +253,7 @@ class LayoutRecord(Record):
     block_size: int
     num_blocks: int
     buckets: BucketLists
-    max_top_k: int | None  # the sampling candidates' cap; None: the whole vocabulary
+    max_top_k: int  # candidates of top-k / top-p sampling (requests above it are refused)
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:

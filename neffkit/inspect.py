@@ -320,9 +320,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         (
             "sampling",
-            "whole vocabulary"
-            if lay.get("max_top_k") is None
-            else f"the {lay['max_top_k']} most likely tokens (sampling.max_top_k)",
+            f"whole vocabulary; top-k/top-p among the {lay['max_top_k']} most likely tokens",
         ),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
         ("total", _mib(summary["total_bytes"])),

@@ -56,10 +56,10 @@ class Buckets:
 
 @dataclass(frozen=True)
 class Sampling:
-    # None: sampling draws from the whole vocabulary (OpenAI's and vLLM's top_k semantics); N caps
-    # the candidates at the N most likely tokens for speed (recorded in the bundle; a request
-    # asking for top_k above the cap is refused)
-    max_top_k: int | None = None
+    # top-k / top-p choose among the N most likely tokens (a static shape: a sort of the whole
+    # vocabulary costs milliseconds per row); a request asking for top_k above N is refused.
+    # Requests with neither sample the whole vocabulary, whatever N.
+    max_top_k: int = 64
 
 
 @dataclass(frozen=True)
@@ -303,8 +303,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     kv_cache = _kv_cache(data.get("kv_cache", {}), buckets)
     raw_s = _mapping(data.get("sampling", {}), "sampling")
     _no_unknown(raw_s, ("max_top_k",), "sampling")
-    cap = raw_s.get("max_top_k")
-    sampling = Sampling(None if cap is None else _positive_int(cap, "sampling.max_top_k"))
+    sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
     compiler = _compiler(data.get("compiler", {}), "compiler")
     audit = _audit(data.get("audit", {}))
     model_path, model_config = _model_dir(data["model"], base)

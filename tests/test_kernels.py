@@ -106,12 +106,18 @@ def _expected(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"),
-    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (2.0, 6, 0.9)],
+    ("temperature", "top_k", "top_p", "candidates"),
+    [
+        (1.0, 0, 1.0, 4),  # no top-k/top-p: the whole vocabulary, whatever the candidates
+        (0.7, 0, 1.0, 12),
+        (1.3, 5, 1.0, 12),
+        (1.0, 0, 0.8, 12),
+        (2.0, 6, 0.9, 8),
+    ],
 )
-def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p) -> None:
-    """Chi-square goodness of fit over 40000 draws (one row per seed) of a 12-token vocabulary,
-    sampled from the whole vocabulary (max_top_k = vocab): p-value above 1e-4."""
+def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p, candidates):
+    """Chi-square goodness of fit over 40000 draws (one row per seed) of a 12-token vocabulary:
+    p-value above 1e-4."""
     draws = 40000
     logits = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -1.5, -2.0, -3.0])
     out = sample(
@@ -121,7 +127,7 @@ def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p) -
         torch.full((draws,), top_p),
         torch.arange(draws),  # one seed per draw
         torch.full((draws,), 17),
-        max_top_k=logits.numel(),
+        max_top_k=candidates,
     )
     observed = torch.bincount(out, minlength=logits.numel()).double()
     expected = _expected(logits, temperature, top_k, top_p) * draws

@@ -37,7 +37,7 @@ class ModelLayout:
     weights: tuple[TensorSpec, ...]
     block_size: int
     num_blocks: int
-    max_top_k: int | None  # None: the whole vocabulary
+    max_top_k: int  # candidates of top-k / top-p sampling
     device: str = "cpu"
     par: Parallelism = Parallelism()
     gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)

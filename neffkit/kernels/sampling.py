@@ -2,9 +2,13 @@
 
 Randomness comes from a counter-based integer hash of (seed, position, candidate) turned into Gumbel
 noise, so a graph is a pure function of its inputs: same seed → same tokens on every target and
-rank, and nothing stateful is captured by torch.export. Sampling draws from the `max_top_k` most
-likely tokens (a static shape: the whole vocabulary unless the manifest caps it); `top_k <= 0`
-means all of them. Temperature 0 means greedy (argmax).
+rank, and nothing stateful is captured by torch.export. Temperature 0 means greedy (argmax).
+
+A row with neither top-k nor top-p (`top_k <= 0`, `top_p >= 1`) samples the whole vocabulary
+exactly, by inverse CDF with one uniform per row: O(vocab), no sort (a full-vocabulary sort costs
+2.2 ms per row at a 32k vocabulary on this CPU, 10 ms at 128k). Rows with top-k or top-p choose
+among the `max_top_k` most likely tokens (a static shape; the manifest's cap, and a request asking
+for a larger top_k is refused before it reaches the graph).
 """
 
 from __future__ import annotations
@@ -63,4 +67,23 @@ def sample(
     gumbel = -torch.log(-torch.log(uniform_noise(seed, positions, width)))
     choice = torch.argmax(scaled + gumbel, dim=-1, keepdim=True)  # [B, 1]
     sampled = cand_ids.gather(1, choice).squeeze(1)
-    return torch.where(temperature > 0, sampled, greedy)
+    whole = _sample_whole_vocabulary(logits, temperature, seed, positions)
+    truncated = (top_k > 0) | (top_p < 1)
+    return torch.where(temperature > 0, torch.where(truncated, sampled, whole), greedy)
+
+
+def _sample_whole_vocabulary(
+    logits: torch.Tensor,  # [B, V] float32
+    temperature: torch.Tensor,  # [B]
+    seed: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [B]
+) -> torch.Tensor:  # [B] int64
+    """softmax(logits / T) sampled by inverse CDF: the first token whose cumulative mass reaches
+    u · total (any fixed token order is a valid CDF, so no sort)."""
+    probs = torch.softmax(logits / temperature.clamp(min=1e-5).unsqueeze(1), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
+    # [B, 1]; an offset position, so not the noise of any candidate lane (a scalar XOR on the
+    # seed would do the same, but torch-mlir has no lowering for `bitwise_xor.Scalar`)
+    u = uniform_noise(seed, positions + (1 << 30), 1)
+    index = (cdf < u * cdf[:, -1:]).sum(dim=-1)
+    return index.clamp(max=logits.shape[-1] - 1)

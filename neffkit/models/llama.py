@@ -82,7 +82,7 @@ class DecoderGraph(torch.nn.Module):
         shape: GraphShape,
         weight_names: list[str],
         num_meta: int,
-        max_top_k: int | None,
+        max_top_k: int,
         par: Parallelism | None = None,
         gemv_max_rows: int = 0,
     ) -> None:
@@ -154,8 +154,7 @@ class DecoderGraph(torch.nn.Module):
         h_last = rms_norm(h_last, w["model.norm.weight"], cfg.rms_norm_eps)
         head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         logits = self._project(h_last, head)  # [B, vocab]
-        width = self.max_top_k or cfg.vocab_size  # candidates: the cap, else the whole vocab
-        return sample(logits, temperature, top_k, top_p, seed, last_pos, width)
+        return sample(logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k)
 
     def _attention(self, x, w, p, cos, sin, k_cache, v_cache, slots, block_tables, mask):
         cfg = self.cfg

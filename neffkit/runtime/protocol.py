@@ -21,7 +21,7 @@ from neffkit.errors import RequestError
 DEFAULT_MAX_TOKENS = 16  # /v1/completions; chat leaves it unset: up to the context limit
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
-DEFAULT_TOP_K = 0  # <= 0 (or -1): the whole vocabulary, or the bundle's max_top_k cap
+DEFAULT_TOP_K = 0  # <= 0 (or -1): no top-k; with top_p 1, the whole vocabulary
 # `neffkit run --prompt` is a check a person reads: greedy (reproducible) and a little longer
 OFFLINE_MAX_TOKENS = 32
 OFFLINE_TEMPERATURE = 0.0

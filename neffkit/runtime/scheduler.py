@@ -34,7 +34,7 @@ class Layout:
     context_buckets: tuple[int, ...]  # tokens attended; the largest is max_model_len
     eos_token_ids: tuple[int, ...]
     vocab_size: int  # prompt token ids must lie in [0, vocab_size)
-    max_top_k: int | None = None  # the bundle's cap on sampling candidates (None: no cap)
+    max_top_k: int | None = None  # the bundle's candidates for top-k / top-p (None: no limit)
 
     @classmethod
     def of(cls, record: BundleRecord) -> Layout:
@@ -148,8 +148,9 @@ def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) ->
     cap = layout.max_top_k
     if cap is not None and params.top_k > cap:
         raise RequestError(
-            f"top_k {params.top_k} exceeds this bundle's sampling cap (sampling.max_top_k: {cap})",
-            hint="ask for top_k <= the cap, or build without sampling.max_top_k",
+            f"top_k {params.top_k} exceeds this bundle's sampling candidates "
+            f"(sampling.max_top_k: {cap})",
+            hint="ask for top_k <= that, or build with a larger sampling.max_top_k",
             param="top_k",
         )
     budget = output_budget(layout, len(prompt_ids), params)
