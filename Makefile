@@ -5,7 +5,7 @@ PY := .venv/bin/python
 TEST_WORKERS ?= 2
 VENV_STAMP := .venv/.neffkit-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench lm-eval clean
 
 setup: $(VENV_STAMP)
 
@@ -32,6 +32,12 @@ test-fast: setup
 lint: setup
 	.venv/bin/ruff check neffkit tests bench tools
 	.venv/bin/ruff format --check neffkit tests bench tools
+
+# lm-eval (its own venv: its pins are not neffkit's) through `neffkit run`, checked against HF
+lm-eval: setup
+	test -x .venv-lmeval/bin/lm_eval || (python3 -m venv .venv-lmeval && \
+		.venv-lmeval/bin/pip install -q 'lm-eval[api]==0.4.13' transformers)
+	$(PY) bench/lm_eval.py
 
 bench: setup
 	$(PY) -m pip install -q -e '.[dev,lower,bench]'

@@ -161,6 +161,15 @@ def tp(d: dict[str, Any]) -> str:
     )
 
 
+def lm_eval(d: dict[str, Any]) -> str:
+    return (
+        f"**lm-eval through the server** (`bench/lm_eval.py`, lm-eval {d['lm_eval_version']}): "
+        f"`{d['task']}`, {d['documents']} documents, acc {d['acc_through_server']:.2f} through "
+        f"`neffkit run` and {d['acc_hf_oracle']:.2f} from HF's forward on the same token ids; "
+        f"largest loglikelihood difference {d['max_loglikelihood_difference']:.1e}."
+    )
+
+
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("decode", decode),
     ("serve", serve),
@@ -170,6 +179,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("matrix", matrix),
     ("build", build),
     ("tp", tp),
+    ("lm_eval", lm_eval),
 ]
 
 

@@ -154,6 +154,7 @@ class VerifyRecord(Record):
     tolerance: float | None = None
     executor: str | None = None
     skipped: str | None = None
+    max_logprob_error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,9 @@ class LayoutRecord(Record):
     num_blocks: int
     buckets: BucketLists
     max_top_k: int  # candidates of top-k / top-p sampling (requests above it are refused)
+    # logprobs the graphs return per sampled token (0: a bundle from before logprobs)
+    max_logprobs: int = 0
+    prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs (echo)
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:

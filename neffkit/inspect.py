@@ -320,7 +320,9 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         (
             "sampling",
-            f"whole vocabulary; top-k/top-p among the {lay['max_top_k']} most likely tokens",
+            f"whole vocabulary; top-k/top-p among the {lay['max_top_k']} most likely tokens; "
+            f"logprobs up to {lay.get('max_logprobs', 0)}"
+            + (", prompt logprobs" if lay.get("prompt_logprobs") else ""),
         ),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
         ("total", _mib(summary["total_bytes"])),

@@ -60,6 +60,12 @@ class Sampling:
     # vocabulary costs milliseconds per row); a request asking for top_k above N is refused.
     # Requests with neither sample the whole vocabulary, whatever N.
     max_top_k: int = 64
+    # logprobs: the sampled token's and up to N alternatives' (OpenAI `logprobs`/`top_logprobs`)
+    max_logprobs: int = 5
+    # prefill graphs also return every prompt token's logprobs (echo + logprobs, lm-eval's
+    # loglikelihood). Off by default, as TensorRT-LLM's gather_context_logits: it runs the LM
+    # head on every prompt position, not only the last.
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -301,9 +307,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     parallel = _parallel(data.get("parallel", {}))
     buckets = _buckets(data["buckets"])
     kv_cache = _kv_cache(data.get("kv_cache", {}), buckets)
-    raw_s = _mapping(data.get("sampling", {}), "sampling")
-    _no_unknown(raw_s, ("max_top_k",), "sampling")
-    sampling = Sampling(max_top_k=_positive_int(raw_s.get("max_top_k", 64), "sampling.max_top_k"))
+    sampling = _sampling(data.get("sampling", {}))
     compiler = _compiler(data.get("compiler", {}), "compiler")
     audit = _audit(data.get("audit", {}))
     model_path, model_config = _model_dir(data["model"], base)
@@ -311,6 +315,11 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
     except ModelError as exc:  # models/ knows the layout, the manifest knows where it was set
         raise ManifestError(f"{exc.field or 'parallel'}: {exc.message}", exc.hint) from exc
+    if sampling.max_logprobs > model_config.vocab_size:
+        raise ManifestError(
+            f"sampling.max_logprobs: {sampling.max_logprobs} exceeds the vocabulary "
+            f"({model_config.vocab_size} tokens)"
+        )
     return Manifest(
         name=display_name,
         model=model_path,
@@ -343,11 +352,7 @@ def _neuron(data: dict[str, Any], target: str) -> NeuronOptions | None:
 def _parallel(value: Any) -> Parallel:
     raw = _mapping(value, "parallel")
     _no_unknown(raw, ("tp", "ep", "per_rank_artifacts"), "parallel")
-    per_rank = raw.get("per_rank_artifacts", False)
-    if not isinstance(per_rank, bool):
-        raise ManifestError(
-            f"parallel.per_rank_artifacts: expected true or false, got {_describe(per_rank)}"
-        )
+    per_rank = _flag(raw.get("per_rank_artifacts", False), "parallel.per_rank_artifacts")
     parallel = Parallel(
         tp=_positive_int(raw.get("tp", 1), "parallel.tp"),
         ep=_positive_int(raw.get("ep", 1), "parallel.ep"),
@@ -356,6 +361,22 @@ def _parallel(value: Any) -> Parallel:
     if parallel.tp % parallel.ep:
         raise ManifestError(f"parallel.ep: {parallel.ep} must divide parallel.tp ({parallel.tp})")
     return parallel
+
+
+def _flag(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise ManifestError(f"{path}: expected true or false, got {_describe(value)}")
+    return value
+
+
+def _sampling(value: Any) -> Sampling:
+    raw = _mapping(value, "sampling")
+    _no_unknown(raw, ("max_top_k", "max_logprobs", "prompt_logprobs"), "sampling")
+    return Sampling(
+        max_top_k=_positive_int(raw.get("max_top_k", 64), "sampling.max_top_k"),
+        max_logprobs=_positive_int(raw.get("max_logprobs", 5), "sampling.max_logprobs"),
+        prompt_logprobs=_flag(raw.get("prompt_logprobs", False), "sampling.prompt_logprobs"),
+    )
 
 
 def _buckets(value: Any) -> Buckets:

@@ -57,7 +57,7 @@ class PagedSumModel:
     def __post_init__(self) -> None:
         self.cache = np.zeros(self.layout.num_blocks * self.layout.block_size, dtype=np.int64)
 
-    def run(self, name: str, specs: tuple, arrays: list[np.ndarray]) -> np.ndarray:
+    def run(self, name: str, specs: tuple, arrays: list[np.ndarray]) -> list[np.ndarray]:
         meta = {spec[0]: a.copy() for spec, a in zip(specs, arrays, strict=True)}
         self.calls.append((name, meta))
         bs = self.layout.block_size
@@ -71,7 +71,7 @@ class PagedSumModel:
             total = self.cache[table[positions // bs] * bs + positions % bs].sum()
             seed = meta["seed"][row] if meta["temperature"][row] > 0 else 0
             out[row] = (total + seed) % VOCAB
-        return out
+        return [out]
 
     def graph(self, phase: str, rows: int, tokens: int, context: int) -> GraphEntry:
         specs = _specs(phase, rows, tokens, context, self.layout.block_size)

@@ -7,7 +7,7 @@ import torch
 
 from neffkit.kernels.attention import context_mask, paged_attention
 from neffkit.kernels.kv import gather_context, write_kv
-from neffkit.kernels.sampling import sample
+from neffkit.kernels.sampling import sample, target_logprobs
 
 
 def test_padding_slot_writes_to_null_block():
@@ -58,7 +58,8 @@ def _sample(logits, temperature, top_k=0, top_p=1.0, seed=0, pos=0):
         torch.full((rows,), seed),
         torch.full((rows,), pos),
         max_top_k=8,
-    )
+        num_logprobs=3,
+    ).next_tokens
 
 
 def test_sampling_greedy_seeded_and_top_k():
@@ -87,7 +88,8 @@ def test_sampling_top_p_keeps_only_the_head():
         seeds,
         torch.zeros(200, dtype=torch.long),
         max_top_k=4,
-    )
+        num_logprobs=2,
+    ).next_tokens
     assert set(out.tolist()) == {0, 1}  # p(0)+p(1) ≈ 0.97 > 0.9, lane 2 is cut
 
 
@@ -128,7 +130,8 @@ def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p, c
         torch.arange(draws),  # one seed per draw
         torch.full((draws,), 17),
         max_top_k=candidates,
-    )
+        num_logprobs=1,
+    ).next_tokens
     observed = torch.bincount(out, minlength=logits.numel()).double()
     expected = _expected(logits, temperature, top_k, top_p) * draws
     assert (observed[expected == 0] == 0).all()  # nothing outside top-k / top-p
@@ -137,3 +140,34 @@ def test_sampled_frequencies_match_the_distribution(temperature, top_k, top_p, c
     dof = int(kept.sum()) - 1
     p_value = torch.special.gammaincc(torch.tensor(dof / 2), chi2 / 2).item()
     assert p_value > 1e-4, (chi2.item(), dof, observed.tolist(), expected.tolist())
+
+
+@pytest.mark.parametrize("num_logprobs", [1, 5, 20])  # fewer, and more, than the candidates
+def test_logprobs_are_the_raw_log_softmax(num_logprobs) -> None:
+    """Before temperature (vLLM's default), for the sampled token and the top N; a greedy
+    token's logprob is the first top logprob exactly (lm-eval's is_greedy compares them)."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40) * 3
+    temperature = torch.tensor([0.0, 0.0, 0.7, 1.0, 1.5, 1.0])
+    out = sample(
+        logits, temperature, torch.zeros(6, dtype=torch.long), torch.ones(6),
+        torch.arange(6), torch.zeros(6, dtype=torch.long), max_top_k=8,
+        num_logprobs=num_logprobs,
+    )  # fmt: skip
+    want = torch.log_softmax(logits.double(), dim=-1)
+    chosen = want.gather(1, out.next_tokens.unsqueeze(1)).squeeze(1)
+    assert torch.allclose(out.token_logprobs.double(), chosen, atol=1e-5)
+    top = want.topk(num_logprobs, dim=-1)
+    assert torch.equal(out.top_logprob_ids, top.indices)
+    assert torch.allclose(out.top_logprobs.double(), top.values, atol=1e-5)
+    assert torch.equal(out.token_logprobs[:2], out.top_logprobs[:2, 0])  # the greedy rows
+
+
+def test_prompt_logprobs_score_each_target() -> None:
+    torch.manual_seed(2)
+    logits, targets = torch.randn(9, 30), torch.randint(0, 30, (9,))
+    chosen, top_ids, top = target_logprobs(logits, targets, 4)
+    want = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.allclose(chosen.double(), want[torch.arange(9), targets], atol=1e-5)
+    assert torch.equal(top_ids, want.topk(4, dim=-1).indices)
+    assert torch.allclose(top.double(), want.topk(4, dim=-1).values, atol=1e-5)

@@ -30,7 +30,8 @@ OK = {"model": "m", "prompt": "hi"}
         ({"top_p": float("nan")}, "top_p"),
         ({"top_k": 2**64}, "top_k"),
         ({"max_tokens": True}, "max_tokens"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "logprobs": 1}, None),  # lm-eval's loglikelihood
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": "yes"}}, "stream_options"),
         ({"stop": [1]}, "stop"),
@@ -40,9 +41,13 @@ OK = {"model": "m", "prompt": "hi"}
         ({"n": 4, "prompt": ["a", "b"]}, None),
         ({"prompt": ["a", [1, 2]]}, None),
         ({"prompt": [[1, 2], []]}, "prompt"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 2}, None),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
         ({"logprobs": None}, None),
-        ({"echo": True}, "echo"),
+        ({"echo": True}, None),
+        ({"echo": 1}, "echo"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"presence_penalty": 0}, None),
         ({"logit_bias": {"5": 100}}, "logit_bias"),
@@ -82,8 +87,40 @@ def test_chat_names_its_length_field() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": None}]}
     assert parse_chat(body, "m").messages == [{"role": "user", "content": ""}]
     with pytest.raises(RequestError) as err:
-        parse_chat({**body, "max_completion_tokens": 0}, "m")
+        parse_chat({**body, "max_completion_tokens": -1}, "m")
     assert err.value.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 3}, None),
+        ({"logprobs": False}, None),
+        ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": 2}, "logprobs"),  # chat's logprobs is a boolean
+        ({"echo": True}, "echo"),
+    ],
+)
+def test_chat_logprobs_fields(extra, param) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    if param is None:
+        parse_chat(body, "m")
+        return
+    with pytest.raises(RequestError) as err:
+        parse_chat(body, "m")
+    assert err.value.param == param, err.value.message
+
+
+def test_logprobs_within_the_bundle() -> None:
+    """More logprobs than the bundle returns, or prompt logprobs from a bundle built without
+    them, are 400s naming the field (the fake bundle's layout has max_logprobs 0)."""
+    runner, _ = fake_runner()
+    for body, param in [({"logprobs": 1}, "logprobs"), ({"logprobs": 0, "echo": True}, "echo")]:
+        parsed = parse_completion({**OK, **body}, "m")
+        with pytest.raises(RequestError) as err:
+            check_fits(runner.layout, [1, 2], parsed.params)
+        assert err.value.param == param
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"null"])

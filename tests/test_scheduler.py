@@ -170,8 +170,10 @@ def test_requests_that_cannot_fit_name_the_field() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 2.5}, "max_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
         ({"temperature": -1.0}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
@@ -213,3 +215,18 @@ def test_top_k_above_the_bundle_cap_is_refused() -> None:
         check_fits(capped, [1, 2], SamplingParams(top_k=17))
     assert err.value.param == "top_k" and "sampling.max_top_k: 16" in err.value.message
     check_fits(runner.layout, [1, 2], SamplingParams(top_k=10_000))  # no cap: any top_k
+
+
+def test_max_tokens_zero_prefills_and_generates_nothing() -> None:
+    """echo + logprobs with max_tokens 0 (lm-eval's loglikelihood): the prompt runs through
+    prefill (in chunks), nothing is decoded, the blocks come back; others are unaffected."""
+    engine, model = llm()
+    prompt = list(range(1, 21))  # two chunks: 16 + 4
+    only_prompt, other = engine.generate(
+        [prompt, [5, 6, 7]],
+        [SamplingParams(max_tokens=0, **GREEDY), SamplingParams(max_tokens=4, **GREEDY)],
+    )
+    assert only_prompt.output_ids == [] and only_prompt.finish_reason == "length"
+    assert other.output_ids == oracle([5, 6, 7], 4)
+    assert [name.split("_")[0] for name, _ in model.calls].count("prefill") == 3
+    assert engine.core.scheduler.allocator.num_free == 32

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -60,19 +61,21 @@ class Server:
         return httpx.get(f"{self.url}/metrics").text
 
     def stop(self) -> None:
+        """SIGTERM: the server stops its engine core and exits 0 (as under systemd)."""
         self.proc.terminate()
-        self.proc.wait(timeout=30)
+        assert self.proc.wait(timeout=30) == 0, self.proc.stderr.read()
 
 
 @pytest.fixture(scope="module")
 def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
     from tests.conftest import build_session_bundle
 
-    # the llama bundle's KV cache size, so its prefill and decode graphs are the same graphs
-    # (cache hits): only decode_b8 is compiled for the server
+    # the llama bundle's KV cache size, so its decode graphs are the same graphs (cache hits):
+    # the prefill graph (with prompt logprobs) and decode_b8 are compiled for the server
     return build_session_bundle(
         session_dir, hf_model_dir("llama"), "llama_serve", buckets=SERVE_BUCKETS,
         kv_cache={"block_size": 16, "num_blocks": 17},
+        sampling={"max_top_k": 16, "prompt_logprobs": True},
     ).bundle  # fmt: skip
 
 
@@ -178,7 +181,7 @@ def _gauge(text: str, name: str) -> float:
         (b"{not json", None, "not valid JSON"),
         ({"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "must be int"),
-        ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens", "must be positive"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens", "must be >= 0"),
         ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "number"),
         ({"model": "tiny", "prompt": 5}, "prompt", "prompt must be"),
         ({"model": "tiny", "prompt": list(range(1, 70))}, "prompt", "context buckets: [64]"),
@@ -526,3 +529,76 @@ def test_a_list_of_prompts_and_n_choices(server: Server) -> None:
     assert [c.text for c in out.choices] == [c.text for c in again.choices]  # seeded
     assert len({c.text for c in out.choices}) > 1  # distinct seeds per sample
     assert out.usage.completion_tokens == 24
+
+
+def _hf_log_softmax(model_dir: Path, ids: list[int]):
+    """HF's float32 log-softmax after each prefix of `ids`: [len(ids), vocab]."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_logprobs_equal_hf_log_softmax(server: Server, hf_model_dir) -> None:
+    """Echoed prompt tokens' and generated tokens' logprobs (and the top alternatives) equal
+    HF's log_softmax within 1e-3: a prompt longer than the prefill bucket (two chunks), and
+    lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0)."""
+    prompt = list(range(5, 28))  # 23 tokens: chunks of 16 and 7
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3,
+            "echo": True, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}  # several ids can share a text  # fmt: skip
+    choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    lp, ids = choice["logprobs"], prompt + choice["token_ids"]
+    assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 6
+    assert len(lp["token_logprobs"]) == len(ids) == len(lp["tokens"]) == len(lp["text_offset"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = _hf_log_softmax(hf_model_dir("llama"), ids)
+    for i in range(1, len(ids)):  # token i, scored after ids[:i]
+        assert abs(lp["token_logprobs"][i] - want[i - 1, ids[i]].item()) < 1e-3, i
+        ranked = sorted(lp["top_logprobs"][i].items(), key=lambda kv: -kv[1])[:3]
+        best = want[i - 1].topk(3)
+        assert [int(k.removeprefix("token_id:")) for k, _ in ranked] == best.indices.tolist()
+        assert np.allclose([v for _, v in ranked], best.values.tolist(), atol=1e-3), i
+    for i in range(len(prompt), len(ids)):  # greedy: the first top logprob, exactly
+        assert lp["token_logprobs"][i] == max(lp["top_logprobs"][i].values())
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "echo": False}).json()
+    assert plain["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][len(prompt) :]
+    assert choice["text"].endswith(plain["choices"][0]["text"])
+    client = server.client()  # lm-eval's loglikelihood request, through the openai client
+    only = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0)  # fmt: skip
+    assert only.usage.completion_tokens == 0 and only.choices[0].finish_reason == "length"
+    got = only.choices[0].logprobs.token_logprobs
+    assert got == lp["token_logprobs"][: len(prompt)]
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
+                                         logprobs=1, stream=True)  # fmt: skip
+    assert [v for c in streamed if c.choices for v in c.choices[0].logprobs.token_logprobs] == got
+
+
+def test_sampled_tokens_logprobs_equal_hf(server: Server, hf_model_dir) -> None:
+    """Sampled (not greedy) tokens: each logprob is HF's log_softmax of the raw logits (before
+    temperature) at its position, in completions and in chat (logprobs + top_logprobs)."""
+    prompt = [3, 17, 29, 41]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.3, "seed": 5,
+            "logprobs": 2, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    ids = choice["token_ids"]
+    want = _hf_log_softmax(hf_model_dir("llama"), prompt + ids)
+    for i, token in enumerate(ids):
+        assert (
+            abs(choice["logprobs"]["token_logprobs"][i] - want[len(prompt) - 1 + i, token]) < 1e-3
+        )
+    messages = [{"role": "user", "content": "def main("}]
+    chat = server.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 6})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"

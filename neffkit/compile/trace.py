@@ -22,7 +22,14 @@ from neffkit.compile.units import LoweredGraph, TraceResult
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 from neffkit.models.config import ModelConfig
-from neffkit.models.llama import DecoderGraph, GraphShape, TensorSpec, kv_inputs, metadata_inputs
+from neffkit.models.llama import (
+    DecoderGraph,
+    GraphShape,
+    TensorSpec,
+    graph_outputs,
+    kv_inputs,
+    metadata_inputs,
+)
 from neffkit.models.parallel import Parallelism
 from neffkit.models.weights import rank_weight_shapes
 
@@ -38,6 +45,8 @@ class ModelLayout:
     block_size: int
     num_blocks: int
     max_top_k: int  # candidates of top-k / top-p sampling
+    max_logprobs: int = 5  # top logprobs returned per sampled token
+    prompt_logprobs: bool = False  # prefill graphs also return the prompt's own logprobs
     device: str = "cpu"
     par: Parallelism = Parallelism()
     gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)
@@ -75,6 +84,8 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         block_size=manifest.kv_cache.block_size,
         num_blocks=manifest.kv_cache.num_blocks,
         max_top_k=manifest.sampling.max_top_k,
+        max_logprobs=manifest.sampling.max_logprobs,
+        prompt_logprobs=manifest.sampling.prompt_logprobs,
         device=device,
         par=par,
         gemv_max_rows=gemv_max_rows,
@@ -83,7 +94,14 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
 
 def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
     shape = GraphShape(
-        spec.phase, spec.rows, spec.tokens, spec.context, layout.block_size, layout.num_blocks
+        spec.phase,
+        spec.rows,
+        spec.tokens,
+        spec.context,
+        layout.block_size,
+        layout.num_blocks,
+        layout.max_logprobs,
+        layout.prompt_logprobs,
     )
     specs = metadata_inputs(shape)
     if layout.par.needs_rank_input(layout.config):
@@ -169,11 +187,23 @@ def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
         raise BuildError(f"{spec.name}: torch.export failed: {exc}") from exc
     io_alias = io_alias_map(program, [s.name for s in specs])
     text = canonical_text(program, [s.name for s in specs])
-    out_val = [n for n in program.graph.nodes if n.op == "output"][0].args[0][-1].meta["val"]
-    outputs = [TensorSpec("next_tokens", tuple(out_val.shape), str(out_val.dtype).split(".")[-1])]
+    outputs = user_outputs(program, graph_outputs(module.shape))
     digest = hashlib.sha256(text.encode()).hexdigest()
     sources = [node_source(n) for n in program.graph.nodes]
     return Traced(spec, program, text, digest, io_alias, specs, outputs, sources)
+
+
+def user_outputs(program: ExportedProgram, expected: list[TensorSpec]) -> list[TensorSpec]:
+    """The program's user outputs, named by the graph contract; a mismatch is a model bug."""
+    node = next(n for n in program.graph.nodes if n.op == "output")
+    kinds = [s.kind for s in program.graph_signature.output_specs]
+    values = [v.meta["val"] for v, k in zip(node.args[0], kinds, strict=True)
+              if k == OutputKind.USER_OUTPUT]  # fmt: skip
+    got = [TensorSpec(e.name, tuple(v.shape), str(v.dtype).split(".")[-1])
+           for e, v in zip(expected, values, strict=False)]  # fmt: skip
+    if got != expected:
+        raise BuildError(f"graph outputs {got} differ from the contract's {expected}")
+    return got
 
 
 def trace_result(traced: Traced, seconds: float, lowered: LoweredGraph | None) -> TraceResult:

@@ -3,9 +3,10 @@
 Representative inputs are real: the bundle's own weights (rank 0), a random but fixed prompt and
 K/V context, padded rows and tokens like the runtime sends, greedy sampling. The artifact runs
 where it can run here: the AOTInductor package (cpu, cuda) or the HLO module on XLA:CPU (neuron;
-the NEFF itself needs a NeuronCore). The graphs return sampled tokens, not logits, so the numbers
-recorded are token equality and the largest K/V-cache difference over every layer (every layer's
-K/V is a function of the hidden states before it). tp > 1 graphs are skipped: their eager model
+the NEFF itself needs a NeuronCore). The numbers recorded are token equality, the largest
+difference of the returned logprobs (a function of the final logits) and the largest K/V-cache
+difference over every layer (every layer's K/V is a function of the hidden states before it).
+tp > 1 graphs are skipped: their eager model
 needs every rank.
 """
 
@@ -31,9 +32,12 @@ if TYPE_CHECKING:
 
 # largest K/V difference tolerated per dtype (fp32 differences seen: ≤ 1e-6)
 KV_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+# largest logprob difference (logprobs are float32 from the logits of the graph's dtype)
+LOGPROB_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.25}
+LOGPROB_OUTPUTS = (1, 3)  # token_logprobs, top_logprobs (graph_outputs' order)
 
-# (inputs) → (next tokens, K/V cache tensors by input name)
-Runner = Callable[[list[torch.Tensor]], tuple[np.ndarray, dict[str, np.ndarray]]]
+# (inputs) → (user outputs in order, K/V cache tensors by input name)
+Runner = Callable[[list[torch.Tensor]], tuple[list[np.ndarray], dict[str, np.ndarray]]]
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,16 @@ class VerifyResult:
     max_kv_error: float
     tolerance: float
     executor: str
+    max_logprob_error: float = 0.0
+    logprob_tolerance: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.tokens_equal and self.max_kv_error <= self.tolerance
+        return (
+            self.tokens_equal
+            and self.max_kv_error <= self.tolerance
+            and self.max_logprob_error <= self.logprob_tolerance
+        )
 
     def record(self) -> VerifyRecord:
         return VerifyRecord(
@@ -54,6 +64,7 @@ class VerifyResult:
             max_kv_error=self.max_kv_error,
             tolerance=self.tolerance,
             executor=self.executor,
+            max_logprob_error=self.max_logprob_error,
         )
 
 
@@ -92,6 +103,7 @@ def representative_inputs(
         "top_k": np.zeros(spec.rows, np.int64),
         "top_p": np.ones(spec.rows, np.float32),
         "seed": np.zeros(spec.rows, np.int64),
+        "target_ids": torch.randint(0, vocab, (spec.rows, t), generator=gen).numpy(),
     }
     by_name = {w.name: i for i, w in enumerate(layout.weights)}
     out = []
@@ -112,10 +124,10 @@ def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
     module, specs = decoder_module(layout, spec)
     names = [s.name for s in specs]
 
-    def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def run(inputs: list[torch.Tensor]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
         with torch.no_grad():
-            tokens = module(*inputs)
-        return tokens.numpy(), _kv_by_name(names, inputs)
+            outputs = module(*inputs)
+        return [o.numpy() for o in outputs], _kv_by_name(names, inputs)
 
     return run
 
@@ -123,23 +135,25 @@ def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
 def aoti_runner(artifact: Path, names: list[str]) -> Runner:
     loader = torch._C._aoti.AOTIModelPackageLoader(str(artifact), "model", False, 1, -1)
 
-    def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        (tokens,) = loader.run(inputs)
-        return tokens.numpy(), _kv_by_name(names, inputs)
+    def run(inputs: list[torch.Tensor]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        outputs = loader.run(inputs)
+        return [o.numpy() for o in outputs], _kv_by_name(names, inputs)
 
     return run
 
 
-def xla_cpu_runner(proto: bytes, names: list[str], io_alias: tuple[IoAlias, ...]) -> Runner:
+def xla_cpu_runner(
+    proto: bytes, names: list[str], io_alias: tuple[IoAlias, ...], num_outputs: int
+) -> Runner:
     from neffkit.xla_cpu import XlaCpu
 
     xla = XlaCpu()
     executable = xla.compile(proto)
 
-    def run(inputs: list[torch.Tensor]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def run(inputs: list[torch.Tensor]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
         outs = xla.run(executable, [xla.put(t.numpy()) for t in inputs])
         kv = {a.input: np.asarray(outs[a.output]) for a in io_alias}
-        return np.asarray(outs[-1]), kv
+        return [np.asarray(o) for o in outs[-num_outputs:]], kv
 
     return run
 
@@ -157,19 +171,24 @@ def verify_graph(
 ) -> VerifyResult:
     """Run eager and artifact on the same inputs (each on its own copy of the K/V caches)."""
     inputs = representative_inputs(layout, spec, weights)
-    want_tokens, want_kv = eager_runner(layout, spec)([t.clone() for t in inputs])
+    want, want_kv = eager_runner(layout, spec)([t.clone() for t in inputs])
     try:
-        got_tokens, got_kv = runner([t.clone() for t in inputs])
+        got, got_kv = runner([t.clone() for t in inputs])
     except Exception as exc:
         raise BuildError(f"{spec.name}: --verify could not run the artifact: {exc}") from exc
     err = max(
         float(np.abs(got_kv[name].astype(np.float64) - want_kv[name]).max()) for name in want_kv
     )
+    logprob_err = max(
+        float(np.abs(got[i].astype(np.float64) - want[i]).max()) for i in LOGPROB_OUTPUTS
+    )
     return VerifyResult(
-        bool(np.array_equal(got_tokens, want_tokens)),
+        bool(np.array_equal(got[0], want[0])),
         err,
         KV_TOLERANCE.get(layout.dtype, 5e-2),
         executor,
+        logprob_err,
+        LOGPROB_TOLERANCE.get(layout.dtype, 0.25),
     )
 
 
@@ -193,7 +212,8 @@ def verify_units(
         u.verify = outcome.record()
         progress.message(
             f"verify {u.stem}: tokens {'equal' if outcome.tokens_equal else 'DIFFER'}, "
-            f"max K/V error {outcome.max_kv_error:.2e} ({executor})"
+            f"max K/V error {outcome.max_kv_error:.2e}, "
+            f"max logprob error {outcome.max_logprob_error:.2e} ({executor})"
         )
         if not outcome.ok:
             failed.append(u.stem)

@@ -118,6 +118,8 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         num_blocks=layout.num_blocks,
         buckets=BucketLists(b.prefill, b.decode, b.context),
         max_top_k=layout.max_top_k,
+        max_logprobs=layout.max_logprobs,
+        prompt_logprobs=layout.prompt_logprobs,
     )
 
 

@@ -9,9 +9,15 @@ exactly, by inverse CDF with one uniform per row: O(vocab), no sort (a full-voca
 2.2 ms per row at a 32k vocabulary on this CPU, 10 ms at 128k). Rows with top-k or top-p choose
 among the `max_top_k` most likely tokens (a static shape; the manifest's cap, and a request asking
 for a larger top_k is refused before it reaches the graph).
+
+Logprobs are the raw log-softmax of the logits (before temperature, as vLLM returns them): the
+sampled token's and the `num_logprobs` most likely tokens', from one log-normaliser, so a greedy
+token's logprob equals the first top logprob bit for bit (lm-eval's `is_greedy` compares them).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +50,15 @@ def uniform_noise(seed: torch.Tensor, positions: torch.Tensor, width: int) -> to
     return (_shr(bits, 8).float() + 0.5) / float(1 << 24)
 
 
+class Sampled(NamedTuple):
+    """A graph's sampling outputs, in output order."""
+
+    next_tokens: torch.Tensor  # [B] int64
+    token_logprobs: torch.Tensor  # [B] float32: log p(next_token)
+    top_logprob_ids: torch.Tensor  # [B, N] int64, most likely first
+    top_logprobs: torch.Tensor  # [B, N] float32
+
+
 def sample(
     logits: torch.Tensor,  # [B, V]
     temperature: torch.Tensor,  # [B] float32
@@ -52,11 +67,14 @@ def sample(
     seed: torch.Tensor,  # [B] int64
     positions: torch.Tensor,  # [B] int64, position of the sampled token's predecessor
     max_top_k: int,
-) -> torch.Tensor:  # [B] int64
+    num_logprobs: int,
+) -> Sampled:
     logits = logits.float()
     greedy = torch.argmax(logits, dim=-1)  # [B]; first max, like HF
     width = min(max_top_k, logits.shape[-1])
-    cand_logits, cand_ids = torch.topk(logits, width, dim=-1)  # [B, K], sorted descending
+    # one sort serves the candidates and the top logprobs
+    ranked_logits, ranked_ids = torch.topk(logits, max(width, num_logprobs), dim=-1)
+    cand_logits, cand_ids = ranked_logits[:, :width], ranked_ids[:, :width]  # [B, K], descending
     lane = torch.arange(width, device=logits.device)  # [K]
     k_eff = torch.where(top_k > 0, top_k.clamp(max=width), width)  # [B]
     scaled = cand_logits / temperature.clamp(min=1e-5).unsqueeze(1)  # [B, K]
@@ -69,7 +87,24 @@ def sample(
     sampled = cand_ids.gather(1, choice).squeeze(1)
     whole = _sample_whole_vocabulary(logits, temperature, seed, positions)
     truncated = (top_k > 0) | (top_p < 1)
-    return torch.where(temperature > 0, torch.where(truncated, sampled, whole), greedy)
+    tokens = torch.where(temperature > 0, torch.where(truncated, sampled, whole), greedy)
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
+    token_logprobs = (logits.gather(1, tokens.unsqueeze(1)) - normaliser).squeeze(1)
+    top = ranked_logits[:, :num_logprobs] - normaliser
+    return Sampled(tokens, token_logprobs, ranked_ids[:, :num_logprobs], top)
+
+
+def target_logprobs(
+    logits: torch.Tensor,  # [T, V]: one row per prompt position
+    targets: torch.Tensor,  # [T] int64: the token that follows each position
+    num_logprobs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T], [T, N] ids, [T, N] logprobs
+    """Prompt logprobs (echo, lm-eval's loglikelihood): log p(target) and the top N per row."""
+    logits = logits.float()
+    normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = (logits.gather(1, targets.unsqueeze(1)) - normaliser).squeeze(1)
+    top_logits, top_ids = torch.topk(logits, num_logprobs, dim=-1)
+    return chosen, top_ids, top_logits - normaliser
 
 
 def _sample_whole_vocabulary(

@@ -18,7 +18,7 @@ from neffkit.kernels.attention import context_mask, paged_attention
 from neffkit.kernels.kv import gather_context, write_kv
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
-from neffkit.kernels.sampling import sample
+from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
 
@@ -40,6 +40,8 @@ class GraphShape:
     context: int
     block_size: int
     num_blocks: int
+    logprobs: int = 5  # top logprobs per sampled token (the manifest's sampling.max_logprobs)
+    prompt_logprobs: bool = False  # prefill also returns each prompt token's logprobs
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,27 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     if shape.phase == "prefill":
         specs.append(TensorSpec("last_token_index", (b,), "int64"))
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
+    if shape.phase == "prefill" and shape.prompt_logprobs:
+        specs.append(TensorSpec("target_ids", (b, t), "int64"))  # the token after each position
+    return specs
+
+
+def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
+    """The user outputs, in order (the K/V mutations precede them in an exported program)."""
+    b, n = shape.rows, shape.logprobs
+    specs = [
+        TensorSpec("next_tokens", (b,), "int64"),
+        TensorSpec("token_logprobs", (b,), "float32"),
+        TensorSpec("top_logprob_ids", (b, n), "int64"),
+        TensorSpec("top_logprobs", (b, n), "float32"),
+    ]
+    if shape.phase == "prefill" and shape.prompt_logprobs:
+        t = shape.tokens
+        specs += [
+            TensorSpec("prompt_logprobs", (t,), "float32"),
+            TensorSpec("prompt_top_logprob_ids", (t, n), "int64"),
+            TensorSpec("prompt_top_logprobs", (t, n), "float32"),
+        ]
     return specs
 
 
@@ -74,7 +97,8 @@ def kv_inputs(cfg: ModelConfig, shape: GraphShape, kv_heads: int, dtype: str) ->
 
 
 class DecoderGraph(torch.nn.Module):
-    """forward(*flat_inputs) → next_tokens [B]; K/V caches are mutated in place (io-aliased)."""
+    """forward(*flat_inputs) → the tensors `graph_outputs` lists (next tokens and logprobs);
+    K/V caches are mutated in place (io-aliased)."""
 
     def __init__(
         self,
@@ -96,7 +120,7 @@ class DecoderGraph(torch.nn.Module):
         self.has_rank = self.par.needs_rank_input(cfg)
         self.gemv_max_rows = gemv_max_rows
 
-    def forward(self, *flat: torch.Tensor) -> torch.Tensor:
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, shape = self.cfg, self.shape
         meta = flat[: self.num_meta]
         rest = flat[self.num_meta :]
@@ -105,7 +129,8 @@ class DecoderGraph(torch.nn.Module):
         kv = rest[: 2 * cfg.num_layers]
         w = dict(zip(self.weight_names, rest[2 * cfg.num_layers :], strict=True))
         input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
-        temperature, top_k, top_p, seed = meta[-4:]
+        sampling_at = 6 if shape.phase == "prefill" else 5
+        temperature, top_k, top_p, seed = meta[sampling_at : sampling_at + 4]
         rows, tokens = input_ids.shape
 
         # Ids are validated on the host; the clamp is defence in depth: an out-of-range gather is
@@ -144,17 +169,30 @@ class DecoderGraph(torch.nn.Module):
             down = self._project(down, w[f"{p}.mlp.down_proj.weight"])
             h = h + self._reduce(down, w.get(f"{p}.mlp.down_proj.bias"))
 
+        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        prompt: tuple[torch.Tensor, ...] = ()
         if shape.phase == "prefill":
             last = meta[5]  # [1]
-            h_last = h[0].index_select(0, last)  # [1, hidden]
             last_pos = positions[0].index_select(0, last)  # [1]
+            if shape.prompt_logprobs:  # the LM head on every position (TRT-LLM's context logits)
+                h_all = rms_norm(h[0], w["model.norm.weight"], cfg.rms_norm_eps)
+                all_logits = self._project(h_all, head)  # [T, vocab]
+                targets = meta[-1][0].clamp(0, cfg.vocab_size - 1)  # [T]
+                prompt = target_logprobs(all_logits, targets, shape.logprobs)
+                logits = all_logits.index_select(0, last)  # [1, vocab]
+            else:
+                h_last = rms_norm(
+                    h[0].index_select(0, last), w["model.norm.weight"], cfg.rms_norm_eps
+                )
+                logits = self._project(h_last, head)  # [1, vocab]
         else:
-            h_last = h[:, -1]  # [B, hidden]
             last_pos = positions[:, -1]  # [B]
-        h_last = rms_norm(h_last, w["model.norm.weight"], cfg.rms_norm_eps)
-        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        logits = self._project(h_last, head)  # [B, vocab]
-        return sample(logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k)
+            h_last = rms_norm(h[:, -1], w["model.norm.weight"], cfg.rms_norm_eps)
+            logits = self._project(h_last, head)  # [B, vocab]
+        sampled = sample(
+            logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
+        )
+        return (*sampled, *prompt)
 
     def _attention(self, x, w, p, cos, sin, k_cache, v_cache, slots, block_tables, mask):
         cfg = self.cfg

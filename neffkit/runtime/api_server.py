@@ -13,11 +13,12 @@ Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bear
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from neffkit.bundle import Bundle, JsonObject, read_bundle
 from neffkit.errors import RequestError
 from neffkit.runtime.core import start_core
 from neffkit.runtime.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
+from neffkit.runtime.logprobs import WINDOW, CompletionLogprobs, TokenNamer, chat_logprobs
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.protocol import ApiRequest, parse_body, parse_chat, parse_completion
 from neffkit.runtime.scheduler import Layout
@@ -78,10 +80,9 @@ class App:
 
     # ------------------------------------------------------------ running
 
-    def submit(self, parsed: ApiRequest) -> Choices:
+    def submit(self, parsed: ApiRequest, prompts: list[list[int]]) -> Choices:
         """Every choice (prompt × n) to the engine, on one queue of (index, event); if one is
         refused, the ones already sent are aborted."""
-        prompts = self.prompt_ids(parsed)
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         choices = Choices(queue, sum(map(len, prompts)))
@@ -106,9 +107,9 @@ class App:
 
     async def collect(self, request: Request, choices: Choices) -> list[Event]:
         """Wait for every choice's whole output; abort all if the client disconnects."""
-        texts: list[list[str]] = [[] for _ in choices.streams]
-        done: dict[int, Event] = {}
-        while len(done) < len(choices.streams):
+        parts: list[list[Event]] = [[] for _ in choices.streams]
+        done = 0
+        while done < len(choices.streams):
             try:
                 index, event = await asyncio.wait_for(choices.queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
@@ -118,14 +119,15 @@ class App:
                 continue
             if event.finish_reason == "error":
                 raise EngineDead(f"the engine failed: {event.text}")
-            texts[index].append(event.text)
-            if event.finish_reason is not None:
-                done[index] = replace(event, text="".join(texts[index]))
-        return [done[i] for i in range(len(choices.streams))]
+            parts[index].append(event)
+            done += event.finish_reason is not None
+        return [merge_events(p) for p in parts]
 
-    async def respond(self, request: Request, parsed: ApiRequest, shape: Chunks) -> Response:
+    async def respond(self, request: Request, parsed: ApiRequest, kind: ChunksKind) -> Response:
         """Submit, then stream (SSE) or wait for the whole answer."""
-        choices = self.submit(parsed)
+        prompts = self.prompt_ids(parsed)
+        choices = self.submit(parsed, prompts)
+        shape = kind(self.model_name, self.tokenizer, parsed, prompts)
         if parsed.stream:
             return StreamingResponse(
                 self.sse(choices, shape, parsed.include_usage), media_type="text/event-stream"
@@ -181,15 +183,83 @@ class Choices:
         }
 
 
-class CompletionChunks:
-    """/v1/completions bodies: plain, streamed chunks, and the usage chunk."""
+def merge_events(events: list[Event]) -> Event:
+    """One choice's events as one: texts, tokens and logprobs joined, the last finish reason."""
+    logprobs = [lp for e in events for lp in e.logprobs or ()]
+    return replace(
+        events[-1],
+        text="".join(e.text for e in events),
+        token_ids=[t for e in events for t in e.token_ids],
+        logprobs=logprobs if any(e.logprobs is not None for e in events) else None,
+        prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs), None),
+    )
 
-    def __init__(self, model: str) -> None:
+
+class ChoiceShapes:
+    """What completions and chat bodies share: one state per choice, ids of its prompt."""
+
+    def __init__(
+        self, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
+    ) -> None:
+        self.tokenizer, self.parsed, self.prompts = tokenizer, parsed, prompts
+        self.logprobs = parsed.params.logprobs is not None
+        self._namers: dict[int, TokenNamer] = {}
+        self._sent_prompt: set[int] = set()
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.parsed.n]
+
+    def token_ids(self, index: int, e: Event) -> JsonObject:
+        """vLLM's `return_token_ids`: the prompt's ids (on a choice's first chunk) and the new
+        ones."""
+        if not self.parsed.return_token_ids:
+            return {}
+        first = index not in self._sent_prompt
+        self._sent_prompt.add(index)
+        prompt: JsonObject = {"prompt_token_ids": list(self.prompt_of(index))} if first else {}
+        return {**prompt, "token_ids": list(e.token_ids)}
+
+    def namer(self, index: int, history: list[int]) -> TokenNamer:
+        if index not in self._namers:
+            tokenizer = None if self.parsed.tokens_as_ids else self.tokenizer
+            self._namers[index] = TokenNamer(tokenizer, history[-WINDOW:])
+        return self._namers[index]
+
+
+class CompletionChunks(ChoiceShapes):
+    """/v1/completions bodies: plain, streamed chunks, and the usage chunk. With `echo`, a
+    choice's first chunk starts with its prompt (and the prompt's logprobs, if asked)."""
+
+    def __init__(
+        self, model: str, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
+    ) -> None:
+        super().__init__(tokenizer, parsed, prompts)
         self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                      "created": int(time.time()), "model": model}  # fmt: skip
+        self._started: dict[int, CompletionLogprobs] = {}
+
+    def _prompt_text(self, index: int) -> str:
+        given = self.parsed.prompts[index // self.parsed.n]
+        if isinstance(given, str):
+            return given
+        return self.tokenizer.decode(given) if self.tokenizer else ""
 
     def _choice(self, index: int, e: Event) -> JsonObject:
-        return {"index": index, "text": e.text, "logprobs": None, "finish_reason": e.finish_reason}
+        text, ids, values = e.text, list(e.token_ids), list(e.logprobs or [])
+        if index not in self._started:  # the choice's first chunk
+            prompt = self.prompt_of(index)
+            echo = self.parsed.echo
+            namer = self.namer(index, [] if echo else prompt)
+            offset = 0 if echo else len(self._prompt_text(index))
+            self._started[index] = CompletionLogprobs(namer, offset)
+            if echo:
+                text = self._prompt_text(index) + text
+                ids = prompt + ids
+                values = [None, *(e.prompt_logprobs or [None] * (len(prompt) - 1)), *values]
+        logprobs = self._started[index].add(ids, values) if self.logprobs else None
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": e.finish_reason}  # fmt: skip
+        return choice | self.token_ids(index, e)
 
     def first(self, index: int) -> JsonObject:
         return {}
@@ -205,22 +275,35 @@ class CompletionChunks:
         return {**self.base, "choices": choices, "usage": usage}
 
 
-class ChatChunks:
+class ChatChunks(ChoiceShapes):
     """/v1/chat/completions bodies; the first streamed chunk carries the role, as OpenAI's does."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(
+        self, model: str, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
+    ) -> None:
+        super().__init__(tokenizer, parsed, prompts)
         self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                      "model": model}  # fmt: skip
 
-    def _delta(self, index: int, delta: dict[str, str], finish: str | None) -> JsonObject:
-        return {**self.base, "object": "chat.completion.chunk",
-                "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    def _logprobs(self, index: int, e: Event) -> JsonObject | None:
+        if not self.logprobs:
+            return None
+        namer = self.namer(index, self.prompt_of(index))
+        return chat_logprobs(namer, list(e.token_ids), list(e.logprobs or []))
+
+    def _delta(self, index: int, delta: JsonObject, finish: str | None,
+               logprobs: JsonObject | None = None) -> JsonObject:  # fmt: skip
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {**self.base, "object": "chat.completion.chunk", "choices": [choice]}
 
     def first(self, index: int) -> JsonObject:
         return self._delta(index, {"role": "assistant", "content": ""}, None)
 
     def chunk(self, index: int, e: Event) -> JsonObject:
-        return self._delta(index, {"content": e.text} if e.text else {}, e.finish_reason)
+        delta: JsonObject = {"content": e.text} if e.text else {}
+        body = self._delta(index, delta, e.finish_reason, self._logprobs(index, e))
+        body["choices"][0] |= self.token_ids(index, e)  # type: ignore[index]
+        return body
 
     def usage(self, usage: dict[str, int]) -> JsonObject:
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
@@ -228,13 +311,15 @@ class ChatChunks:
     def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
         choices = [
             {"index": i, "message": {"role": "assistant", "content": e.text},
-             "finish_reason": e.finish_reason}
+             "logprobs": self._logprobs(i, e), "finish_reason": e.finish_reason}
+            | self.token_ids(i, e)
             for i, e in enumerate(events)
         ]  # fmt: skip
         return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}
 
 
 Chunks = CompletionChunks | ChatChunks
+ChunksKind = type[CompletionChunks] | type[ChatChunks]
 
 
 def create_app(app_state: App) -> FastAPI:
@@ -295,14 +380,31 @@ def create_app(app_state: App) -> FastAPI:
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
         parsed = parse_completion(parse_body(await request.body()), s.model_name)
-        return await s.respond(request, parsed, CompletionChunks(s.model_name))
+        return await s.respond(request, parsed, CompletionChunks)
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         parsed = parse_chat(parse_body(await request.body()), s.model_name)
-        return await s.respond(request, parsed, ChatChunks(s.model_name))
+        return await s.respond(request, parsed, ChatChunks)
 
     return api
+
+
+def _graceful_server_class() -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has shut down, which kills the process
+        before `serve` stops the engine core (the core then sees its pipe break): here the
+        signal ends `run` and `serve` finishes its own shutdown, with exit status 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    return GracefulServer
 
 
 def serve(
@@ -319,13 +421,14 @@ def serve(
     in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
     import uvicorn
 
+    _GracefulServer = _graceful_server_class()  # noqa: N806 - a class
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
     record = bundle.record
     name = model_name or record.name
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
     core, conn = start_core(bundle_path, executor, dist_timeout_s)
-    server: list[uvicorn.Server] = []
+    server: list[uvicorn.Server] = []  # the running server, for shut_down
 
     def shut_down(detail: str) -> None:  # the reader thread: uvicorn polls should_exit
         print(f"neffkit: the engine failed ({detail}); shutting down", file=sys.stderr, flush=True)
@@ -338,7 +441,7 @@ def serve(
         client.start()
         api = create_app(App(bundle, tokenizer, client, metrics, name, api_key))
         config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
-        server.append(uvicorn.Server(config))
+        server.append(_GracefulServer(config))
         print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)
         server[0].run()
     finally:

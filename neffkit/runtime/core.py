@@ -20,16 +20,27 @@ import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from neffkit.errors import RequestError
 from neffkit.runtime.protocol import SamplingParams
 from neffkit.runtime.runner import ModelRunner
-from neffkit.runtime.scheduler import Scheduler, SequenceState, output_budget
+from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs, output_budget
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
+
+
+class CoreOutput(NamedTuple):
+    """One request's news in a STEP message (a tuple on the pipe: cheap to pickle)."""
+
+    rid: int
+    new_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the first output only
 
 
 class EngineCore:
@@ -77,6 +88,13 @@ class EngineCore:
 # ---------------------------------------------------------------- the core's own process
 
 
+def new_output(rid: int, seq: SequenceState, sent: int) -> CoreOutput:
+    """What the server has not seen of a sequence; its prompt logprobs go with the first."""
+    logprobs = seq.output_logprobs[sent:] if seq.params.logprobs is not None else None
+    prompt = seq.prompt_logprobs if sent == 0 and seq.params.prompt_logprobs is not None else None
+    return CoreOutput(rid, seq.output_ids[sent:], seq.finish_reason, logprobs, prompt)
+
+
 def serve_engine(core: EngineCore, conn: Connection) -> None:
     """The core process's loop: messages in, one STEP message out per engine step."""
     live: dict[int, SequenceState] = {}
@@ -87,7 +105,10 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
             conn.poll(None)  # idle: sleep until the server sends something
         changed = False
         while conn.poll():
-            msg = conn.recv()
+            try:
+                msg = conn.recv()
+            except EOFError:  # the server is gone without a word: nobody to serve
+                return
             changed = True
             if msg[0] == "stop":
                 return
@@ -96,7 +117,7 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
                 try:
                     live[rid], sent[rid] = core.add_request(prompt_ids, params), 0
                 except RequestError:  # the server validates first; this is a safety net
-                    conn.send((STEP, ([(rid, [], "error")], None)))
+                    conn.send((STEP, ([CoreOutput(rid, [], "error")], None)))
             elif msg[0] == "abort":
                 _, rid, reason = msg
                 if rid in live:
@@ -108,7 +129,7 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
             for rid, seq in list(live.items()):
                 if len(seq.output_ids) == sent[rid] and not seq.finished:
                     continue
-                outputs.append((rid, seq.output_ids[sent[rid] :], seq.finish_reason))
+                outputs.append(new_output(rid, seq, sent[rid]))
                 sent[rid] = len(seq.output_ids)
                 if seq.finished:
                     del live[rid], sent[rid]

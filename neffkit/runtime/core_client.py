@@ -19,11 +19,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from neffkit.errors import BundleError, NeffkitError, RequestError
-from neffkit.runtime.core import FAILED, READY, STEP
+from neffkit.runtime.core import FAILED, READY, STEP, CoreOutput
 from neffkit.runtime.detokenizer import IncrementalDetokenizer
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.protocol import SamplingParams
-from neffkit.runtime.scheduler import Layout, check_fits
+from neffkit.runtime.scheduler import Layout, TokenLogprobs, check_fits
 from neffkit.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # echo: prompt tokens after the first
 
 
 @dataclass
@@ -88,6 +90,7 @@ class EngineClient:
         self._live: dict[int, Stream] = {}
         self._lock = threading.Lock()  # guards _live and the pipe's send side
         self._error: str | None = None
+        self._stopping = False
         self._reader = threading.Thread(target=self._read, name="neffkit-engine-io", daemon=True)
 
     @property
@@ -105,6 +108,7 @@ class EngineClient:
         self._reader.start()
 
     def stop(self) -> None:
+        self._stopping = True  # the core's pipe closing now is the answer, not a failure
         with self._lock:
             try:
                 self.conn.send(("stop",))
@@ -175,6 +179,8 @@ class EngineClient:
             try:
                 kind, payload = self.conn.recv()
             except (EOFError, OSError):
+                if self._stopping:
+                    return
                 self.core.join(timeout=5)
                 kind, payload = FAILED, f"the engine process exited (code {self.core.exitcode})"
             if kind == FAILED:
@@ -182,11 +188,11 @@ class EngineClient:
                 return
             if kind == STEP:
                 outputs, stats = payload
-                for rid, new_ids, finish in outputs:
+                for out in outputs:
                     with self._lock:
-                        stream = self._live.get(rid)
+                        stream = self._live.get(out.rid)
                     if stream is not None:
-                        self._deliver(stream, new_ids, finish)
+                        self._deliver(stream, out)
                 if stats is not None:
                     self.metrics.observe_stats(*stats)
 
@@ -201,7 +207,8 @@ class EngineClient:
         if self.on_failure is not None:
             self.on_failure(detail)
 
-    def _deliver(self, stream: Stream, new_ids: list[int], finish: str | None) -> None:
+    def _deliver(self, stream: Stream, out: CoreOutput) -> None:
+        new_ids, finish = out.new_ids, out.finish_reason
         now = time.perf_counter()
         if new_ids:
             if stream.first_token_at is None:
@@ -220,7 +227,8 @@ class EngineClient:
                 finish = "stop"
             elif finish is not None:
                 delta += stream.detok.finish()
-        event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids))
+        event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids),
+                      out.logprobs, out.prompt_logprobs)  # fmt: skip
         if finish is not None:
             if stopped:
                 self.abort(stream, "stop")  # the core has not finished it: free its blocks

@@ -22,7 +22,7 @@ import torch
 from neffkit.bundle import Bundle, GraphRecord
 from neffkit.errors import BundleError
 
-GraphRun = Callable[[list[np.ndarray]], np.ndarray]
+GraphRun = Callable[[list[np.ndarray]], list[np.ndarray]]  # metadata → user outputs
 EXECUTORS = ("auto", "aotinductor", "xla-cpu", "neuron")
 
 
@@ -72,15 +72,14 @@ class AotiExecutor:
         statics, device = self.statics, self.device
         bound: list[Any] = [(), []]  # (metadata arrays, full input list) of the previous call
 
-        def run(meta: list[np.ndarray]) -> np.ndarray:
+        def run(meta: list[np.ndarray]) -> list[np.ndarray]:
             # The engine passes the same preallocated arrays every decode step; on cpu their
             # torch views share memory, so the input list is built once, not per step.
             reuse = device == "cpu" and len(meta) == len(bound[0])
             if not (reuse and all(a is b for a, b in zip(meta, bound[0], strict=True))):
                 bound[0] = list(meta)
                 bound[1] = [torch.from_numpy(m).to(device) for m in meta] + statics
-            (next_tokens,) = runner.run(bound[1])
-            return next_tokens.cpu().numpy()
+            return [out.cpu().numpy() for out in runner.run(bound[1])]
 
         return run
 
@@ -109,13 +108,13 @@ class XlaCpuExecutor:
         _check_static_order(graph, num_meta, self.names)
         executable = self.xla.compile(bundle.path(graph.hlo or "").read_bytes())
         aliases = [(self.index[a.input], a.output) for a in graph.io_alias]
-        xla, arrays = self.xla, self.arrays
+        xla, arrays, user = self.xla, self.arrays, len(graph.outputs)
 
-        def run(meta: list[np.ndarray]) -> np.ndarray:
+        def run(meta: list[np.ndarray]) -> list[np.ndarray]:
             outs = xla.run(executable, [xla.put(m) for m in meta] + arrays)
             for static_index, output_index in aliases:  # donated inputs → their new values
                 arrays[static_index] = outs[output_index]
-            return np.asarray(outs[-1])
+            return [np.asarray(o) for o in outs[-user:]]  # the user outputs follow the aliases
 
         return run
 
@@ -147,11 +146,12 @@ class NeuronExecutor:
         _check_static_order(graph, num_meta, self.names)
         model = self.spike.SpikeModel.load_from_neff(str(bundle.path(graph.artifact or "")))
         meta_names = [i.name for i in graph.inputs[:num_meta]]
-        statics = self.statics
+        statics, user = self.statics, len(graph.outputs)
 
-        def run(meta: list[np.ndarray]) -> np.ndarray:
+        def run(meta: list[np.ndarray]) -> list[np.ndarray]:
             outputs = model(inputs={**dict(zip(meta_names, meta, strict=True)), **statics})
-            return np.asarray(outputs[-1])
+            values = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
+            return [np.asarray(o) for o in values[-user:]]
 
         return run
 

@@ -145,7 +145,8 @@ def load(
         meta = tuple((i.name, i.shape, i.dtype) for i in g.inputs if i.name not in statics)
         b = g.buckets
         run = run_with.load(bundle, g, len(meta))
-        entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run))
+        outputs = tuple(o.name for o in g.outputs)
+        entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run, outputs))
     runner = ModelRunner(entries, Layout.of(record))
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     return LoadedBundle(bundle, runner, tokenizer, time.perf_counter() - t0)

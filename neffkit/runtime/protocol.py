@@ -32,9 +32,6 @@ FLOAT32_MAX = 3.4028234663852886e38  # the graphs read sampling values as float3
 # OpenAI/vLLM request fields this server does not implement (yet): a request that sets one to
 # anything but its no-op value gets a 400 naming it, never a silently different answer.
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
@@ -62,12 +59,19 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # per output token: its logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
+        # 0 generates nothing: a prompt's own logprobs (echo), what lm-eval's loglikelihood asks
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise RequestError(
-                f"max_tokens must be positive, got {self.max_tokens!r}", param="max_tokens"
+                f"max_tokens must be >= 0, got {self.max_tokens!r}", param="max_tokens"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise RequestError(f"{name} must be >= 0, got {value!r}", param=name)
         if not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise RequestError(
                 f"temperature must be >= 0 and finite, got {self.temperature}", param="temperature"
@@ -102,6 +106,9 @@ class ApiRequest:
     include_usage: bool
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     n: int = 1  # choices per prompt (distinct seeds)
+    echo: bool = False  # completions: the prompt precedes the text (and its logprobs, if asked)
+    return_token_ids: bool = False  # vLLM's: each choice also carries its prompt and output ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -133,8 +140,8 @@ def _float(body: dict[str, Any], name: str, default: float) -> float:
         raise RequestError(f"{name} is out of range, got {value}", param=name) from None
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
-    for name, no_ops in UNSUPPORTED.items():
+def check_unsupported(body: dict[str, Any], also: dict[str, tuple[object, ...]]) -> None:
+    for name, no_ops in {**UNSUPPORTED, **also}.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v)
                                     or body[name] is v for v in no_ops):  # fmt: skip
             raise RequestError(
@@ -152,9 +159,11 @@ def check_model(body: dict[str, Any], served: str) -> None:
 
 
 def _sampling(
-    body: dict[str, Any], max_tokens_field: str, default_max_tokens: int | None
+    body: dict[str, Any],
+    max_tokens_field: str,
+    default_max_tokens: int | None,
+    logprobs: tuple[int | None, int | None],
 ) -> SamplingParams:
-    check_unsupported(body)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     try:
         return SamplingParams(
@@ -165,6 +174,8 @@ def _sampling(
             seed=_get(body, "seed", (int,), None),
             stop_token_ids=tuple(stop_ids),
             ignore_eos=_get(body, "ignore_eos", (bool,), False),
+            logprobs=logprobs[0],
+            prompt_logprobs=logprobs[1],
         )
     except RequestError as exc:  # chat names its length field max_completion_tokens
         if exc.param == "max_tokens" and max_tokens_field != "max_tokens":
@@ -230,15 +241,41 @@ def _n(body: dict[str, Any], prompts: int) -> int:
 
 
 def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
+    """A /v1/completions body. `logprobs: N` returns each token's logprob and the N most likely
+    alternatives; with `echo`, the prompt's tokens too (the first one has none)."""
     check_model(body, served)
+    check_unsupported(body, {"top_logprobs": (None,)})
     prompts = _prompts(body)
-    params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS)
+    top = _get(body, "logprobs", (int,), None)
+    echo = _get(body, "echo", (bool,), False)
+    logprobs = (top, top if echo else None)
+    params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS, logprobs)
     return ApiRequest(prompts, None, params, _stop(body), *_stream_flags(body),
-                      _include_stop(body), _n(body, len(prompts)))  # fmt: skip
+                      _include_stop(body), _n(body, len(prompts)), echo,
+                      *_id_flags(body))  # fmt: skip
+
+
+def _id_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    return (
+        _get(body, "return_token_ids", (bool,), False),
+        _get(body, "return_tokens_as_token_ids", (bool,), False),
+    )
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's spelling: `logprobs: true` and `top_logprobs: N` alternatives (needs logprobs)."""
+    wanted = _get(body, "logprobs", (bool,), False)
+    top = _get(body, "top_logprobs", (int,), None)
+    if top is not None and not wanted:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if top is not None and top < 0:
+        raise RequestError(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
     check_model(body, served)
+    check_unsupported(body, {"echo": (None, False)})  # vLLM's chat echo is another feature
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
@@ -261,6 +298,8 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
             raise RequestError(f"messages[{i}].content must be a string", param="messages")
         flat.append({"role": m["role"], "content": content})
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    params = _sampling(body, field, None)  # chat: up to the context limit, as vLLM
+    logprobs = (_chat_logprobs(body), None)
+    params = _sampling(body, field, None, logprobs)  # chat: up to the context limit, as vLLM
     return ApiRequest([], flat, params, _stop(body), *_stream_flags(body),
-                      _include_stop(body), _n(body, 1))  # fmt: skip
+                      _include_stop(body), _n(body, 1), False,
+                      *_id_flags(body))  # fmt: skip

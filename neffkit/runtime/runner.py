@@ -1,6 +1,6 @@
 """One rank's graphs and their metadata: what the scheduler decided in, sampled tokens out.
 
-The runner owns a rank's graph entries (each an executor's `run(metadata) → tokens`), builds each
+The runner owns a rank's graph entries (each an executor's `run(metadata) → outputs`), builds each
 step's metadata with numpy (the decode graphs' arrays are allocated once and updated in place),
 and times the graph calls. It is all a follower rank needs: followers receive (graph index,
 metadata) from rank 0 and call `execute`.
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neffkit.runtime.scheduler import DecodeBatch, Layout, PrefillChunk, SequenceState
+from neffkit.runtime.scheduler import DecodeBatch, Layout, PrefillChunk, SequenceState, StepOutput
 
-# metadata arrays in the graph's input order → sampled tokens; the executor binds the rest
-Executable = Callable[[list[np.ndarray]], np.ndarray]
+# metadata arrays in the graph's input order → its user outputs in order (next tokens first);
+# the executor binds the rest
+Executable = Callable[[list[np.ndarray]], list[np.ndarray]]
 # called with (graph index, metadata) before every graph call: the multi-rank broadcast
 OnRun = Callable[[int, dict[str, np.ndarray]], None]
 
@@ -33,6 +34,7 @@ class GraphEntry:
     context: int
     meta_specs: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in input order
     run: Executable
+    outputs: tuple[str, ...] = ("next_tokens",)  # names of what `run` returns, in order
 
     @property
     def meta_inputs(self) -> tuple[str, ...]:
@@ -123,16 +125,17 @@ class ModelRunner:
         self.timings = Timings()
         self._decode_buffers: dict[str, DecodeBuffers] = {}
 
-    def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
-        """Run one graph on host metadata; returns the sampled tokens."""
-        return graph.run([meta[name] for name in graph.meta_inputs])
+    def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one graph on host metadata; returns its outputs by name."""
+        outs = graph.run([meta[name] for name in graph.meta_inputs])
+        return dict(zip(graph.outputs, outs, strict=True))
 
-    def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
+    def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.on_run is not None:
             self.on_run(self._index[graph.name], meta)
         return self.execute(graph, meta)
 
-    def prefill(self, chunk: PrefillChunk) -> int:
+    def prefill(self, chunk: PrefillChunk) -> StepOutput:
         """Write the chunk's K/V; the sampled token counts only after a prompt's last chunk."""
         graph = self.graphs[("prefill", chunk.tokens, chunk.context)]
         seq, start, n, tokens = chunk.seq, chunk.start, chunk.length, chunk.tokens
@@ -160,13 +163,18 @@ class ModelRunner:
             "seed": np.zeros(1, dtype=np.int64),
         }
         write_sampling(meta, 0, seq)
+        if "target_ids" in graph.meta_inputs:  # each position's next prompt token (0 past the end)
+            targets = np.zeros((1, tokens), dtype=np.int64)
+            following = seq.prompt_ids[start + 1 : start + n + 1]
+            targets[0, : len(following)] = following
+            meta["target_ids"] = targets
         t0 = time.perf_counter()
-        next_tokens = self._run(graph, meta)
+        outputs = self._run(graph, meta)
         self.timings.prefill_s += time.perf_counter() - t0
         self.timings.prefill_chunks += 1
-        return int(next_tokens[0])
+        return StepOutput(outputs)
 
-    def decode(self, batch: DecodeBatch) -> list[int]:
+    def decode(self, batch: DecodeBatch) -> StepOutput:
         graph = self.graphs[("decode", batch.batch, batch.context)]
         buffers = self._decode_buffers.get(graph.name)
         if buffers is None:
@@ -175,8 +183,8 @@ class ModelRunner:
             )
         buffers.fill(batch.rows)
         t0 = time.perf_counter()
-        next_tokens = self._run(graph, buffers.meta)
+        outputs = self._run(graph, buffers.meta)
         self.timings.decode_s += time.perf_counter() - t0
         self.timings.decode_steps += 1
         self.timings.decode_tokens += len(batch.rows)
-        return next_tokens.tolist()
+        return StepOutput(outputs)

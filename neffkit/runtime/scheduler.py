@@ -7,8 +7,8 @@ request's whole budget (prompt + max_tokens) are reserved when it is admitted, s
 request never runs out of cache and nothing is ever preempted. Block 0 is the null block: padding
 slots and -1 block-table entries land there, so it is never handed out.
 
-Pure Python, no graphs: the runner (runner.py) turns what is scheduled here into metadata, and the
-scheduler's tests run against a fake runner in milliseconds.
+Pure Python (and numpy), no graphs: the runner (runner.py) turns what is scheduled here into
+metadata, and the scheduler's tests run against a fake runner in milliseconds.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from neffkit.bundle import BundleRecord
 from neffkit.errors import RequestError
@@ -35,6 +37,8 @@ class Layout:
     eos_token_ids: tuple[int, ...]
     vocab_size: int  # prompt token ids must lie in [0, vocab_size)
     max_top_k: int | None = None  # the bundle's candidates for top-k / top-p (None: no limit)
+    max_logprobs: int = 0  # top logprobs the graphs return per token
+    prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs
 
     @classmethod
     def of(cls, record: BundleRecord) -> Layout:
@@ -48,6 +52,8 @@ class Layout:
             eos_token_ids=record.model.eos_token_ids,
             vocab_size=record.model.vocab_size,
             max_top_k=lay.max_top_k,
+            max_logprobs=lay.max_logprobs,
+            prompt_logprobs=lay.prompt_logprobs,
         )
 
     @property
@@ -56,6 +62,43 @@ class Layout:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs: the token's own, and the N most likely tokens' (ids, values)."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+class StepOutput:
+    """A graph call's outputs by name; logprobs are read out only for the rows that asked."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+        self.tokens: list[int] = arrays["next_tokens"].tolist()
+
+    def logprobs(self, row: int, top: int) -> TokenLogprobs:
+        a = self.arrays
+        return TokenLogprobs(
+            float(a["token_logprobs"][row]),
+            tuple(a["top_logprob_ids"][row, :top].tolist()),
+            tuple(a["top_logprobs"][row, :top].tolist()),
+        )
+
+    def prompt_logprobs(self, positions: range, top: int) -> list[TokenLogprobs]:
+        """Chunk positions' logprobs of the prompt token after each (prefill graphs built with
+        sampling.prompt_logprobs)."""
+        a = self.arrays
+        chosen = a["prompt_logprobs"][positions.start : positions.stop].tolist()
+        ids = a["prompt_top_logprob_ids"][positions.start : positions.stop, :top].tolist()
+        values = a["prompt_top_logprobs"][positions.start : positions.stop, :top].tolist()
+        return [
+            TokenLogprobs(c, tuple(i), tuple(v))
+            for c, i, v in zip(chosen, ids, values, strict=True)
+        ]
 
 
 @dataclass
@@ -68,6 +111,10 @@ class SequenceState:
     blocks: list[int] = field(default_factory=list)
     num_prefilled: int = 0
     finish_reason: str | None = None
+    # with params.logprobs: one entry per output token
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -153,11 +200,13 @@ def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) ->
             hint="ask for top_k <= that, or build with a larger sampling.max_top_k",
             param="top_k",
         )
+    _check_logprobs(layout, params)
     budget = output_budget(layout, len(prompt_ids), params)
-    total = len(prompt_ids) + max(budget, 1)
+    budget = budget if params.max_tokens == 0 else max(budget, 1)  # 0: prompt logprobs only
+    total = len(prompt_ids) + budget
     if total > layout.max_model_len:
         raise RequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max(budget, 1)}) = {total} "
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({budget}) = {total} "
             f"exceeds the largest context bucket ({layout.max_model_len}); context buckets: "
             f"{list(layout.context_buckets)}",
             hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
@@ -168,6 +217,23 @@ def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) ->
             f"request needs {layout.blocks_for(total)} KV blocks; the bundle has "
             f"{layout.num_blocks - 1}",
             param="prompt",
+        )
+
+
+def _check_logprobs(layout: Layout, params: SamplingParams) -> None:
+    for top in (params.logprobs, params.prompt_logprobs):
+        if top is not None and top > layout.max_logprobs:
+            raise RequestError(
+                f"logprobs {top} exceeds this bundle's sampling.max_logprobs "
+                f"({layout.max_logprobs})",
+                hint="ask for fewer, or build with a larger sampling.max_logprobs",
+                param="logprobs",
+            )
+    if params.prompt_logprobs is not None and not layout.prompt_logprobs:
+        raise RequestError(
+            "prompt logprobs (echo with logprobs) need a bundle built with "
+            "sampling.prompt_logprobs: true",
+            param="echo",
         )
 
 
@@ -227,15 +293,23 @@ class Scheduler:
         assert tokens is not None and context is not None  # check_fits bounded the prompt
         return PrefillChunk(seq, start, n, tokens, context)
 
-    def prefilled(self, chunk: PrefillChunk, token: int) -> list[SequenceState]:
+    def prefilled(self, chunk: PrefillChunk, out: StepOutput) -> list[SequenceState]:
         """After a chunk ran: the sequence decodes once its whole prompt is in the cache."""
         seq = chunk.seq
+        top = seq.params.prompt_logprobs
+        if top is not None:  # position p scores prompt token p + 1
+            last = min(chunk.length, len(seq.prompt_ids) - 1 - chunk.start)
+            seq.prompt_logprobs += out.prompt_logprobs(range(0, last), top)
         seq.num_prefilled += chunk.length
         if seq.num_prefilled < len(seq.prompt_ids):
             return []
         self.prefilling.popleft()
+        if seq.params.max_tokens == 0:  # echo / prompt logprobs only: nothing is generated
+            seq.finish_reason = "length"
+            self._release(seq)
+            return [seq]
         self.running.append(seq)
-        self._append(seq, token)
+        self._append(seq, out, 0)
         return [seq]
 
     def next_decode(self) -> DecodeBatch | None:
@@ -251,14 +325,17 @@ class Scheduler:
         assert batch is not None and context is not None
         return DecodeBatch(rows, batch, context)
 
-    def decoded(self, batch: DecodeBatch, tokens: list[int]) -> list[SequenceState]:
-        for seq, token in zip(batch.rows, tokens, strict=False):  # padding rows last
-            self._append(seq, token)
+    def decoded(self, batch: DecodeBatch, out: StepOutput) -> list[SequenceState]:
+        for row, seq in enumerate(batch.rows):  # padding rows last
+            self._append(seq, out, row)
         return batch.rows
 
-    def _append(self, seq: SequenceState, token: int) -> None:
+    def _append(self, seq: SequenceState, out: StepOutput, row: int) -> None:
+        token = out.tokens[row]
         seq.output_ids.append(token)
         params = seq.params
+        if params.logprobs is not None:
+            seq.output_logprobs.append(out.logprobs(row, params.logprobs))
         if not params.ignore_eos and token in self.layout.eos_token_ids:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:

@@ -59,6 +59,16 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_texts(self, context: list[int], candidates: list[int]) -> list[str]:
+        """The text each candidate adds after `context` (a few preceding tokens): a token's text
+        with the spaces and merges it has in place, which decoding it alone loses."""
+        before = self.decode(context)
+        texts = self._tok.decode_batch(
+            [[*context, c] for c in candidates], skip_special_tokens=True
+        )
+        return [t[len(before) :] if t.startswith(before) else self.decode([c])
+                for t, c in zip(texts, candidates, strict=True)]  # fmt: skip
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The conversation as prompt text: the bundle's chat template, else the default.
         A template that refuses the conversation (`raise_exception`) is a RequestError."""

@@ -96,7 +96,10 @@ class NeuronBackend:
         from neffkit.compile.verify import xla_cpu_runner
 
         names = [i.name for i in unit.trace.inputs]
-        return xla_cpu_runner(_lowered(unit).proto, names, unit.trace.io_alias), "xla-cpu (HLO)"
+        runner = xla_cpu_runner(
+            _lowered(unit).proto, names, unit.trace.io_alias, len(unit.trace.outputs)
+        )
+        return runner, "xla-cpu (HLO)"
 
     def target_record(
         self, manifest: Manifest, lower_only: bool
