@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from neffkit.errors import ManifestError, ModelError
-from neffkit.models.config import ModelConfig, read_model_config
+from neffkit.models.config import ModelConfig, check_static, read_model_config
 from neffkit.models.parallel import Parallelism as ParallelLayout
 from neffkit.models.parallel import check_parallelism
 from neffkit.targets import AUDIT_RULE_IDS, DTYPES, NEURON_TARGETS, PHASES, TARGETS
@@ -315,6 +315,9 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         check_parallelism(model_config, ParallelLayout(parallel.tp, parallel.ep))
     except ModelError as exc:  # models/ knows the layout, the manifest knows where it was set
         raise ManifestError(f"{exc.field or 'parallel'}: {exc.message}", exc.hint) from exc
+    static_rope = check_static(model_config.rope_params, buckets.context[-1])
+    if static_rope is not None:
+        raise ManifestError(f"buckets.context: {static_rope}")
     if sampling.max_logprobs > model_config.vocab_size:
         raise ManifestError(
             f"sampling.max_logprobs: {sampling.max_logprobs} exceeds the vocabulary "

@@ -71,7 +71,18 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
         SMALL,
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, SMALL),
-}
+    # rope scaling: frequencies are a graph input, so llama3/linear reuse llama's graphs (cache
+    # hits) and only yarn (its attention factor scales cos/sin) compiles its own. The scaled
+    # frequencies act well inside the test prompts' positions (original length 32 < 49).
+    "llama_rope3": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0}}, SMALL),
+    "llama_linear": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, SMALL),
+    "qwen2_yarn": ("Qwen2Config", {"num_key_value_heads": 1, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0}}, SMALL),
+}  # fmt: skip
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "llama": ({"tp": 2}, {"prefill": [16], "decode": [4], "context": [256]}),

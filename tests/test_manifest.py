@@ -155,18 +155,36 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, model_dir):
     assert "architecture 'GPT2LMHeadModel' is not supported" in proc.stderr
 
 
-def test_unsupported_rope_type_is_refused_by_name(tmp_path, model_dir):
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"rope_type": "su", "rope_theta": 1e4}, "rope type 'su' is not supported"),
+        # HF recomputes these from the longest sequence seen: not static past the bound
+        ({"rope_type": "dynamic", "factor": 2.0}, "dynamic NTK rope recomputes"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 16,
+            },
+            "longrope switches",
+        ),  # fmt: skip
+    ],
+)
+def test_rope_types_that_cannot_be_static_are_refused(tmp_path, model_dir, rope, message):
     import json
     import shutil
 
-    bad_model = tmp_path / "yarn"
+    bad_model = tmp_path / "rope"
     shutil.copytree(model_dir, bad_model)
     cfg = json.loads((bad_model / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = rope
+    cfg["max_position_embeddings"] = 16  # below the manifest's largest context bucket
     (bad_model / "config.json").write_text(json.dumps(cfg))
     path = _write(tmp_path, {**VALID, "model": str(bad_model)}, model_dir)
     proc = run_cli("build", str(path))
-    assert proc.returncode == 2 and "rope type 'yarn' is not supported" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_missing_manifest_file(tmp_path):

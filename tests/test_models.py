@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from neffkit.models.config import read_model_config
@@ -40,6 +41,45 @@ def test_rope_theta_from_4x_and_5x_configs(hf_model_dir, tmp_path):
     parsed = read_model_config(model_dir)
     assert parsed.rope_theta == 5e5
     assert (parsed.head_dim, parsed.qk_norm) == (32, True)
+
+
+ROPE_CASES = {  # rope parameters as transformers 5.x spells them (4.x: rope_scaling, below)
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+                    "beta_fast": 16, "beta_slow": 2, "original_max_position_embeddings": 64},
+    "yarn_no_truncate": {"rope_type": "yarn", "factor": 4.0, "truncate": False,
+                         "original_max_position_embeddings": 64},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                 "long_factor": [2.0] * 8, "original_max_position_embeddings": 64},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+@pytest.mark.parametrize("spelling", ["5.x", "4.x"])
+def test_rope_frequencies_equal_transformers_bit_for_bit(case, spelling):
+    """inv_freq and the attention factor equal transformers' ROPE_INIT_FUNCTIONS exactly (the
+    definition), read from either config spelling."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from neffkit.models.config import rope_parameters
+    from neffkit.models.rope_scaling import rope_frequencies
+
+    params = {**ROPE_CASES[case], "rope_theta": 5e4}
+    common = dict(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+    hf = transformers.LlamaConfig(**common, rope_parameters=dict(params))
+    want, want_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf, "cpu")
+    if spelling == "5.x":
+        config = {**common, "rope_parameters": params}
+    else:
+        old = {k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}
+        config = {**common, "rope_theta": 5e4, "rope_scaling": {"type": params["rope_type"], **old}}
+    inv_freq, factor = rope_frequencies(rope_parameters(config, "config.json"), 16)
+    assert torch.equal(inv_freq, want) and factor == want_factor
 
 
 def test_mqa_and_tied_configs(hf_model_dir):

@@ -31,6 +31,7 @@ from neffkit.models.llama import (
     metadata_inputs,
 )
 from neffkit.models.parallel import Parallelism
+from neffkit.models.sharding import FLOAT32_TENSORS
 from neffkit.models.weights import rank_weight_shapes
 
 
@@ -80,7 +81,10 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         config=cfg,
         dtype=manifest.dtype,
         kv_heads=par.kv_heads_per_rank(cfg),
-        weights=tuple(TensorSpec(name, shape, manifest.dtype) for name, shape in shapes),
+        weights=tuple(
+            TensorSpec(name, shape, "float32" if name in FLOAT32_TENSORS else manifest.dtype)
+            for name, shape in shapes
+        ),
         block_size=manifest.kv_cache.block_size,
         num_blocks=manifest.kv_cache.num_blocks,
         max_top_k=manifest.sampling.max_top_k,

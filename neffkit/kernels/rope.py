@@ -1,7 +1,8 @@
-"""Rotary position embedding (rotate-half layout, HF's default rope type).
+"""Rotary position embedding (rotate-half layout).
 
-cos/sin are computed in-graph from int positions in float32, exactly as HF does, so no host tensor
-and no non-persistent buffer (which torch-mlir trips on) is needed.
+The frequencies (`inv_freq`, float32) come from the build (models/rope_scaling.py, HF's formulas
+for every rope type) as a graph input; cos/sin are computed in-graph from int positions in
+float32 and scaled by the rope type's attention factor, exactly as HF's rotary embedding does.
 """
 
 from __future__ import annotations
@@ -11,15 +12,16 @@ import torch
 
 def rope_cos_sin(
     positions: torch.Tensor,  # [B, T] int64
-    head_dim: int,
-    theta: float,
+    inv_freq: torch.Tensor,  # [D/2] float32
+    attention_factor: float,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, T, 1, D]
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-    inv_freq = 1.0 / (theta ** (exponent / head_dim))  # [D/2]
-    freqs = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
+    freqs = positions.float().unsqueeze(-1) * inv_freq.float()  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-    return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:  # yarn / longrope scale cos and sin (HF's attention_scaling)
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Read an HF `config.json` into a ModelConfig: the few numbers the graphs need, validated.
 
 Pure Python (no torch) so the manifest can validate a model directory without loading weights.
-Handles both transformers 4.x (`rope_theta` at the top level) and 5.x (`rope_parameters`).
+Handles both transformers 4.x (`rope_theta`, `rope_scaling` at the top level) and 5.x
+(`rope_parameters`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": {"qk_norm": False, "moe": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
 }
-ROPE_TYPES = ("default",)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[bool, ...] = ()
+    # the rope parameters as HF reads them (rope_type, rope_theta, factor, ...): sorted pairs
+    rope: tuple[tuple[str, Any], ...] = ()
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        return dict(self.rope) or {"rope_type": "default", "rope_theta": self.rope_theta}
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +69,7 @@ class ModelConfig:
         data["sliding_windows"] = tuple(data["sliding_windows"])
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["sparse_layers"] = tuple(data.get("sparse_layers", ()))
+        data["rope"] = _frozen_rope(dict(data.get("rope", ())))
         return cls(**data)
 
 
@@ -73,18 +81,54 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(cfg: dict[str, Any], where: str) -> float:
-    """rope_theta from 5.x `rope_parameters` or 4.x top-level keys; other rope types refused."""
+def rope_parameters(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """The rope parameters of an HF config.json: transformers 5.x `rope_parameters` or 4.x
+    `rope_scaling` + top-level `rope_theta`, with `type` read as `rope_type`."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if isinstance(params, dict) and "rope_type" not in params and "type" in params:
-        params = {**params, "rope_type": params["type"]}
-    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
-    if rope_type not in ROPE_TYPES:
+    if not isinstance(params, dict):
+        raise ModelError(f"{where}: rope parameters must be an object, got {params!r}")
+    params = dict(params)
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if params["rope_type"] not in ROPE_TYPES:
         raise ModelError(
-            f"{where}: rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+            f"{where}: rope type {params['rope_type']!r} is not supported; supported: "
+            f"{', '.join(ROPE_TYPES)}"
         )
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta if theta is not None else cfg.get("rope_theta", 10000.0))
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelError(f"{where}: partial_rotary_factor != 1 is not supported")
+    params["max_position_embeddings"] = cfg.get("max_position_embeddings")
+    return params
+
+
+def check_static(params: dict[str, Any], max_context: int) -> str | None:
+    """Why static frequencies cannot equal HF's up to `max_context` tokens (None: they can)."""
+    kind = params["rope_type"]
+    if kind == "dynamic":
+        limit = params.get("max_position_embeddings")
+        if limit is None or max_context > limit:
+            return (
+                f"dynamic NTK rope recomputes its frequencies beyond max_position_embeddings "
+                f"({limit}) from the longest sequence seen so far (state kept across requests), "
+                f"which a compiled graph cannot reproduce; keep the largest context bucket "
+                f"<= {limit}"
+            )
+    if kind == "longrope":
+        limit = params["original_max_position_embeddings"]
+        if max_context > limit:
+            return (
+                f"longrope switches from short to long factors when a forward call's longest "
+                f"position passes original_max_position_embeddings ({limit}); a graph with static "
+                f"frequencies cannot; keep the largest context bucket <= {limit}"
+            )
+    return None
+
+
+def _frozen_rope(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Sorted pairs, lists as tuples: a frozen dataclass field."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(params.items()))
 
 
 def _sliding_windows(cfg: dict[str, Any], num_layers: int, arch: str) -> tuple[int | None, ...]:
@@ -143,6 +187,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         num_layers = int(cfg["num_hidden_layers"])
+        rope = rope_parameters(cfg, str(path))
         eos = cfg.get("eos_token_id")
         gen_path = model_dir / "generation_config.json"
         if gen_path.exists():
@@ -157,7 +202,8 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope(cfg, str(path)),
+            rope_theta=float(rope["rope_theta"]),
+            rope=_frozen_rope(rope),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             sliding_windows=_sliding_windows(cfg, num_layers, arch),

@@ -21,6 +21,8 @@ from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
+from neffkit.models.rope_scaling import rope_frequencies
+from neffkit.models.sharding import ROPE_INV_FREQ
 
 SAMPLING_INPUTS = (
     ("temperature", "float32"),
@@ -119,6 +121,7 @@ class DecoderGraph(torch.nn.Module):
         self.par = par or Parallelism()
         self.has_rank = self.par.needs_rank_input(cfg)
         self.gemv_max_rows = gemv_max_rows
+        self.rope_attention_factor = rope_frequencies(cfg.rope_params, cfg.head_dim)[1]
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, shape = self.cfg, self.shape
@@ -137,7 +140,9 @@ class DecoderGraph(torch.nn.Module):
         # an out-of-bounds DMA on Neuron and a crash on CPU (audit rule NK109).
         ids = input_ids.clamp(0, cfg.vocab_size - 1)
         h = w["model.embed_tokens.weight"][ids]  # [B, T, hidden]
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, h.dtype)  # [B, T, 1, D]
+        cos, sin = rope_cos_sin(
+            positions, w[ROPE_INV_FREQ], self.rope_attention_factor, h.dtype
+        )  # [B, T, 1, D]
         masks = {
             window: context_mask(positions, context_lens, shape.context, window)
             for window in set(cfg.sliding_windows)

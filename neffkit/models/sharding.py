@@ -25,8 +25,11 @@ import torch
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
+from neffkit.models.rope_scaling import rope_frequencies
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+ROPE_INV_FREQ = "rope.inv_freq"  # a graph input like the weights; float32 in every bundle dtype
+FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ})
 
 
 def _expert_names(cfg: ModelConfig, prefix: str, expert: int) -> tuple[str, str, str]:
@@ -103,6 +106,8 @@ def rank_weights(
     yield "model.norm.weight", need("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", need("lm_head.weight")
+    # computed, not read: the rope frequencies as HF derives them (float32, never cast)
+    yield ROPE_INV_FREQ, rope_frequencies(cfg.rope_params, cfg.head_dim)[0]
 
 
 def _moe_shard(cfg, par, rank, prefix, need):

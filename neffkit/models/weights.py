@@ -17,9 +17,14 @@ from safetensors import safe_open
 
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
-from neffkit.models.sharding import Parallelism, rank_weights
+from neffkit.models.sharding import FLOAT32_TENSORS, Parallelism, rank_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_dtype(name: str, dtype: str) -> torch.dtype:
+    """The bundle dtype, except for tensors that stay float32 (rope frequencies)."""
+    return torch.float32 if name in FLOAT32_TENSORS else DTYPES[dtype]
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, Path]:
@@ -68,11 +73,11 @@ def iter_rank_weights(
             handles[file] = safe_open(str(file), framework="pt")
         return handles[file].get_tensor(name)
 
-    torch_dtype = DTYPES[dtype]
     try:
         for name, tensor in rank_weights(cfg, par, rank, get, set(index)):
             # a fresh compact tensor: slices must not drag their parent's storage into the file
-            yield name, tensor.to(torch_dtype).clone(memory_format=torch.contiguous_format)
+            cast = tensor.to(weight_dtype(name, dtype))
+            yield name, cast.clone(memory_format=torch.contiguous_format)
     finally:
         handles.clear()
 
