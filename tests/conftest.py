@@ -57,20 +57,21 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 1}, SMALL),  # MQA + qkv bias
-    # layer 0 dense, layer 1 sparse; renormalised top-2 of 4 experts
+    # layer 0 dense, layer 1 sparse; renormalised top-2 of 8 experts. MoE decode [1, 4]: one row
+    # gathers its 2 routed experts (2 < 8), four rows run all 8 densely (8 is not < 8)
     "qwen3_moe": (
         "Qwen3MoeConfig",
         {
             "head_dim": 32,
-            "num_experts": 4,
+            "num_experts": 8,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
             "mlp_only_layers": [0],
             "norm_topk_prob": True,
         },
-        SMALL,
+        TWO_DECODE,
     ),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, SMALL),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, TWO_DECODE),
     # rope scaling: frequencies are a graph input, so llama3/linear reuse llama's graphs (cache
     # hits) and only yarn (its attention factor scales cos/sin) compiles its own. The scaled
     # frequencies act well inside the test prompts' positions (original length 32 < 49).
@@ -89,7 +90,8 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "qwen3": ({"tp": 2}, SMALL),
     "qwen2": ({"tp": 2}, SMALL),  # one KV head: replicated on both ranks
     "qwen3_moe": ({"tp": 2, "ep": 2}, SMALL),
-    "mixtral": ({"tp": 2, "ep": 2}, SMALL),
+    # ep=2: 4 experts a rank; decode b1 gathers among them, the other rank's slots weigh 0
+    "mixtral": ({"tp": 2, "ep": 2}, TWO_DECODE),
 }
 
 

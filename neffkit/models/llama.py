@@ -20,6 +20,7 @@ from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
+from neffkit.models.moe import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.parallel import Parallelism
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.sharding import ROPE_INV_FREQ
@@ -246,11 +247,12 @@ class DecoderGraph(torch.nn.Module):
         return partial if bias is None else partial + bias
 
     def _moe(self, x: torch.Tensor, w: dict[str, torch.Tensor], p: str) -> torch.Tensor:
-        """Top-k routed experts, computed densely over this rank's experts (no all-to-all).
+        """Top-k routed experts over this rank's experts (no all-to-all; models/moe.py).
 
-        Routing is HF's: softmax in float32, top-k, optional renormalisation. Every local expert
-        runs on every token and is weighted by its routing weight (0 when not selected); the
-        partial sums of all ranks are added by the same all-reduce as the dense layers.
+        Routing is HF's: softmax in float32, top-k, optional renormalisation. Decode graphs
+        gather each token's k experts when that reads fewer experts than running them all;
+        prefill runs every local expert densely. Partial sums of all ranks are added by the
+        same all-reduce as the dense layers.
         """
         cfg = self.cfg
         rows, tokens, hidden = x.shape
@@ -262,19 +264,33 @@ class DecoderGraph(torch.nn.Module):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         if cfg.architecture != "MixtralForCausalLM":
             top_w = top_w.to(x.dtype)  # Qwen3-MoE casts routing weights; Mixtral keeps float32
-        dense = torch.zeros_like(probs, dtype=top_w.dtype).scatter(1, top_i, top_w)  # [N, E]
-        gate_up = w[f"{p}.moe.gate_up"]  # [E_local, 2*I, hidden]
+        gate_up, down = w[f"{p}.moe.gate_up"], w[f"{p}.moe.down"]  # [E_local, 2*I, hidden], ...
         local = gate_up.shape[0]
+        first: torch.Tensor | int = 0
         if self.rank is not None:  # this rank's experts, chosen by a tensor: SPMD-identical
-            group = torch.div(self.rank, self.par.moe_tp, rounding_mode="floor")
-            ids = group * local + torch.arange(local, device=x.device)  # [E_local]
-            dense = dense.index_select(1, ids)
+            first = torch.div(self.rank, self.par.moe_tp, rounding_mode="floor") * local
+        routing = Routing(top_i, top_w)
+        if self._routed(x2.shape[0], local):
+            mine = local_slots(routing, local, first)
+            reduce = x2.shape[0] <= self.gemv_max_rows
+            g, u = gather_rows(x2, gate_up, mine.ids, reduce).chunk(2, dim=-1)  # [N, k, I] each
+            act = torch.nn.functional.silu(g) * u
+            out = gather_rows(act.reshape(-1, act.shape[-1]), down,
+                              mine.ids.reshape(-1, 1), reduce)  # fmt: skip
+            out = out.reshape(*mine.ids.shape, hidden).to(mine.weights.dtype)  # [N, k, hidden]
+            out = (out * mine.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+            return out.reshape(rows, tokens, hidden)
+        dense = dense_weights(routing, cfg.num_experts, first, local)  # [N, E_local]
         h = torch.einsum("nh,eih->eni", x2, gate_up)  # [E_local, N, 2*I]
         g, u = h.chunk(2, dim=-1)
         act = torch.nn.functional.silu(g) * u  # [E_local, N, I]
-        out = torch.einsum("eni,ehi->enh", act, w[f"{p}.moe.down"])  # [E_local, N, hidden]
+        out = torch.einsum("eni,ehi->enh", act, down)  # [E_local, N, hidden]
         out = torch.einsum("enh,ne->nh", out.to(dense.dtype), dense).to(x.dtype)
         return out.reshape(rows, tokens, hidden)
+
+    def _routed(self, num_tokens: int, local: int) -> bool:
+        """Gather the routed experts (decode) when that reads fewer than all local experts."""
+        return self.shape.phase == "decode" and num_tokens * self.cfg.experts_per_token < local
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, gemv_max_rows: int) -> torch.Tensor:
