@@ -83,6 +83,16 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "qwen2_yarn": ("Qwen2Config", {"num_key_value_heads": 1, "rope_parameters": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
         "rope_theta": 10000.0}}, SMALL),
+    # GPT-OSS: sinks, sliding (window 8 < the test prompts) and full layers, biases, clamped
+    # SwiGLU over interleaved gate/up, top-2 of 8 experts, yarn rope as the release has it
+    "gpt_oss": ("GptOssConfig", {
+        "intermediate_size": 32, "head_dim": 16, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 32, "rope_theta": 10000.0}},
+        TWO_DECODE),
 }  # fmt: skip
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
@@ -92,6 +102,7 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "qwen3_moe": ({"tp": 2, "ep": 2}, SMALL),
     # ep=2: 4 experts a rank; decode b1 gathers among them, the other rank's slots weigh 0
     "mixtral": ({"tp": 2, "ep": 2}, TWO_DECODE),
+    "gpt_oss": ({"tp": 2, "ep": 2}, TWO_DECODE),
 }
 
 
@@ -176,6 +187,10 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # HF initialises biases to zero: random ones test their handling
+        for name, param in model.named_parameters():
+            if "bias" in name and not param.any():
+                param.normal_(0.0, 0.2)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(DEMO_MODEL / name, out / name)

@@ -30,6 +30,8 @@ LOWERED = {  # kind, tp → buckets
     ("qwen3", 1): {"prefill": [16], "decode": [2], "context": [64]},
     ("llama", 2): {"prefill": [16], "decode": [2], "context": [64]},
     ("qwen3", 2): {"prefill": [16], "decode": [2], "context": [64]},
+    # sinks, sliding + full layers, yarn, biases; decode b1 gathers its routed experts
+    ("gpt_oss", 1): {"prefill": [16], "decode": [1], "context": [64]},
 }
 
 
@@ -133,16 +135,17 @@ def test_hlo_protos_are_byte_identical_across_builds(
         assert (first / g["hlo"]).read_bytes() == (again / g["hlo"]).read_bytes(), g["name"]
 
 
-def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy) -> None:
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind) -> None:
     prompts = [[5, 17, 300, 42, 7], list(range(3, 23))]  # the second spans two prefill chunks
     args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
     proc = run_cli(
-        "run", str(lowered("llama")), "--executor", "xla-cpu", *args,
+        "run", str(lowered(kind)), "--executor", "xla-cpu", *args,
         "--max-tokens", "12", "--ignore-eos", "--json", check=True,
     )  # fmt: skip
     outputs = json.loads(proc.stdout)["outputs"]
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, 12)
+        assert out["token_ids"] == hf_greedy(hf_model_dir(kind), prompt, 12)
 
 
 def test_lowered_bundle_refuses_the_neuron_executor(lowered) -> None:

@@ -35,8 +35,13 @@ def paged_attention(
     values: torch.Tensor,  # [B, C, KV, D]
     mask: torch.Tensor,  # [B, T, C] bool
     scale: float,
+    sinks: torch.Tensor | None = None,  # [H]: GPT-OSS's learned logit per head
 ) -> torch.Tensor:  # [B, T, H * D]
-    """Grouped-query attention: query head h reads KV head h // (H // KV), like HF repeat_kv."""
+    """Grouped-query attention: query head h reads KV head h // (H // KV), like HF repeat_kv.
+
+    With `sinks`, each head's softmax also counts exp(sink) in its denominator (a column that
+    takes probability mass and is then dropped), as GPT-OSS's attention does.
+    """
     rows, tokens, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
@@ -45,6 +50,10 @@ def paged_attention(
     v = values.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KV, G, T, C]
     scores = torch.where(mask[:, None, None], scores.float(), MASK_VALUE)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.float().reshape(1, kv_heads, group, 1, 1).expand(rows, -1, -1, tokens, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # [B, KV, G, T, D]
     return out.permute(0, 3, 1, 2, 4).reshape(rows, tokens, heads * dim)

@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3ForCausalLM": {"qk_norm": True, "moe": False},
     "MixtralForCausalLM": {"qk_norm": False, "moe": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
+    "GptOssForCausalLM": {"qk_norm": False, "moe": True},
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -51,6 +52,16 @@ class ModelConfig:
     sparse_layers: tuple[bool, ...] = ()
     # the rope parameters as HF reads them (rope_type, rope_theta, factor, ...): sorted pairs
     rope: tuple[tuple[str, Any], ...] = ()
+    # GPT-OSS: a learned per-head logit in each softmax denominator (attention sinks); its router
+    # takes the top-k logits then softmaxes them; router and experts have biases; its SwiGLU
+    # clamps (gate <= limit, |up| <= limit) and gates with sigmoid(alpha * gate), then (up + 1);
+    # its RMSNorm multiplies the weight in float32 before the cast back
+    attention_sinks: bool = False
+    router_topk_first: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float = 0.0  # 0: the plain SwiGLU, silu(gate) * up
+    swiglu_alpha: float = 1.702
+    norm_weight_in_float32: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -149,6 +160,19 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     if not ARCHITECTURES[arch]["moe"]:
         return {}
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if arch == "GptOssForCausalLM":
+        return {
+            "num_experts": experts,
+            "experts_per_token": int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "sparse_layers": (True,) * num_layers,
+            "attention_sinks": True,
+            "router_topk_first": True,
+            "moe_bias": True,
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "norm_weight_in_float32": True,
+        }
     if arch == "MixtralForCausalLM":
         sparse = (True,) * num_layers
         inter, norm = int(cfg["intermediate_size"]), True
@@ -179,6 +203,13 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         raise ModelError(f"{path}: invalid JSON: {exc}") from exc
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    if quant == "mxfp4":
+        raise ModelError(
+            f"{path}: mxfp4-quantized experts (GPT-OSS's release layout) are not supported",
+            hint="dequantize to bfloat16 first: load with transformers' "
+            "Mxfp4Config(dequantize=True) and save_pretrained",
+        )
     if arch not in ARCHITECTURES:
         raise ModelError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"

@@ -151,7 +151,7 @@ class DecoderGraph(torch.nn.Module):
         slots = slot_mapping.reshape(-1)  # [B*T]
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}"
-            x = rms_norm(h, w[f"{p}.input_layernorm.weight"], cfg.rms_norm_eps)
+            x = self._norm(h, w[f"{p}.input_layernorm.weight"])
             attn = self._attention(
                 x,
                 w,
@@ -165,7 +165,7 @@ class DecoderGraph(torch.nn.Module):
                 masks[cfg.sliding_windows[layer]],
             )
             h = h + attn
-            x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = self._norm(h, w[f"{p}.post_attention_layernorm.weight"])
             if cfg.is_moe and cfg.sparse_layers[layer]:
                 h = h + self._reduce(self._moe(x, w, p), None)
                 continue
@@ -181,19 +181,17 @@ class DecoderGraph(torch.nn.Module):
             last = meta[5]  # [1]
             last_pos = positions[0].index_select(0, last)  # [1]
             if shape.prompt_logprobs:  # the LM head on every position (TRT-LLM's context logits)
-                h_all = rms_norm(h[0], w["model.norm.weight"], cfg.rms_norm_eps)
+                h_all = self._norm(h[0], w["model.norm.weight"])
                 all_logits = self._project(h_all, head)  # [T, vocab]
                 targets = meta[-1][0].clamp(0, cfg.vocab_size - 1)  # [T]
                 prompt = target_logprobs(all_logits, targets, shape.logprobs)
                 logits = all_logits.index_select(0, last)  # [1, vocab]
             else:
-                h_last = rms_norm(
-                    h[0].index_select(0, last), w["model.norm.weight"], cfg.rms_norm_eps
-                )
+                h_last = self._norm(h[0].index_select(0, last), w["model.norm.weight"])
                 logits = self._project(h_last, head)  # [1, vocab]
         else:
             last_pos = positions[:, -1]  # [B]
-            h_last = rms_norm(h[:, -1], w["model.norm.weight"], cfg.rms_norm_eps)
+            h_last = self._norm(h[:, -1], w["model.norm.weight"])
             logits = self._project(h_last, head)  # [B, vocab]
         sampled = sample(
             logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
@@ -209,8 +207,8 @@ class DecoderGraph(torch.nn.Module):
         k = self._linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         v = self._linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
-            q = rms_norm(q, w[f"{p}.self_attn.q_norm.weight"], cfg.rms_norm_eps)
-            k = rms_norm(k, w[f"{p}.self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            q = self._norm(q, w[f"{p}.self_attn.q_norm.weight"])
+            k = self._norm(k, w[f"{p}.self_attn.k_norm.weight"])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(
             k_cache,
@@ -221,12 +219,17 @@ class DecoderGraph(torch.nn.Module):
         )
         keys = gather_context(k_cache, block_tables)  # [B, C, KV, D]
         values = gather_context(v_cache, block_tables)
-        out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim))
+        sinks = w.get(f"{p}.self_attn.sinks")  # GPT-OSS
+        out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim), sinks)
         partial = self._project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel: partial sum
         return self._reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return project(x, weight, self.gemv_max_rows)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_in_float32)
 
     def _linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         out = self._project(x, w[f"{prefix}.weight"])
@@ -257,36 +260,62 @@ class DecoderGraph(torch.nn.Module):
         cfg = self.cfg
         rows, tokens, hidden = x.shape
         x2 = x.reshape(-1, hidden)  # [N, hidden]
-        logits = x2 @ w[f"{p}.moe.router"].t()  # [N, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        top_w, top_i = torch.topk(probs, cfg.experts_per_token, dim=-1)  # [N, k]
-        if cfg.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        if cfg.architecture != "MixtralForCausalLM":
-            top_w = top_w.to(x.dtype)  # Qwen3-MoE casts routing weights; Mixtral keeps float32
+        routing = self._route(x2, w, p)
         gate_up, down = w[f"{p}.moe.gate_up"], w[f"{p}.moe.down"]  # [E_local, 2*I, hidden], ...
+        gate_up_b, down_b = w.get(f"{p}.moe.gate_up_bias"), w.get(f"{p}.moe.down_bias")
         local = gate_up.shape[0]
         first: torch.Tensor | int = 0
         if self.rank is not None:  # this rank's experts, chosen by a tensor: SPMD-identical
             first = torch.div(self.rank, self.par.moe_tp, rounding_mode="floor") * local
-        routing = Routing(top_i, top_w)
         if self._routed(x2.shape[0], local):
             mine = local_slots(routing, local, first)
             reduce = x2.shape[0] <= self.gemv_max_rows
-            g, u = gather_rows(x2, gate_up, mine.ids, reduce).chunk(2, dim=-1)  # [N, k, I] each
-            act = torch.nn.functional.silu(g) * u
+            h = gather_rows(x2, gate_up, mine.ids, reduce)  # [N, k, 2*I]
+            if gate_up_b is not None:
+                h = h + gate_up_b[mine.ids]
+            act = self._activate(*h.chunk(2, dim=-1))  # [N, k, I]
             out = gather_rows(act.reshape(-1, act.shape[-1]), down,
                               mine.ids.reshape(-1, 1), reduce)  # fmt: skip
-            out = out.reshape(*mine.ids.shape, hidden).to(mine.weights.dtype)  # [N, k, hidden]
-            out = (out * mine.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+            out = out.reshape(*mine.ids.shape, hidden)  # [N, k, hidden]
+            if down_b is not None:
+                out = out + down_b[mine.ids]
+            out = (out.to(mine.weights.dtype) * mine.weights.unsqueeze(-1)).sum(1).to(x.dtype)
             return out.reshape(rows, tokens, hidden)
         dense = dense_weights(routing, cfg.num_experts, first, local)  # [N, E_local]
         h = torch.einsum("nh,eih->eni", x2, gate_up)  # [E_local, N, 2*I]
-        g, u = h.chunk(2, dim=-1)
-        act = torch.nn.functional.silu(g) * u  # [E_local, N, I]
+        if gate_up_b is not None:
+            h = h + gate_up_b.unsqueeze(1)
+        act = self._activate(*h.chunk(2, dim=-1))  # [E_local, N, I]
         out = torch.einsum("eni,ehi->enh", act, down)  # [E_local, N, hidden]
+        if down_b is not None:
+            out = out + down_b.unsqueeze(1)
         out = torch.einsum("enh,ne->nh", out.to(dense.dtype), dense).to(x.dtype)
         return out.reshape(rows, tokens, hidden)
+
+    def _route(self, x2: torch.Tensor, w: dict[str, torch.Tensor], p: str) -> Routing:
+        """Each token's experts and weights, as the family's HF router computes them."""
+        cfg, k = self.cfg, self.cfg.experts_per_token
+        logits = x2 @ w[f"{p}.moe.router"].t()  # [N, E]
+        if cfg.router_topk_first:  # GPT-OSS: biased logits, top-k, softmax over the k
+            top_v, top_i = torch.topk(logits + w[f"{p}.moe.router_bias"], k, dim=-1)
+            return Routing(top_i, torch.softmax(top_v, dim=-1))
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_w, top_i = torch.topk(probs, k, dim=-1)  # [N, k]
+        if cfg.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if cfg.architecture != "MixtralForCausalLM":
+            top_w = top_w.to(x2.dtype)  # Qwen3-MoE casts routing weights; Mixtral keeps float32
+        return Routing(top_i, top_w)
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU; GPT-OSS's clamped variant: gate <= limit, |up| <= limit, sigmoid(alpha * gate)
+        and (up + 1)."""
+        cfg = self.cfg
+        if not cfg.swiglu_limit:
+            return torch.nn.functional.silu(gate) * up
+        gate = gate.clamp(max=cfg.swiglu_limit)
+        up = up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
 
     def _routed(self, num_tokens: int, local: int) -> bool:
         """Gather the routed experts (decode) when that reads fewer than all local experts."""

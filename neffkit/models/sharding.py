@@ -85,12 +85,15 @@ def rank_weights(
             yield f"{p}.self_attn.{proj}.weight", w[start : start + size]
             if bias in available:
                 yield bias, get(bias)[start : start + size]
+        if cfg.attention_sinks:  # one logit per query head: this rank's heads
+            yield f"{p}.self_attn.sinks", need(f"{p}.self_attn.sinks")[q0 // d : q0 // d + heads]
         if cfg.qk_norm:
             yield f"{p}.self_attn.q_norm.weight", need(f"{p}.self_attn.q_norm.weight")
             yield f"{p}.self_attn.k_norm.weight", need(f"{p}.self_attn.k_norm.weight")
         yield f"{p}.post_attention_layernorm.weight", need(f"{p}.post_attention_layernorm.weight")
         if cfg.is_moe and cfg.sparse_layers[layer]:
-            yield from _moe_shard(cfg, par, rank, p, need)
+            shard = _gpt_oss_moe_shard if cfg.moe_bias else _moe_shard
+            yield from shard(cfg, par, rank, p, need)
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             w = need(f"{p}.mlp.{proj}.weight")
@@ -123,3 +126,26 @@ def _moe_shard(cfg, par, rank, prefix, need):
     yield f"{prefix}.moe.router", need(_router_name(cfg, prefix))
     yield f"{prefix}.moe.gate_up", torch.stack(gate_up)  # [E_local, 2*I_local, hidden]
     yield f"{prefix}.moe.down", torch.stack(down)  # [E_local, hidden, I_local]
+
+
+def _gpt_oss_moe_shard(cfg, par, rank, prefix, need):
+    """GPT-OSS's experts into the stacked layout: `gate_up_proj` [E, hidden, 2I] holds gate and
+    up interleaved (even, odd columns), `down_proj` is [E, I, hidden]; both have biases. The down
+    bias is added once per expert group: ranks other than the group's first hold zeros."""
+    local = cfg.num_experts // par.ep
+    ep_rank, moe_rank = rank // par.moe_tp, rank % par.moe_tp
+    inter = cfg.moe_intermediate_size // par.moe_tp
+    j0, e0 = moe_rank * inter, ep_rank * local
+    ex = f"{prefix}.mlp.experts"
+    gu = need(f"{ex}.gate_up_proj")[e0 : e0 + local]  # [E_local, hidden, 2I]
+    gate, up = gu[..., 0::2][..., j0 : j0 + inter], gu[..., 1::2][..., j0 : j0 + inter]
+    bias = need(f"{ex}.gate_up_proj_bias")[e0 : e0 + local]  # [E_local, 2I]
+    gate_b, up_b = bias[..., 0::2][..., j0 : j0 + inter], bias[..., 1::2][..., j0 : j0 + inter]
+    down = need(f"{ex}.down_proj")[e0 : e0 + local, j0 : j0 + inter]  # [E_local, I_local, hidden]
+    down_b = need(f"{ex}.down_proj_bias")[e0 : e0 + local]
+    yield f"{prefix}.moe.router", need(f"{prefix}.mlp.router.weight")
+    yield f"{prefix}.moe.router_bias", need(f"{prefix}.mlp.router.bias")
+    yield f"{prefix}.moe.gate_up", torch.cat([gate, up], dim=-1).transpose(1, 2)
+    yield f"{prefix}.moe.gate_up_bias", torch.cat([gate_b, up_b], dim=-1)  # [E_local, 2I_local]
+    yield f"{prefix}.moe.down", down.transpose(1, 2)  # [E_local, hidden, I_local]
+    yield f"{prefix}.moe.down_bias", down_b if moe_rank == 0 else torch.zeros_like(down_b)
