@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from neffkit.manifest import load_manifest
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 VALID = {
     "neffkit": 1,
@@ -209,3 +209,12 @@ def test_defaults_and_relative_model_path(tmp_path, model_dir):
     # largest context x largest decode bucket, plus the null block
     assert m.kv_cache.num_blocks == 32 * 2 // 16 + 1
     assert m.model_config.num_kv_heads == 2
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_manifests_are_valid(path):
+    """Every manifest in manifests/ loads against its shipped checkpoint (models/)."""
+    from neffkit.manifest import load_manifest
+
+    manifest = load_manifest(path)
+    assert manifest.model.is_dir() and manifest.model_config.vocab_size > 0
