@@ -161,6 +161,22 @@ def tp(d: dict[str, Any]) -> str:
     )
 
 
+def moe(d: dict[str, Any]) -> str:
+    before, after = d.get("before", {}), d["after"]
+    then = (
+        f" Before routed decode (every expert on every token): {before['e8_ms_per_step']:.2f} ms "
+        f"and {before['e64_ms_per_step']:.2f} ms ({before['ratio_e64_to_e8']:.2f}×)."
+        if before
+        else ""
+    )
+    return (
+        f"**MoE decode** (`bench/moe.py`, Mixtral shape, hidden 1024, 4 layers, top-2, batch 1): "
+        f"a step with 8 experts {after['e8_ms_per_step']:.2f} ms, with 64 experts (0.4 B "
+        f"parameters) {after['e64_ms_per_step']:.2f} ms ({after['ratio_e64_to_e8']:.2f}×): "
+        f"a step reads the 2 routed experts, not all of them.{then}"
+    )
+
+
 def lm_eval(d: dict[str, Any]) -> str:
     return (
         f"**lm-eval through the server** (`bench/lm_eval.py`, lm-eval {d['lm_eval_version']}): "
@@ -179,6 +195,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("matrix", matrix),
     ("build", build),
     ("tp", tp),
+    ("moe", moe),
     ("lm_eval", lm_eval),
 ]
 
