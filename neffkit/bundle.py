@@ -258,11 +258,27 @@ class LayoutRecord(Record):
     # logprobs the graphs return per sampled token (0: a bundle from before logprobs)
     max_logprobs: int = 0
     prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs (echo)
+    # "mha": a K and a V tensor per layer; "mla": one latent tensor per layer (DeepSeek), whose
+    # head_dim is the per-token width kv_lora_rank + qk_rope_head_dim, with one "head"
+    kv_kind: str = "mha"
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
-        """[num_blocks, block_size, kv_heads_per_rank, head_dim], one K and one V per layer."""
+        """[num_blocks, block_size, kv_heads_per_rank, head_dim] of each cache tensor."""
         return (self.num_blocks, self.block_size, self.kv_heads_per_rank, self.head_dim)
+
+    @property
+    def kv_names(self) -> list[str]:
+        """The cache tensors' graph input names, in order."""
+        kinds = ("kv",) if self.kv_kind == "mla" else ("k", "v")
+        return [f"{kind}_cache.{i}" for i in range(self.num_layers) for kind in kinds]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token takes on one rank, every layer."""
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 4)
+        width = self.kv_heads_per_rank * self.head_dim * itemsize
+        return len(self.kv_names) * width
 
 
 @dataclass(frozen=True)

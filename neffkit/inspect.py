@@ -11,7 +11,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from neffkit.bundle import Bundle, GraphRecord, read_zst_text
+from neffkit.bundle import Bundle, BundleRecord, GraphRecord, read_zst_text
 from neffkit.compile.audit import (
     COLLECTIVES,
     Finding,
@@ -70,6 +70,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
             "layers": record.model.num_layers,
         },
         "layout": record.layout.to_json(),
+        "kv_cache": kv_cache_summary(record),
         "weights": [
             {
                 "rank": w.rank,
@@ -290,10 +291,39 @@ def inspect_manifest(path: str) -> dict[str, Any]:
     }
 
 
+def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
+    """Cache kind, values and bytes per token (one rank, every layer); for MLA, the bytes a
+    per-head K/V cache of the same model would take (what the latent cache saves)."""
+    lay, cfg = record.layout, record.model.config
+    out: dict[str, Any] = {
+        "kind": lay.kv_kind,
+        "tensors_per_layer": len(lay.kv_names) // lay.num_layers,
+        "values_per_token_per_layer": lay.kv_heads_per_rank * lay.head_dim,
+        "bytes_per_token": lay.kv_bytes_per_token,
+    }
+    if lay.kv_kind == "mla":
+        heads = int(cfg["num_heads"]) // lay.tp  # type: ignore[call-overload]
+        per_head = int(cfg["qk_nope_head_dim"]) + int(cfg["head_dim"]) + int(cfg["v_head_dim"])  # type: ignore[call-overload]
+        itemsize = lay.kv_bytes_per_token // (lay.num_layers * lay.head_dim)
+        out["mha_equivalent_bytes_per_token"] = lay.num_layers * heads * per_head * itemsize
+    return out
+
+
 def exit_status(report: dict[str, Any]) -> int:
     """1 when unwaived errors exist, so CI can gate on `neffkit inspect`."""
     findings = [Finding.from_json(f) for f in report.get("findings", [])]
     return 1 if blocking(findings) else 0
+
+
+def _kv_line(kv: dict[str, Any]) -> str:
+    line = (
+        f"{kv['kind']}: {kv['values_per_token_per_layer']} values per token per layer, "
+        f"{kv['bytes_per_token']} bytes per token"
+    )
+    if "mha_equivalent_bytes_per_token" in kv:
+        mha = kv["mha_equivalent_bytes_per_token"]
+        line += f" (per-head K/V: {mha}, {mha / kv['bytes_per_token']:.1f}x more)"
+    return line
 
 
 def _mib(n: int) -> str:
@@ -317,6 +347,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"tp={lay['tp']} ep={lay['ep']} dtype={lay['dtype']} "
             f"kv={lay['num_blocks']}x{lay['block_size']} tokens",
         ),
+        ("kv cache", _kv_line(summary["kv_cache"])),
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         (
             "sampling",

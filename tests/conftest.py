@@ -51,6 +51,15 @@ CHAT_TEMPLATE = (
 SMALL = {"prefill": [16], "decode": [4], "context": [64]}  # two graphs: one prefill, one decode
 # decode [1, 4]: rows move into a smaller bucket (runtime tests); context [32, 64]: a bucket switch
 TWO_DECODE = {"prefill": [16], "decode": [1, 4], "context": [64]}
+DEEPSEEK: dict[str, Any] = {
+    "num_key_value_heads": 4, "moe_intermediate_size": 32, "q_lora_rank": 32,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 32,
+                        "rope_theta": 10000.0},
+}  # fmt: skip
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [32, 64]}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
@@ -93,6 +102,11 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
                             "beta_slow": 1.0, "truncate": False,
                             "original_max_position_embeddings": 32, "rope_theta": 10000.0}},
         TWO_DECODE),
+    # DeepSeek-V3: MLA (q-LoRA, latent cache, interleaved rope, yarn with mscale_all_dim),
+    # a dense first layer, then sigmoid group-limited routing (2 of 4 groups), top-2 of 8
+    # experts, a shared expert; decode b1 gathers its routed experts
+    "deepseek": ("DeepseekV3Config", DEEPSEEK, TWO_DECODE),
+    "deepseek_noq": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None}, SMALL),
 }  # fmt: skip
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
@@ -103,6 +117,7 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     # ep=2: 4 experts a rank; decode b1 gathers among them, the other rank's slots weigh 0
     "mixtral": ({"tp": 2, "ep": 2}, TWO_DECODE),
     "gpt_oss": ({"tp": 2, "ep": 2}, TWO_DECODE),
+    "deepseek": ({"tp": 2, "ep": 2}, TWO_DECODE),
 }
 
 
@@ -188,9 +203,9 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
     config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # HF initialises biases to zero: random ones test their handling
-        for name, param in model.named_parameters():
-            if "bias" in name and not param.any():
-                param.normal_(0.0, 0.2)
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            if "bias" in name and param.is_floating_point() and not param.any():
+                param.normal_(0.0, 0.2)  # e_score_correction_bias (a buffer) included
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(DEMO_MODEL / name, out / name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import MODELS, run_json
+from tests.conftest import MODELS, run_cli, run_json
 
 SHORT = [5, 6, 7, 8, 9]
 LONG = list(range(3, 40))  # 37 tokens: three chunks through the 16-token prefill bucket
@@ -79,3 +79,15 @@ def test_sampling_is_reproducible_and_respects_top_k(bundle, hf_model_dir):
 def test_tiny_top_p_is_greedy(bundle, hf_model_dir, hf_greedy):
     out = _run(bundle("llama"), [SHORT], "--temperature", "1.0", "--top-p", "0.001", "--seed", "3")
     assert out["outputs"][0]["token_ids"] == hf_greedy(hf_model_dir("llama"), SHORT, MAX_NEW)
+
+
+def test_mla_latent_cache_bytes_per_token(bundle):
+    """DeepSeek's cache holds kv_lora_rank + qk_rope_head_dim values per token per layer (one
+    tensor, shared by the heads): 2 layers x (32 + 8) x 4 bytes; inspect shows it next to what
+    per-head K/V would take (2 x 4 heads x (16 + 8 + 16) x 4)."""
+    path = bundle("deepseek")
+    kv = run_json("inspect", str(path), "--json")["kv_cache"]
+    assert kv == {"kind": "mla", "tensors_per_layer": 1, "values_per_token_per_layer": 40,
+                  "bytes_per_token": 320, "mha_equivalent_bytes_per_token": 1280}  # fmt: skip
+    text = run_cli("inspect", str(path), check=True).stdout
+    assert "mla: 40 values per token per layer, 320 bytes per token" in text

@@ -240,7 +240,9 @@ def _kv_writes(g: GraphFacts) -> Iterator[Finding]:
         if not node.target.startswith("aten.index_put") or not node.refs:
             continue
         dest = nodes[node.refs[0]]
-        if dest.target != "input" or not dest.name.startswith(("k_cache.", "v_cache.")):
+        if dest.target != "input" or not dest.name.startswith(
+            ("k_cache.", "v_cache.", "kv_cache.")
+        ):
             continue
         for ref in node.refs[1:-1]:  # the indices (last ref is the values)
             unclamped = _producers_reach(

@@ -31,7 +31,7 @@ from neffkit.models.llama import (
     metadata_inputs,
 )
 from neffkit.models.parallel import Parallelism
-from neffkit.models.sharding import FLOAT32_TENSORS
+from neffkit.models.sharding import keeps_float32
 from neffkit.models.weights import rank_weight_shapes
 
 
@@ -82,7 +82,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         dtype=manifest.dtype,
         kv_heads=par.kv_heads_per_rank(cfg),
         weights=tuple(
-            TensorSpec(name, shape, "float32" if name in FLOAT32_TENSORS else manifest.dtype)
+            TensorSpec(name, shape, "float32" if keeps_float32(name) else manifest.dtype)
             for name, shape in shapes
         ),
         block_size=manifest.kv_cache.block_size,

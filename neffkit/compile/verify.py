@@ -113,7 +113,7 @@ def representative_inputs(
             out.append(torch.from_numpy(np.ascontiguousarray(meta[s.name])).to(dtype))
         elif s.name == "rank":
             out.append(torch.zeros(1, dtype=torch.int64))
-        elif s.name.startswith(("k_cache.", "v_cache.")):
+        elif s.name.startswith(("k_cache.", "v_cache.", "kv_cache.")):
             out.append((torch.randn(s.shape, generator=gen) * 0.5).to(dtype))
         else:
             out.append(weights[by_name[s.name]])

@@ -113,13 +113,14 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         num_layers=layout.config.num_layers,
         kv_heads_per_rank=layout.kv_heads,
         rank_input=layout.par.needs_rank_input(layout.config),
-        head_dim=layout.config.head_dim,
+        head_dim=layout.config.kv_width,
         block_size=layout.block_size,
         num_blocks=layout.num_blocks,
         buckets=BucketLists(b.prefill, b.decode, b.context),
         max_top_k=layout.max_top_k,
         max_logprobs=layout.max_logprobs,
         prompt_logprobs=layout.prompt_logprobs,
+        kv_kind="mla" if layout.config.is_mla else "mha",
     )
 
 

@@ -32,11 +32,11 @@ def context_mask(
 def paged_attention(
     q: torch.Tensor,  # [B, T, H, D]
     keys: torch.Tensor,  # [B, C, KV, D]
-    values: torch.Tensor,  # [B, C, KV, D]
+    values: torch.Tensor,  # [B, C, KV, Dv]
     mask: torch.Tensor,  # [B, T, C] bool
     scale: float,
     sinks: torch.Tensor | None = None,  # [H]: GPT-OSS's learned logit per head
-) -> torch.Tensor:  # [B, T, H * D]
+) -> torch.Tensor:  # [B, T, H * Dv]
     """Grouped-query attention: query head h reads KV head h // (H // KV), like HF repeat_kv.
 
     With `sinks`, each head's softmax also counts exp(sink) in its denominator (a column that
@@ -56,4 +56,4 @@ def paged_attention(
     else:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # [B, KV, G, T, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(rows, tokens, heads * dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(rows, tokens, -1)  # value width may differ from D

@@ -1,4 +1,5 @@
-"""Paged KV cache writes and reads: one K and one V tensor per layer, block 0 is the null block."""
+"""Paged KV cache writes and reads: one K and one V tensor per layer (MLA: one latent tensor),
+block 0 is the null block."""
 
 from __future__ import annotations
 
@@ -19,12 +20,21 @@ def write_kv(
     division (equal to floor division once slots are non-negative) keeps the index math in
     integers; `//` lowers to StableHLO through float64.
     """
-    block_size = k_cache.shape[1]
+    write_cache(k_cache, k, slot_mapping)
+    write_cache(v_cache, v, slot_mapping)
+
+
+def write_cache(
+    cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    values: torch.Tensor,  # [N, KV, D]
+    slot_mapping: torch.Tensor,  # [N] int64, -1 = padding
+) -> None:
+    """One cache tensor's scatter (an MLA layer has one: its latent cache)."""
+    block_size = cache.shape[1]
     slots = slot_mapping.clamp(min=0)
     block_idx = torch.div(slots, block_size, rounding_mode="trunc")
     offset = slots % block_size
-    k_cache.index_put_((block_idx, offset), k)
-    v_cache.index_put_((block_idx, offset), v)
+    cache.index_put_((block_idx, offset), values)
 
 
 def gather_context(

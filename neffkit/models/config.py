@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": {"qk_norm": False, "moe": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
     "GptOssForCausalLM": {"qk_norm": False, "moe": True},
+    "DeepseekV3ForCausalLM": {"qk_norm": False, "moe": True},
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -62,10 +63,33 @@ class ModelConfig:
     swiglu_limit: float = 0.0  # 0: the plain SwiGLU, silu(gate) * up
     swiglu_alpha: float = 1.702
     norm_weight_in_float32: bool = False
+    # DeepSeek-V3 multi-head latent attention (kv_lora_rank 0: not MLA). head_dim is then the
+    # rope part of a query/key head (qk_rope_head_dim), as HF's config has it.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q_proj, no q LoRA
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek-V3 routing: sigmoid scores, a selection-only bias, group-limited top-k, scaling;
+    # shared experts next to the routed ones
+    router_sigmoid: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_width(self) -> int:
+        """Values per token per KV head in the cache (MLA: the latent and its rope part)."""
+        return self.kv_lora_rank + self.head_dim if self.is_mla else self.head_dim
 
     @property
     def rope_params(self) -> dict[str, Any]:
@@ -142,6 +166,25 @@ def _frozen_rope(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(params.items()))
 
 
+def _head_dim(cfg: dict[str, Any], arch: str, default: int) -> int:
+    if arch == "DeepseekV3ForCausalLM":  # the rope part of a head (HF's config says so in 5.x)
+        return int(cfg["qk_rope_head_dim"])
+    return int(cfg.get("head_dim") or default)
+
+
+def _mla(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention sizes (head_dim is the rope part, qk_rope_head_dim)."""
+    if arch != "DeepseekV3ForCausalLM":
+        return {}
+    return {
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+        "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]),
+        "v_head_dim": int(cfg["v_head_dim"]),
+        "rope_interleave": bool(cfg.get("rope_interleave", True)),
+    }
+
+
 def _sliding_windows(cfg: dict[str, Any], num_layers: int, arch: str) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
@@ -160,6 +203,21 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     if not ARCHITECTURES[arch]["moe"]:
         return {}
     experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if arch == "DeepseekV3ForCausalLM":
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        inter = int(cfg["moe_intermediate_size"])
+        return {
+            "num_experts": int(cfg["n_routed_experts"]),
+            "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "sparse_layers": tuple(i >= first_dense for i in range(num_layers)),
+            "router_sigmoid": True,
+            "router_groups": int(cfg.get("n_group") or 1),
+            "router_topk_groups": int(cfg.get("topk_group") or 1),
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+            "shared_intermediate_size": inter * int(cfg.get("n_shared_experts") or 0),
+        }
     if arch == "GptOssForCausalLM":
         return {
             "num_experts": experts,
@@ -231,7 +289,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=_head_dim(cfg, arch, hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope["rope_theta"]),
             rope=_frozen_rope(rope),
@@ -241,6 +299,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             eos_token_ids=_as_ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
             **_moe(cfg, arch, num_layers),
+            **_mla(cfg, arch),
         )
     except KeyError as exc:
         raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc

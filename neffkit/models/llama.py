@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from neffkit.kernels.attention import context_mask, paged_attention
-from neffkit.kernels.kv import gather_context, write_kv
+from neffkit.kernels.kv import gather_context, write_cache, write_kv
 from neffkit.kernels.norm import rms_norm
-from neffkit.kernels.rope import apply_rope, rope_cos_sin
+from neffkit.kernels.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
 from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.moe import Routing, dense_weights, gather_rows, local_slots
@@ -91,12 +91,15 @@ def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
 
 
 def kv_inputs(cfg: ModelConfig, shape: GraphShape, kv_heads: int, dtype: str) -> list[TensorSpec]:
-    kv_shape = (shape.num_blocks, shape.block_size, kv_heads, cfg.head_dim)
-    specs = []
-    for layer in range(cfg.num_layers):
-        specs.append(TensorSpec(f"k_cache.{layer}", kv_shape, dtype))
-        specs.append(TensorSpec(f"v_cache.{layer}", kv_shape, dtype))
-    return specs
+    """One K and one V tensor per layer; MLA: one latent tensor per layer (`kv_cache.i`,
+    [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim], shared by all heads)."""
+    kv_shape = (shape.num_blocks, shape.block_size, kv_heads, cfg.kv_width)
+    kinds = ("kv",) if cfg.is_mla else ("k", "v")
+    return [
+        TensorSpec(f"{kind}_cache.{layer}", kv_shape, dtype)
+        for layer in range(cfg.num_layers)
+        for kind in kinds
+    ]
 
 
 class DecoderGraph(torch.nn.Module):
@@ -130,8 +133,9 @@ class DecoderGraph(torch.nn.Module):
         rest = flat[self.num_meta :]
         self.rank = rest[0] if self.has_rank else None  # [1] int64: this graph's rank, as data
         rest = rest[1:] if self.has_rank else rest
-        kv = rest[: 2 * cfg.num_layers]
-        w = dict(zip(self.weight_names, rest[2 * cfg.num_layers :], strict=True))
+        per_layer = 1 if cfg.is_mla else 2  # MLA: one latent cache tensor per layer
+        kv = rest[: per_layer * cfg.num_layers]
+        w = dict(zip(self.weight_names, rest[per_layer * cfg.num_layers :], strict=True))
         input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
         sampling_at = 6 if shape.phase == "prefill" else 5
         temperature, top_k, top_p, seed = meta[sampling_at : sampling_at + 4]
@@ -152,28 +156,19 @@ class DecoderGraph(torch.nn.Module):
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}"
             x = self._norm(h, w[f"{p}.input_layernorm.weight"])
-            attn = self._attention(
-                x,
-                w,
-                p,
-                cos,
-                sin,
-                kv[2 * layer],
-                kv[2 * layer + 1],
-                slots,
-                block_tables,
-                masks[cfg.sliding_windows[layer]],
-            )
+            mask = masks[cfg.sliding_windows[layer]]
+            if cfg.is_mla:
+                attn = self._mla(x, w, p, cos, sin, kv[layer], slots, block_tables, mask)
+            else:
+                attn = self._attention(
+                    x, w, p, cos, sin, kv[2 * layer], kv[2 * layer + 1], slots, block_tables, mask
+                )
             h = h + attn
             x = self._norm(h, w[f"{p}.post_attention_layernorm.weight"])
             if cfg.is_moe and cfg.sparse_layers[layer]:
                 h = h + self._reduce(self._moe(x, w, p), None)
                 continue
-            gate = self._linear(x, w, f"{p}.mlp.gate_proj")
-            up = self._linear(x, w, f"{p}.mlp.up_proj")
-            down = torch.nn.functional.silu(gate) * up
-            down = self._project(down, w[f"{p}.mlp.down_proj.weight"])
-            h = h + self._reduce(down, w.get(f"{p}.mlp.down_proj.bias"))
+            h = h + self._reduce(self._mlp(x, w, f"{p}.mlp"), w.get(f"{p}.mlp.down_proj.bias"))
 
         head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         prompt: tuple[torch.Tensor, ...] = ()
@@ -223,6 +218,65 @@ class DecoderGraph(torch.nn.Module):
         out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim), sinks)
         partial = self._project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel: partial sum
         return self._reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
+
+    def _mla(self, x, w, p, cos, sin, cache, slots, block_tables, mask):
+        """DeepSeek's multi-head latent attention over the latent cache.
+
+        Each token caches its normalised latent (kv_lora_rank) and its rotated rope key
+        (qk_rope_head_dim): one row shared by every head. Prefill expands the context into
+        per-head keys and values through kv_b_proj (HF's form). Decode attends in the latent
+        space: kv_b_proj's key half is absorbed into the query and its value half applied to
+        the attended latent, so a step reads the latent cache, not per-head K/V.
+        """
+        cfg, a = self.cfg, f"{p}.self_attn"
+        rows, tokens, _ = x.shape
+        nope, rope, vdim, latent = (
+            cfg.qk_nope_head_dim,
+            cfg.head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
+        if cfg.q_lora_rank:
+            q_low = self._norm(self._linear(x, w, f"{a}.q_a_proj"), w[f"{a}.q_a_layernorm.weight"])
+            q = self._linear(q_low, w, f"{a}.q_b_proj")
+        else:
+            q = self._linear(x, w, f"{a}.q_proj")
+        heads = q.shape[-1] // (nope + rope)
+        q = q.view(rows, tokens, heads, nope + rope)
+        compressed = self._linear(x, w, f"{a}.kv_a_proj_with_mqa")  # [B, T, latent + rope]
+        c = self._norm(compressed[..., :latent], w[f"{a}.kv_a_layernorm.weight"])
+        rotate = apply_rope_interleaved if cfg.rope_interleave else apply_rope
+        q_rope = rotate(q[..., nope:], cos, sin)
+        k_rope = rotate(compressed[..., latent:].unsqueeze(2), cos, sin)  # [B, T, 1, rope]
+        entry = torch.cat((c.unsqueeze(2), k_rope), dim=-1)  # [B, T, 1, latent + rope]
+        write_cache(cache, entry.reshape(-1, 1, latent + rope), slots)
+        context = gather_context(cache, block_tables)  # [B, C, 1, latent + rope]
+        up = w[f"{a}.kv_b_proj.weight"].view(heads, nope + vdim, latent)
+        up_k, up_v = up[:, :nope], up[:, nope:]  # [H, nope, latent], [H, v, latent]
+        scale = mla_softmax_scale(cfg)
+        if self.shape.phase == "decode":  # absorbed: MQA over the latent, one KV "head"
+            q_latent = torch.einsum("bthn,hnl->bthl", q[..., :nope], up_k)
+            query = torch.cat((q_latent, q_rope), dim=-1)  # [B, T, H, latent + rope]
+            out = paged_attention(query, context, context[..., :latent], mask, scale)
+            out = torch.einsum("bthl,hvl->bthv", out.view(rows, tokens, heads, latent), up_v)
+        else:  # expanded: per-head keys and values from the latent context
+            c_ctx = context[:, :, 0, :latent]  # [B, C, latent]
+            k_nope = torch.einsum("bcl,hnl->bchn", c_ctx, up_k)
+            values = torch.einsum("bcl,hvl->bchv", c_ctx, up_v)
+            k_ctx = context[..., latent:].expand(-1, -1, heads, -1)  # [B, C, H, rope]
+            keys = torch.cat((k_nope, k_ctx), dim=-1)
+            query = torch.cat((q[..., :nope], q_rope), dim=-1)
+            out = paged_attention(query, keys, values, mask, scale)
+        out = out.reshape(rows, tokens, heads * vdim)
+        partial = self._project(out, w[f"{a}.o_proj.weight"])  # row-parallel: partial sum
+        return self._reduce(partial, w.get(f"{a}.o_proj.bias"))
+
+    def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """SwiGLU MLP; under tp a partial sum (its down bias, if any, is added after the
+        all-reduce by the caller)."""
+        gate = self._linear(x, w, f"{prefix}.gate_proj")
+        up = self._linear(x, w, f"{prefix}.up_proj")
+        return self._project(torch.nn.functional.silu(gate) * up, w[f"{prefix}.down_proj.weight"])
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return project(x, weight, self.gemv_max_rows)
@@ -280,7 +334,7 @@ class DecoderGraph(torch.nn.Module):
             if down_b is not None:
                 out = out + down_b[mine.ids]
             out = (out.to(mine.weights.dtype) * mine.weights.unsqueeze(-1)).sum(1).to(x.dtype)
-            return out.reshape(rows, tokens, hidden)
+            return self._with_shared(out.reshape(rows, tokens, hidden), x, w, p)
         dense = dense_weights(routing, cfg.num_experts, first, local)  # [N, E_local]
         h = torch.einsum("nh,eih->eni", x2, gate_up)  # [E_local, N, 2*I]
         if gate_up_b is not None:
@@ -290,11 +344,19 @@ class DecoderGraph(torch.nn.Module):
         if down_b is not None:
             out = out + down_b.unsqueeze(1)
         out = torch.einsum("enh,ne->nh", out.to(dense.dtype), dense).to(x.dtype)
-        return out.reshape(rows, tokens, hidden)
+        return self._with_shared(out.reshape(rows, tokens, hidden), x, w, p)
+
+    def _with_shared(self, routed, x, w, p):
+        """DeepSeek's shared experts run on every token next to the routed ones."""
+        if not self.cfg.shared_intermediate_size:
+            return routed
+        return routed + self._mlp(x, w, f"{p}.moe.shared")
 
     def _route(self, x2: torch.Tensor, w: dict[str, torch.Tensor], p: str) -> Routing:
         """Each token's experts and weights, as the family's HF router computes them."""
         cfg, k = self.cfg, self.cfg.experts_per_token
+        if cfg.router_sigmoid:
+            return self._route_grouped(x2, w, p)
         logits = x2 @ w[f"{p}.moe.router"].t()  # [N, E]
         if cfg.router_topk_first:  # GPT-OSS: biased logits, top-k, softmax over the k
             top_v, top_i = torch.topk(logits + w[f"{p}.moe.router_bias"], k, dim=-1)
@@ -306,6 +368,26 @@ class DecoderGraph(torch.nn.Module):
         if cfg.architecture != "MixtralForCausalLM":
             top_w = top_w.to(x2.dtype)  # Qwen3-MoE casts routing weights; Mixtral keeps float32
         return Routing(top_i, top_w)
+
+    def _route_grouped(self, x2: torch.Tensor, w: dict[str, torch.Tensor], p: str) -> Routing:
+        """DeepSeek-V3: sigmoid scores (float32); the selection adds e_score_correction_bias,
+        keeps the `topk_group` groups whose two best scores sum highest, and takes the top k
+        there; the weights are the unbiased scores, renormalised, times routed_scaling_factor."""
+        cfg = self.cfg
+        experts, groups = cfg.num_experts, cfg.router_groups
+        scores = torch.sigmoid(x2.float() @ w[f"{p}.moe.router"].float().t())  # [N, E]
+        choice = scores + w[f"{p}.moe.router_score_bias"].float()
+        n = choice.shape[0]
+        group_scores = choice.view(n, groups, experts // groups).topk(2, dim=-1)[0].sum(-1)
+        best = torch.topk(group_scores, cfg.router_topk_groups, dim=-1)[1]  # [N, topk_group]
+        keep = torch.zeros_like(group_scores).scatter(1, best, 1.0)  # [N, G]
+        keep = keep.unsqueeze(-1).expand(n, groups, experts // groups).reshape(n, experts)
+        choice = torch.where(keep > 0, choice, float("-inf"))
+        top_i = torch.topk(choice, cfg.experts_per_token, dim=-1)[1]
+        top_w = scores.gather(1, top_i)
+        if cfg.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(top_i, top_w * cfg.routed_scaling_factor)
 
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """SwiGLU; GPT-OSS's clamped variant: gate <= limit, |up| <= limit, sigmoid(alpha * gate)
@@ -320,6 +402,18 @@ class DecoderGraph(torch.nn.Module):
     def _routed(self, num_tokens: int, local: int) -> bool:
         """Gather the routed experts (decode) when that reads fewer than all local experts."""
         return self.shape.phase == "decode" and num_tokens * self.cfg.experts_per_token < local
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """HF's DeepSeek-V3 scaling: 1/sqrt(qk head dim), times yarn's mscale(mscale_all_dim)^2."""
+    scale = (cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5
+    params = cfg.rope_params
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params["rope_type"] != "default" and mscale_all_dim:
+        factor = params["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale = scale * mscale * mscale
+    return scale
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, gemv_max_rows: int) -> torch.Tensor:

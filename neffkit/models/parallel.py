@@ -18,6 +18,8 @@ class Parallelism:
     ep: int = 1
 
     def kv_heads_per_rank(self, cfg: ModelConfig) -> int:
+        if cfg.is_mla:  # one latent row per token, kept whole on every rank
+            return 1
         return cfg.num_kv_heads // self.tp if cfg.num_kv_heads % self.tp == 0 else 1
 
     def kv_head_start(self, cfg: ModelConfig, rank: int) -> int:
@@ -60,6 +62,12 @@ def check_parallelism(cfg: ModelConfig, par: Parallelism) -> None:
             raise ModelError(
                 field="parallel.ep",
                 message=f"{par.ep} does not divide the model's {cfg.num_experts} experts",
+            )
+        if cfg.shared_intermediate_size % par.tp:
+            raise ModelError(
+                field="parallel.tp",
+                message=f"{par.tp} does not divide the shared experts' intermediate size "
+                f"{cfg.shared_intermediate_size}",
             )
         if cfg.moe_intermediate_size % par.moe_tp:
             raise ModelError(

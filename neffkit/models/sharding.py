@@ -30,6 +30,12 @@ from neffkit.models.rope_scaling import rope_frequencies
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ROPE_INV_FREQ = "rope.inv_freq"  # a graph input like the weights; float32 in every bundle dtype
 FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ})
+FLOAT32_SUFFIXES = (".moe.router_score_bias",)  # DeepSeek's e_score_correction_bias: float32
+
+
+def keeps_float32(name: str) -> bool:
+    """Tensors the graphs read in float32 whatever the bundle dtype (as HF keeps them)."""
+    return name in FLOAT32_TENSORS or name.endswith(FLOAT32_SUFFIXES)
 
 
 def _expert_names(cfg: ModelConfig, prefix: str, expert: int) -> tuple[str, str, str]:
@@ -72,8 +78,14 @@ def rank_weights(
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}"
         yield f"{p}.input_layernorm.weight", need(f"{p}.input_layernorm.weight")
-        spans = {"q_proj": (q0, heads * d), "k_proj": (k0, kvh * d), "v_proj": (k0, kvh * d)}
-        for proj in _ATTN:
+        if cfg.is_mla:
+            yield from _mla_shard(cfg, par, rank, f"{p}.self_attn", need, available)
+        spans = (
+            {}
+            if cfg.is_mla
+            else {"q_proj": (q0, heads * d), "k_proj": (k0, kvh * d), "v_proj": (k0, kvh * d)}
+        )
+        for proj in () if cfg.is_mla else _ATTN:
             w = need(f"{p}.self_attn.{proj}.weight")
             bias = f"{p}.self_attn.{proj}.bias"
             if proj == "o_proj":
@@ -94,6 +106,12 @@ def rank_weights(
         if cfg.is_moe and cfg.sparse_layers[layer]:
             shard = _gpt_oss_moe_shard if cfg.moe_bias else _moe_shard
             yield from shard(cfg, par, rank, p, need)
+            if cfg.router_sigmoid:  # DeepSeek: selection bias, shared experts (tp-split)
+                yield f"{p}.moe.router_score_bias", need(f"{p}.mlp.gate.e_score_correction_bias")
+            if cfg.shared_intermediate_size:
+                inter_s = cfg.shared_intermediate_size // par.tp
+                source = f"{p}.mlp.shared_experts"
+                yield from _mlp_shard(inter_s, rank, source, f"{p}.moe.shared", need)
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             w = need(f"{p}.mlp.{proj}.weight")
@@ -149,3 +167,41 @@ def _gpt_oss_moe_shard(cfg, par, rank, prefix, need):
     yield f"{prefix}.moe.gate_up_bias", torch.cat([gate_b, up_b], dim=-1)  # [E_local, 2I_local]
     yield f"{prefix}.moe.down", down.transpose(1, 2)  # [E_local, hidden, I_local]
     yield f"{prefix}.moe.down_bias", down_b if moe_rank == 0 else torch.zeros_like(down_b)
+
+
+def _mlp_shard(inter: int, rank: int, source: str, target: str, need):
+    """A bias-free SwiGLU MLP cut Megatron-style: gate/up rows, down columns."""
+    i0 = rank * inter
+    yield f"{target}.gate_proj.weight", need(f"{source}.gate_proj.weight")[i0 : i0 + inter]
+    yield f"{target}.up_proj.weight", need(f"{source}.up_proj.weight")[i0 : i0 + inter]
+    yield f"{target}.down_proj.weight", need(f"{source}.down_proj.weight")[:, i0 : i0 + inter]
+
+
+def _mla_shard(cfg, par, rank, a, need, available):
+    """DeepSeek-V3's latent attention: the latent projections (kv_a_proj_with_mqa,
+    kv_a_layernorm; q_a_proj, q_a_layernorm) are replicated, so every rank keeps the whole
+    latent cache (as vLLM does); the per-head up-projections (q_b_proj or q_proj, kv_b_proj)
+    keep this rank's heads, and o_proj the matching input columns (row-parallel)."""
+    heads = cfg.num_heads // par.tp
+    h0 = rank * heads
+    qk = cfg.qk_nope_head_dim + cfg.head_dim
+    kvb = cfg.qk_nope_head_dim + cfg.v_head_dim
+
+    def whole(name):
+        yield f"{a}.{name}.weight", need(f"{a}.{name}.weight")
+        if f"{a}.{name}.bias" in available:
+            yield f"{a}.{name}.bias", need(f"{a}.{name}.bias")
+
+    if cfg.q_lora_rank:
+        yield from whole("q_a_proj")
+        yield f"{a}.q_a_layernorm.weight", need(f"{a}.q_a_layernorm.weight")
+        yield f"{a}.q_b_proj.weight", need(f"{a}.q_b_proj.weight")[h0 * qk : (h0 + heads) * qk]
+    else:
+        yield f"{a}.q_proj.weight", need(f"{a}.q_proj.weight")[h0 * qk : (h0 + heads) * qk]
+    yield from whole("kv_a_proj_with_mqa")
+    yield f"{a}.kv_a_layernorm.weight", need(f"{a}.kv_a_layernorm.weight")
+    yield f"{a}.kv_b_proj.weight", need(f"{a}.kv_b_proj.weight")[h0 * kvb : (h0 + heads) * kvb]
+    v = cfg.v_head_dim
+    yield f"{a}.o_proj.weight", need(f"{a}.o_proj.weight")[:, h0 * v : (h0 + heads) * v]
+    if f"{a}.o_proj.bias" in available:
+        yield f"{a}.o_proj.bias", need(f"{a}.o_proj.bias")  # added once, after the all-reduce

@@ -17,14 +17,14 @@ from safetensors import safe_open
 
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
-from neffkit.models.sharding import FLOAT32_TENSORS, Parallelism, rank_weights
+from neffkit.models.sharding import Parallelism, keeps_float32, rank_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def weight_dtype(name: str, dtype: str) -> torch.dtype:
     """The bundle dtype, except for tensors that stay float32 (rope frequencies)."""
-    return torch.float32 if name in FLOAT32_TENSORS else DTYPES[dtype]
+    return torch.float32 if keeps_float32(name) else DTYPES[dtype]
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, Path]:

@@ -11,7 +11,8 @@ import torch
 
 
 def allocate_kv_cache(
-    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu"
+    count: int, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu"
 ) -> list[torch.Tensor]:
-    """[k_cache.0, v_cache.0, k_cache.1, ...], each [num_blocks, block_size, kv_heads, head_dim]."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+    """`count` cache tensors (the layout's kv_names: [k_cache.0, v_cache.0, ...], or one latent
+    `kv_cache.i` per layer for MLA), each [num_blocks, block_size, kv_heads, width]."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]

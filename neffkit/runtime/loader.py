@@ -132,10 +132,10 @@ def load(
     shard = record.weights_of(rank)
     tensors = load_file(str(bundle.path(shard.file)), device=device)
     weights = [tensors[name] for name in shard.names]
-    kv = allocate_kv_cache(lay.num_layers, lay.kv_shape, getattr(torch, lay.dtype), device)
+    kv_names = lay.kv_names
+    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.dtype), device)
     # `rank` (where graphs take it) is this process's own: it precedes the KV caches
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
-    kv_names = [f"{kind}_cache.{i}" for i in range(lay.num_layers) for kind in ("k", "v")]
     names = ["rank"] * len(rank_input) + kv_names + list(shard.names)
     run_with = _executor(bundle, chosen, rank_input + kv + weights, names, rank)
     statics = set(names)
