@@ -110,6 +110,9 @@ class Manifest:
     model_config: ModelConfig
     audit: Audit = Audit()
     source: Path | None = None
+    # MLA decode (DeepSeek): "absorbed" attends in the latent space (reads the latent cache);
+    # "expanded" up-projects the context to per-head K/V every step (HF's form; for comparison)
+    mla_decode: str = "absorbed"
 
     @property
     def max_model_len(self) -> int:
@@ -262,6 +265,7 @@ TOP_LEVEL = (
     "sampling",
     "compiler",
     "audit",
+    "mla",
 )
 
 
@@ -318,6 +322,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     static_rope = check_static(model_config.rope_params, buckets.context[-1])
     if static_rope is not None:
         raise ManifestError(f"buckets.context: {static_rope}")
+    mla_decode = _mla(data.get("mla", {}), model_config)
     if sampling.max_logprobs > model_config.vocab_size:
         raise ManifestError(
             f"sampling.max_logprobs: {sampling.max_logprobs} exceeds the vocabulary "
@@ -336,6 +341,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         compiler=compiler,
         model_config=model_config,
         audit=audit,
+        mla_decode=mla_decode,
     )
 
 
@@ -364,6 +370,14 @@ def _parallel(value: Any) -> Parallel:
     if parallel.tp % parallel.ep:
         raise ManifestError(f"parallel.ep: {parallel.ep} must divide parallel.tp ({parallel.tp})")
     return parallel
+
+
+def _mla(value: Any, cfg: ModelConfig) -> str:
+    raw = _mapping(value, "mla")
+    _no_unknown(raw, ("decode",), "mla")
+    if raw and not cfg.is_mla:
+        raise ManifestError(f"mla: the model ({cfg.architecture}) has no latent attention")
+    return _choice(raw.get("decode", "absorbed"), ("absorbed", "expanded"), "mla.decode")
 
 
 def _flag(value: Any, path: str) -> bool:

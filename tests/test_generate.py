@@ -91,3 +91,16 @@ def test_mla_latent_cache_bytes_per_token(bundle):
                   "bytes_per_token": 320, "mha_equivalent_bytes_per_token": 1280}  # fmt: skip
     text = run_cli("inspect", str(path), check=True).stdout
     assert "mla: 40 values per token per layer, 320 bytes per token" in text
+
+
+def test_mla_expanded_decode_matches_hf(session_dir, hf_model_dir, hf_greedy):
+    """`mla.decode: expanded` (per-head K/V from the latent every step, bench/mla.py's baseline)
+    gives HF's tokens too; its prefill graph is the absorbed bundle's (a cache hit)."""
+    from tests.conftest import SMALL, build_session_bundle
+
+    model = hf_model_dir("deepseek")
+    result = build_session_bundle(
+        session_dir, model, "deepseek_expanded", buckets=SMALL, mla={"decode": "expanded"}
+    )
+    outs = _run(result.bundle, [SHORT, LONG])["outputs"]
+    assert [o["token_ids"] for o in outs] == [hf_greedy(model, p, MAX_NEW) for p in (SHORT, LONG)]

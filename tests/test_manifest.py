@@ -218,3 +218,9 @@ def test_shipped_manifests_are_valid(path):
 
     manifest = load_manifest(path)
     assert manifest.model.is_dir() and manifest.model_config.vocab_size > 0
+
+
+def test_mla_options_only_for_latent_attention(tmp_path, model_dir):
+    path = _write(tmp_path, {**VALID, "mla": {"decode": "expanded"}}, model_dir)
+    proc = run_cli("build", str(path))
+    assert proc.returncode == 2 and "mla: the model" in proc.stderr, proc.stderr

@@ -51,6 +51,7 @@ class ModelLayout:
     device: str = "cpu"
     par: Parallelism = Parallelism()
     gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)
+    mla_decode: str = "absorbed"  # MLA decode graphs: latent-space attention, or expanded K/V
 
 
 @dataclass
@@ -93,6 +94,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         device=device,
         par=par,
         gemv_max_rows=gemv_max_rows,
+        mla_decode=manifest.mla_decode,
     )
 
 
@@ -171,6 +173,7 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
         layout.max_top_k,
         layout.par,
         layout.gemv_max_rows,
+        layout.mla_decode,
     )
     return module, specs
 

@@ -115,6 +115,7 @@ class DecoderGraph(torch.nn.Module):
         max_top_k: int,
         par: Parallelism | None = None,
         gemv_max_rows: int = 0,
+        mla_decode: str = "absorbed",
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -125,6 +126,7 @@ class DecoderGraph(torch.nn.Module):
         self.par = par or Parallelism()
         self.has_rank = self.par.needs_rank_input(cfg)
         self.gemv_max_rows = gemv_max_rows
+        self.mla_decode = mla_decode
         self.rope_attention_factor = rope_frequencies(cfg.rope_params, cfg.head_dim)[1]
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -254,7 +256,7 @@ class DecoderGraph(torch.nn.Module):
         up = w[f"{a}.kv_b_proj.weight"].view(heads, nope + vdim, latent)
         up_k, up_v = up[:, :nope], up[:, nope:]  # [H, nope, latent], [H, v, latent]
         scale = mla_softmax_scale(cfg)
-        if self.shape.phase == "decode":  # absorbed: MQA over the latent, one KV "head"
+        if self.shape.phase == "decode" and self.mla_decode == "absorbed":  # MQA over the latent
             q_latent = torch.einsum("bthn,hnl->bthl", q[..., :nope], up_k)
             query = torch.cat((q_latent, q_rope), dim=-1)  # [B, T, H, latent + rope]
             out = paged_attention(query, context, context[..., :latent], mask, scale)
