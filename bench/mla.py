@@ -59,7 +59,7 @@ def step_ms(engine, prompt_len: int, steps: int) -> float:
     from neffkit.runtime.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    seq = engine.add_request(list(range(1, prompt_len + 1)), params)
+    seq = engine.add_request([1 + i % 1000 for i in range(prompt_len)], params)
     while not seq.output_ids:
         engine.step()
     t = engine.runner.timings

@@ -177,6 +177,27 @@ def moe(d: dict[str, Any]) -> str:
     )
 
 
+def mla(d: dict[str, Any]) -> str:
+    rows = [
+        [r["context_tokens"], f"{r['absorbed_ms']:.1f}", f"{r['expanded_ms']:.1f}",
+         f"{r['expanded_over_absorbed']:.1f}×"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    m = d["model"]
+    return (
+        f"**MLA decode** (`bench/mla.py`: DeepSeek-V3 shape, hidden {m['hidden_size']}, "
+        f"{m['num_attention_heads']} heads, kv_lora_rank {m['kv_lora_rank']}, "
+        f"{m['num_hidden_layers']} layers, batch 1, context bucket {m['context_bucket']}): the "
+        f"latent cache takes {d['latent_bytes_per_token']} bytes per token against "
+        f"{d['per_head_kv_bytes_per_token']} for per-head K/V. A step attends over the whole "
+        "context bucket (static shape), so the expanded form's cost, up-projecting every "
+        "cached latent, does not fall with the prompt.\n\n"
+        + _table(
+            ["prompt tokens", "absorbed ms/step", "expanded ms/step", "expanded / absorbed"], rows
+        )  # fmt: skip
+    )
+
+
 def lm_eval(d: dict[str, Any]) -> str:
     return (
         f"**lm-eval through the server** (`bench/lm_eval.py`, lm-eval {d['lm_eval_version']}): "
@@ -196,6 +217,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("build", build),
     ("tp", tp),
     ("moe", moe),
+    ("mla", mla),
     ("lm_eval", lm_eval),
 ]
 
