@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -81,3 +82,17 @@ def test_decode_rows_taken_over_get_their_own_sampling_and_blocks(bundle, hf_mod
     for prompt, seq in zip(prompts[1:], outs[1:], strict=True):
         assert seq.output_ids == hf_greedy(hf_model_dir("llama_tied"), prompt, 10)
     assert engine.core.scheduler.kv_usage == 0.0
+
+
+def test_loading_leaves_no_unpacked_packages_behind(bundle, tmp_path):
+    """AOTInductor unpacks each package under $TMPDIR; a run unpacks into one directory of its
+    own and removes it at exit (the loader's own `aotinductor_*` directories were never removed)."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "neffkit", "run", str(bundle("llama")), "--prompt-ids", "1,2,3",
+         "--max-tokens", "2", "--json"],
+        cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp.iterdir()) == []

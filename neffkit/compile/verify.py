@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from neffkit.aoti import load_package
 from neffkit.bundle import IoAlias, VerifyRecord
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.trace import ModelLayout, decoder_module, graph_inputs
@@ -133,7 +134,7 @@ def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
 
 
 def aoti_runner(artifact: Path, names: list[str]) -> Runner:
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(artifact), "model", False, 1, -1)
+    loader = load_package(artifact)
 
     def run(inputs: list[torch.Tensor]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
         outputs = loader.run(inputs)

@@ -20,8 +20,9 @@ def write_kv(
     division (equal to floor division once slots are non-negative) keeps the index math in
     integers; `//` lowers to StableHLO through float64.
     """
-    write_cache(k_cache, k, slot_mapping)
-    write_cache(v_cache, v, slot_mapping)
+    index = slot_index(slot_mapping, k_cache.shape[1])  # once for both writes
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
 
 
 def write_cache(
@@ -30,11 +31,13 @@ def write_cache(
     slot_mapping: torch.Tensor,  # [N] int64, -1 = padding
 ) -> None:
     """One cache tensor's scatter (an MLA layer has one: its latent cache)."""
-    block_size = cache.shape[1]
+    cache.index_put_(slot_index(slot_mapping, cache.shape[1]), values)
+
+
+def slot_index(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of each slot, padding (-1) clamped to the null block first."""
     slots = slot_mapping.clamp(min=0)
-    block_idx = torch.div(slots, block_size, rounding_mode="trunc")
-    offset = slots % block_size
-    cache.index_put_((block_idx, offset), values)
+    return torch.div(slots, block_size, rounding_mode="trunc"), slots % block_size
 
 
 def gather_context(

@@ -103,6 +103,16 @@ class StepBroadcaster:
         self._send(STOP, 0, None)
 
 
+def _peer_exited(procs: list[subprocess.Popen]) -> bool:
+    return any(p.poll() is not None for p in procs)
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    """gloo/nccl transport failures, or a collective call inside an AOTInductor graph."""
+    text = str(exc)
+    return any(mark in text for mark in ("gloo", "nccl", "c10d", "Connection closed"))
+
+
 def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     try:
         dist.broadcast(tensor, src=0, group=group)
@@ -219,6 +229,13 @@ def run_ranks(
         loaded.runner.on_run = broadcaster
         try:
             return leader(loaded)
+        except RuntimeError as exc:  # a collective inside a graph failed: a peer is gone
+            if not (_peer_exited(procs) or _is_collective_error(exc)):
+                raise
+            raise RankFailure(
+                f"rank 0: lost contact with the other ranks during a graph call: {exc}",
+                hint="another rank has exited; see its output",
+            ) from exc
         finally:
             try:  # release the followers, also when the leader failed (e.g. a bad request)
                 broadcaster.stop()

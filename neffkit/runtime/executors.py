@@ -1,4 +1,4 @@
-"""Executors: how one bundle graph is called. The engine sees only `run(metadata) → tokens`.
+"""Executors: how one bundle graph is called. The engine sees only `run(metadata) → outputs`.
 
 Each executor owns a rank's static inputs (its `rank` tensor where graphs take one, the K/V
 caches, the weights) in the form its runtime wants, binds them to every graph once, and keeps the
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from neffkit.aoti import load_package
 from neffkit.bundle import Bundle, GraphRecord
 from neffkit.errors import BundleError
 
@@ -68,7 +69,7 @@ class AotiExecutor:
         _check_static_order(graph, num_meta, self.names)
         device_index = 0 if self.device == "cuda" else -1
         package = str(bundle.path(graph.artifact or ""))
-        runner = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, device_index)
+        runner = load_package(package, device_index)
         statics, device = self.statics, self.device
         bound: list[Any] = [(), []]  # (metadata arrays, full input list) of the previous call
 

@@ -1,8 +1,9 @@
 """Open a bundle, check it fits this host, and load one executable per graph.
 
-Graphs load through `torch._C._aoti.AOTIModelPackageLoader` directly: `torch._inductor.
-aoti_load_package` imports the whole compile stack and is slow to start. Checks run before anything
-is loaded, each with the reason and a hint: target, torch version, CPU ISA, world size, file hashes.
+Graphs load through `neffkit.aoti.load_package`, the C++ package loader called directly
+(`torch._inductor.aoti_load_package` imports the whole compile stack and is slow to start).
+Checks run before anything is loaded, each with the reason and a hint: target, torch version,
+CPU ISA, world size, file hashes.
 """
 
 from __future__ import annotations

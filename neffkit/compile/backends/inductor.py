@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from neffkit import host
+from neffkit.aoti import load_package
 from neffkit.bundle import ArtifactMetadata, HostRecord, NeuronRecord, OptionValue
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.units import BuildContext, Compiled, GraphUnit
@@ -64,8 +65,7 @@ def aoti_compile(program: object, out: Path, options: dict[str, OptionValue]) ->
         aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
     except Exception as exc:
         raise BuildError(f"AOTInductor failed for {out.stem}: {exc}") from exc
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(out), "model", False, 1, -1)
-    return dict(loader.get_metadata())
+    return dict(load_package(out).get_metadata())
 
 
 class CpuBackend:
