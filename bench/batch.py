@@ -1,0 +1,87 @@
+"""Decode batch scaling on a bandwidth-bound model: the batch-8 step against the batch-1 step.
+
+A random 125M-parameter Llama (hidden 1024, 6 layers, vocab 32000) built in float32 and bfloat16
+with decode buckets [1, 4, 8]. A bandwidth-bound step streams the weights once whatever the batch,
+so a batch-8 step should cost about what a batch-1 step costs. Alternating rounds, medians.
+Writes bench/results/batch.json; `--label before` records the figures of an earlier checkout
+(run this file from there with PYTHONPATH pointing at it).
+
+    .venv/bin/python bench/batch.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+
+WORK = REPO / "bench" / "work" / "batch"
+SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
+             num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+             max_position_embeddings=1024, tie_word_embeddings=False)  # fmt: skip
+BATCHES = (1, 4, 8)
+MANIFEST = """neffkit: 1
+name: batch-{dtype}
+model: {model}
+dtype: {dtype}
+buckets: {{prefill: [32], decode: [1, 4, 8], context: [128]}}
+"""
+
+
+def checkpoint() -> Path:
+    out = WORK / "llama-125m"
+    if not (out / "config.json").exists():
+        import transformers
+
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)).save_pretrained(out)
+    return out
+
+
+def bundle(dtype: str) -> Path:
+    manifest = WORK / f"batch-{dtype}.yaml"
+    manifest.write_text(MANIFEST.format(dtype=dtype, model=checkpoint()))
+    return ensure_bundle(manifest, WORK / f"bundle-{dtype}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--label", default="after")
+    args = ap.parse_args()
+    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.loader import load
+
+    engines = {d: EngineCore(load(bundle(d)).runner) for d in ("float32", "bfloat16")}
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):  # alternate: the machine's noise hits every case alike
+        for dtype, engine in engines.items():
+            for batch in BATCHES:
+                prompts = [[5 + i, 6, 7, 8] for i in range(batch)]
+                step = median(decode_step_times(engine, prompts, args.steps))
+                times.setdefault((dtype, batch), []).append(1000 * step)
+    figures: dict[str, float] = {}
+    for (dtype, batch), values in times.items():
+        figures[f"{dtype}_b{batch}_ms"] = round(median(values), 3)
+    for dtype in engines:
+        b1, b8 = figures[f"{dtype}_b1_ms"], figures[f"{dtype}_b8_ms"]
+        figures[f"{dtype}_b8_over_b1"] = round(b8 / b1, 2)
+        figures[f"{dtype}_b8_tokens_per_s_over_b1"] = round(8 * b1 / b8, 2)
+    figures["bf16_b1_over_fp32_b1"] = round(figures["bfloat16_b1_ms"] / figures["float32_b1_ms"], 2)
+    path = RESULTS / "batch.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[args.label] = figures
+    data["model"] = {**SHAPE, "parameters": "125M"}
+    print(json.dumps({args.label: figures}, indent=2))
+    write_result("batch", {k: v for k, v in data.items() if k != "machine"})
+
+
+if __name__ == "__main__":
+    main()
