@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, RESULTS, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "batch"
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,

@@ -423,8 +423,10 @@ def project(x: torch.Tensor, weight: torch.Tensor, gemv_max_rows: int) -> torch.
 
     Inductor fuses that form into the graph's one C++ kernel as a vectorised reduction that
     streams each weight row once, where `mm` is a library call per projection whose fixed cost
-    dominates at decode sizes (demo model, batch 1: 29 calls of ~20 us each). Only for
-    Inductor targets: neuronx-cc needs the `dot` to put a projection on the TensorEngine.
+    dominates at decode sizes (demo model, batch 1: 29 calls of ~20 us each). With several rows
+    the reduction streams the weights once per row; `mm` reads them once for all, which is what
+    a bandwidth-bound step needs (the inductor backend's GEMV_MAX_ROWS is 1). Only for Inductor
+    targets: neuronx-cc needs the `dot` to put a projection on the TensorEngine.
     """
     if x.numel() // x.shape[-1] <= gemv_max_rows:
         return (x.unsqueeze(-2) * weight).sum(-1)

@@ -28,8 +28,11 @@ if TYPE_CHECKING:
     from neffkit.manifest import Manifest
 
 # Decode graphs up to this many rows project as fused reductions on Inductor targets
-# (models/llama.project); at 8 rows the two forms measured equal on the demo model.
-GEMV_MAX_ROWS = 8
+# (models/llama.project). One: the reduction streams the weights once per row, so with several
+# rows `mm` (MKL / oneDNN, bf16 kernels included) reads them once for all (bench/batch.py, a
+# 125M Llama: see the README's batch figures). The demo model, which fits in cache, measured
+# the two forms equal at 8 rows; a bandwidth-bound model does not.
+GEMV_MAX_ROWS = 1
 
 
 def compile_job(
