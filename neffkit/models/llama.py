@@ -22,7 +22,7 @@ from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.moe import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.parallel import Parallelism
-from neffkit.models.rope_scaling import rope_frequencies
+from neffkit.models.rope_scaling import rope_frequencies, yarn_mscale
 from neffkit.models.sharding import ROPE_INV_FREQ
 
 SAMPLING_INPUTS = (
@@ -412,8 +412,7 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     params = cfg.rope_params
     mscale_all_dim = params.get("mscale_all_dim") or 0
     if params["rope_type"] != "default" and mscale_all_dim:
-        factor = params["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        mscale = yarn_mscale(params["factor"], mscale_all_dim)
         scale = scale * mscale * mscale
     return scale
 

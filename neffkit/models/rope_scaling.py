@@ -56,24 +56,30 @@ def _llama3(params: dict[str, Any], base: float, dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+def yarn_mscale(scale: float, mscale: float = 1) -> float:
+    """YaRN's magnitude correction for a context `scale` (HF's get_mscale)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(params: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
+def _context_factor(params: dict[str, Any]) -> tuple[int, float]:
+    """(original_max_position_embeddings, factor); without a factor, HF takes the ratio of
+    max_position_embeddings to the original length (DeepSeek, Phi-3)."""
     original = params["original_max_position_embeddings"]
     factor = params.get("factor")
-    if factor is None:
-        factor = params["max_position_embeddings"] / original
+    return original, params["max_position_embeddings"] / original if factor is None else factor
+
+
+def _yarn(params: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
+    original, factor = _context_factor(params)
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if attention_factor is None:
         if mscale and mscale_all_dim:
             attention_factor = float(
-                _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
             )
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
 
@@ -96,10 +102,7 @@ def _yarn(params: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, 
 
 def _longrope_short(params: dict[str, Any], base: float, dim: int) -> tuple[torch.Tensor, float]:
     """longrope's frequencies below original_max_position_embeddings (the short factors)."""
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor")
-    if factor is None:
-        factor = params["max_position_embeddings"] / original
+    original, factor = _context_factor(params)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = (
