@@ -117,3 +117,14 @@ def test_inspect_lists_graphs(bundle):
     assert all(len(g["io_alias"]) == 4 for g in summary["graphs"])
     text = run_cli("inspect", str(bundle("llama_tied")), check=True).stdout
     assert "decode_b4_c64" in text and "tp=1" in text
+
+
+def test_load_hashes_what_the_rank_reads(bundle_copy):
+    """Loading verifies the files a rank reads (graphs, its shard, tokenizer); a file it never
+    reads (the canonical graph text in ir/) is `inspect --verify`'s to check."""
+    ir = bundle_copy / "ir" / "decode_b1_c64.txt.zst"
+    ir.write_bytes(ir.read_bytes() + b"\0")
+    ok = run_cli("run", str(bundle_copy), "--prompt-ids", "1,2,3", "--max-tokens", "2")
+    assert ok.returncode == 0, ok.stderr
+    checked = run_cli("inspect", str(bundle_copy), "--verify")
+    assert checked.returncode == 2 and "ir/decode_b1_c64.txt.zst is corrupt" in checked.stderr
