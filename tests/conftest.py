@@ -118,6 +118,7 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "mixtral": ({"tp": 2, "ep": 2}, TWO_DECODE),
     "gpt_oss": ({"tp": 2, "ep": 2}, TWO_DECODE),
     "deepseek": ({"tp": 2, "ep": 2}, TWO_DECODE),
+    "deepseek_noq": ({"tp": 2, "ep": 2}, SMALL),  # q_proj's heads split over the ranks
 }
 
 
