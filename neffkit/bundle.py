@@ -30,6 +30,7 @@ from typing import ClassVar, TypeVar, Union, get_args, get_origin, get_type_hint
 import zstandard
 
 from neffkit.errors import BundleError
+from neffkit.targets import DTYPE_BYTES
 
 FORMAT_VERSION = 1
 BUNDLE_JSON = "bundle.json"
@@ -275,11 +276,13 @@ class LayoutRecord(Record):
         return [f"{kind}_cache.{i}" for i in range(self.num_layers) for kind in kinds]
 
     @property
+    def kv_itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token takes on one rank, every layer."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 4)
-        width = self.kv_heads_per_rank * self.head_dim * itemsize
-        return len(self.kv_names) * width
+        return len(self.kv_names) * self.kv_heads_per_rank * self.head_dim * self.kv_itemsize
 
 
 @dataclass(frozen=True)

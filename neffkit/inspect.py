@@ -303,9 +303,8 @@ def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
     }
     if lay.kv_kind == "mla":
         heads = int(cfg["num_heads"]) // lay.tp  # type: ignore[call-overload]
-        per_head = int(cfg["qk_nope_head_dim"]) + int(cfg["head_dim"]) + int(cfg["v_head_dim"])  # type: ignore[call-overload]
-        itemsize = lay.kv_bytes_per_token // (lay.num_layers * lay.head_dim)
-        out["mha_equivalent_bytes_per_token"] = lay.num_layers * heads * per_head * itemsize
+        per_head = sum(int(cfg[k]) for k in ("qk_nope_head_dim", "head_dim", "v_head_dim"))  # type: ignore[call-overload]
+        out["mha_equivalent_bytes_per_token"] = lay.num_layers * heads * per_head * lay.kv_itemsize
     return out
 
 

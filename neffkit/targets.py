@@ -10,6 +10,18 @@ from __future__ import annotations
 TARGETS = ("cpu", "cuda", "neuron")
 NEURON_TARGETS = ("trn1", "trn2", "trn3")
 DTYPES = ("float32", "bfloat16", "float16")
+# bytes per element of the tensor dtypes graphs and bundles hold (torch's spellings)
+DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "uint8": 1,
+    "int8": 1,
+}
 PHASES = ("prefill", "decode")
 # the hazard audit's rules (compile/audit.RULES), in id order; a manifest may waive any of them
 AUDIT_RULE_IDS = (

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from neffkit.bundle import FindingRecord, IoAlias
 from neffkit.errors import BuildError
+from neffkit.targets import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from neffkit.compile.progress import Progress
@@ -126,17 +127,6 @@ CLAMPS = ("aten.clamp", "aten.clamp_min", "aten.maximum", "aten.where")
 INDEX_MATH = ("aten.floor_divide", "aten.remainder", "aten.div")
 BIG_MASK = 1 << 16
 LIMIT = 1 << 32
-_DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "bool": 1,
-    "float8_e4m3fn": 1,
-    "uint8": 1,
-    "int8": 1,
-}
 
 
 # a finding is stored in bundle.json as it is produced: the record type is the bundle's
@@ -321,7 +311,7 @@ def _aliasing(g: GraphFacts) -> Iterator[Finding]:
         if node.target.startswith("aten.as_strided"):
             yield _finding("NK104", "error", g, node.text, "as_strided replay of a mutated base")
         if node.target == "input":
-            nbytes = node.numel * _DTYPE_BYTES.get(node.dtype, 4)
+            nbytes = node.numel * DTYPE_BYTES.get(node.dtype, 4)
             if node.numel >= LIMIT or nbytes >= LIMIT:
                 sev = "error" if g.target == "neuron" else "warning"
                 yield _finding("NK105", sev, g, node.text, f"{node.name}: {nbytes} bytes")
