@@ -86,3 +86,38 @@ def test_mqa_and_tied_configs(hf_model_dir):
     assert read_model_config(hf_model_dir("qwen2")).num_kv_heads == 1
     assert read_model_config(hf_model_dir("llama_tied")).tie_word_embeddings
     assert read_model_config(hf_model_dir("mistral")).sliding_windows == (24, 24)
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "gptq"])
+def test_quantization_config_is_refused_by_method(hf_model_dir, tmp_path, method):
+    """Until a method is implemented, widening its tensors without their scales would build a
+    bundle that generates garbage: the config is refused naming the method."""
+    from neffkit.errors import ModelError
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(hf_model_dir("llama"), model_dir)
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=f"quant_method '{method}' is not supported"):
+        read_model_config(model_dir)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(hf_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from neffkit.errors import ModelError
+    from neffkit.models.parallel import Parallelism
+    from neffkit.models.weights import rank_weight_shapes
+
+    model_dir = tmp_path / "m"
+    shutil.copytree(hf_model_dir("llama"), model_dir)
+    file = model_dir / "model.safetensors"
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, file, metadata={"format": "pt"})
+    cfg = read_model_config(model_dir)
+    with pytest.raises(ModelError, match=f"tensor '{name}' is stored as F8_E4M3"):
+        rank_weight_shapes(model_dir, cfg, Parallelism(tp=1), 0)

@@ -250,6 +250,27 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     }
 
 
+def _refuse_quantized(cfg: dict[str, Any], path: Path) -> None:
+    """No quantization method is implemented yet: widening quantized tensors without their scales
+    builds a bundle that generates garbage, so any `quantization_config` is refused by name."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+    if method == "mxfp4":
+        raise ModelError(
+            f"{path}: mxfp4-quantized experts (GPT-OSS's release layout) are not supported",
+            hint="dequantize to bfloat16 first: load with transformers' "
+            "Mxfp4Config(dequantize=True) and save_pretrained",
+        )
+    raise ModelError(
+        f"{path}: quantization_config.quant_method {method!r} is not supported (neffkit reads "
+        "unquantized float32/bfloat16/float16 checkpoints)",
+        hint="dequantize the checkpoint first (transformers: load it, then save_pretrained with "
+        "an unquantized torch_dtype)",
+    )
+
+
 def read_model_config(model_dir: Path) -> ModelConfig:
     """Parse `model_dir/config.json` (+ generation_config.json for EOS ids)."""
     path = model_dir / "config.json"
@@ -261,13 +282,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         raise ModelError(f"{path}: invalid JSON: {exc}") from exc
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
-    quant = (cfg.get("quantization_config") or {}).get("quant_method")
-    if quant == "mxfp4":
-        raise ModelError(
-            f"{path}: mxfp4-quantized experts (GPT-OSS's release layout) are not supported",
-            hint="dequantize to bfloat16 first: load with transformers' "
-            "Mxfp4Config(dequantize=True) and save_pretrained",
-        )
+    _refuse_quantized(cfg, path)
     if arch not in ARCHITECTURES:
         raise ModelError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"

@@ -43,6 +43,19 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
     return out
 
 
+QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8")
+
+
+def _refuse_quantized_tensor(file: Path, name: str, dtype: str) -> None:
+    """A quantized tensor widened without its scales is silently wrong: refuse it by name."""
+    if dtype.upper() in QUANTIZED_DTYPES:
+        raise ModelError(
+            f"{file}: tensor {name!r} is stored as {dtype}; quantized checkpoints are not "
+            "supported (neffkit reads float32/bfloat16/float16 weights)",
+            hint="dequantize the checkpoint first",
+        )
+
+
 def rank_weight_shapes(
     model_dir: Path, cfg: ModelConfig, par: Parallelism, rank: int
 ) -> list[tuple[str, tuple[int, ...]]]:
@@ -52,7 +65,9 @@ def rank_weight_shapes(
     for file in set(index.values()):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                shapes[name] = handle.get_slice(name).get_shape()
+                tensor = handle.get_slice(name)
+                _refuse_quantized_tensor(file, name, tensor.get_dtype())
+                shapes[name] = tensor.get_shape()
 
     def meta(name: str) -> torch.Tensor:
         return torch.empty(shapes[name], device="meta")
