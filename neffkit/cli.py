@@ -90,6 +90,12 @@ def build(
     elif dry_run:
         _print_plan(result.graphs)
     else:
+        c = result.counters
+        click.echo(
+            f"{c['graphs']} graphs: {c['traced']} traced ({c['trace_hits']} from the cache), "
+            f"{c['compiled']} compiled ({c['cache_hits']} from the cache)",
+            err=True,
+        )
         click.echo(str(result.bundle))
 
 

@@ -42,14 +42,19 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     proc = _cli_build(manifest, tmp_path / "again", session_cache(session_dir), "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
+    # the early key (DESIGN.md "Cache"): nothing changed, so nothing is traced either
     assert report["counters"] == {
         "graphs": 3,
-        "traced": 3,
+        "traced": 0,
+        "trace_hits": 3,
         "spmd_groups": 0,
         "per_rank_graphs": 0,
         "compiled": 0,
         "cache_hits": 3,
+        # the weight shard is not cut again: linked (or copied) from the cache
+        next(k for k in report["counters"] if k.startswith("weights_")): 1,
     }
+    assert "weights_cut" not in report["counters"]
     assert all(g["cache"] == "hit" for g in report["graphs"])
     assert set(report["seconds"]) >= {"plan", "trace", "compile", "write"}
     assert report["peak_rss_mb"]["main"] > 0
@@ -57,6 +62,26 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
     for ir in (first / "ir").iterdir():
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
+
+
+def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir, tmp_path):
+    """A checkpoint file's stamp is part of the early key: touching it retraces every graph;
+    the traced graphs are unchanged, so nothing recompiles."""
+    import shutil
+
+    bundle("llama_tied")  # the cache holds this model's artifacts
+    model = tmp_path / "model"
+    shutil.copytree(hf_model_dir("llama_tied"), model)
+    manifest = write_manifest(tmp_path / "m.yaml", model, buckets=MODELS["llama_tied"][2])
+    cache = session_cache(session_dir)
+    first = json.loads(_cli_build(manifest, tmp_path / "a", cache, "--json").stdout)
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    again = json.loads(_cli_build(manifest, tmp_path / "b", cache, "--json").stdout)
+    for report in (first, again):
+        assert report["counters"]["traced"] == 3 and report["counters"]["compiled"] == 0
+    warm = json.loads(_cli_build(manifest, tmp_path / "c", cache, "--json").stdout)
+    assert warm["counters"]["traced"] == 0 and warm["counters"]["compiled"] == 0
 
 
 def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_model_dir, tmp_path):
@@ -167,7 +192,7 @@ def test_killed_build_leaves_nothing_half_written(sig, hf_model_dir, tmp_path):
     assert again.returncode == 0, again.stderr
     assert [p.name for p in out.parent.iterdir()] == ["kill"]
     assert not list((cache / "tmp").iterdir())
-    assert _entries_valid(cache) == 2
+    assert _entries_valid(cache) == 3  # two graphs and the weight shard
 
 
 def test_cache_entry_corruption_is_a_miss(tmp_path):

@@ -121,3 +121,32 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(hf_model_dir, tmp
     cfg = read_model_config(model_dir)
     with pytest.raises(ModelError, match=f"tensor '{name}' is stored as F8_E4M3"):
         rank_weight_shapes(model_dir, cfg, Parallelism(tp=1), 0)
+
+
+def test_streamed_safetensors_round_trip_through_the_reference_library(hf_model_dir, tmp_path):
+    """tensor_files writes one tensor at a time and reads without an mmap; safetensors' own
+    reader and writer are the oracle for the format."""
+    from safetensors.torch import load_file
+
+    from neffkit.models.tensor_files import TensorReader, write_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(7, generator=gen),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "empty": torch.zeros(0, 4),
+    }
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    path = tmp_path / "x.safetensors"
+    assert write_tensors(path, specs, iter(tensors.items())) == list(tensors)
+    loaded = load_file(path)
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    reference = hf_model_dir("llama") / "model.safetensors"
+    reader, expected = TensorReader(reference), load_file(reference)
+    try:
+        assert all(torch.equal(reader.get(n), t) for n, t in expected.items())
+    finally:
+        reader.close()
+    with pytest.raises(ValueError, match="expected b"):
+        write_tensors(path, specs, iter([("a", tensors["a"]), ("b", tensors["a"])]))

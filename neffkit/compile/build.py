@@ -12,6 +12,7 @@ terminates the workers and removes the staging directory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -36,6 +37,7 @@ from neffkit.compile.cache import (
     remember_unit,
     restore_unit,
     store_unit,
+    trace_key,
 )
 from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, make_plan
@@ -61,6 +63,7 @@ class BuildResult:
     graphs: list[JsonObject] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb_by_stage: dict[str, float] = field(default_factory=dict)  # main, after each
     findings: list[FindingRecord] = field(default_factory=list)
 
     def report(self) -> JsonObject:
@@ -71,6 +74,7 @@ class BuildResult:
             "graphs": self.graphs,
             "warnings": self.warnings,
             "peak_rss_mb": self.peak_rss_mb,
+            "peak_rss_mb_by_stage": self.peak_rss_mb_by_stage,
             "findings": [f.to_json() for f in self.findings],
         }
 
@@ -102,14 +106,14 @@ def build(
     backend.check_ready(lower_only, dry_run)
     # a lowered bundle compiles nothing, so there is nothing to cache
     cache = ArtifactCache(cache_dir) if cache_dir and not lower_only else None
-    clock = _Clock(result.seconds)
+    clock = _Clock(result.seconds, result.peak_rss_mb_by_stage)
     with clock("plan"):  # 1. graphs, their resolved compiler options, the weights' shapes
         specs = plan_graphs(manifest, result, progress)
         layout = target_layout(manifest, backend)
     with worker_pool(jobs or os.cpu_count() or 1) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
-        with clock("trace"):  # 2. every graph on every rank, in parallel
-            traces = trace_graphs(ctx, specs)
+        with clock("trace"):  # 2. every graph on every rank, in parallel (unless cached)
+            traces = trace_graphs(ctx, specs, backend, cache, result.counters)
         with clock("check"):  # 3. byte-identical on every rank: one artifact serves all (SPMD)
             units = check_graphs(ctx, specs, traces, result.counters)
         with clock("audit"):  # 4. known neuronx-cc / runtime hazards
@@ -122,7 +126,8 @@ def build(
             return result
         with staging_dir(dest) as stage:
             with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
-                weights = write_weights(manifest, stage, layout)
+                weights, placed = write_weights(manifest, stage, layout, cache)
+                result.counters.update({f"weights_{k}": v for k, v in placed.items() if v})
             with clock("compile"):  # 7. compile the misses (in parallel); copy the hits
                 result.counters["compiled"] = compile_units(ctx, backend, cache, stage, units)
             if verify:  # 8. every graph against the eager model
@@ -156,20 +161,47 @@ def plan_graphs(manifest: Manifest, result: BuildResult, progress: Progress) -> 
         result.warnings += options.warnings
     for warning in result.warnings:
         progress.message(f"warning: {warning}")
-    result.counters.update(graphs=len(specs), traced=0, spmd_groups=0, per_rank_graphs=0)
+    result.counters.update(graphs=len(specs), traced=0, trace_hits=0, spmd_groups=0)
+    result.counters.update(per_rank_graphs=0)
     result.counters.update(compiled=0, cache_hits=0)
     return specs
 
 
-def trace_graphs(ctx: BuildContext, specs: Planned) -> list[list[TraceResult]]:
-    """Per graph, one TraceResult per rank (lowered too where the backend compiles that form)."""
+def trace_graphs(
+    ctx: BuildContext,
+    specs: Planned,
+    backend: Backend,
+    cache: ArtifactCache | None,
+    counters: dict[str, int],
+) -> list[list[TraceResult]]:
+    """Per graph, one TraceResult per rank (lowered too where the backend compiles that form).
+
+    With a cache, a (graph, rank) whose early key is stored is not traced: a warm rebuild with
+    nothing changed traces nothing (`counters["traced"]` counts real traces)."""
     world = ctx.manifest.parallel.tp
     pairs = [(spec, r) for spec, _ in specs for r in range(world)]
-    names = [s.name if world == 1 else f"{s.name}@rank{r}" for s, r in pairs]
-    ctx.progress.start("trace", names)
-    args = [(ctx.layout, s, r, ctx.manifest.target) for s, r in pairs]
-    flat = ctx.run_parallel(trace_job, args, names, ctx.progress)
-    return [flat[i * world : (i + 1) * world] for i in range(len(specs))]
+    keys = [trace_key(ctx.manifest, backend, s, r) for s, r in pairs] if cache else []
+    flat: list[TraceResult | None] = [_hit(cache.lookup_trace(k)) for k in keys] if cache else []
+    flat = flat or [None] * len(pairs)
+    misses = [i for i, t in enumerate(flat) if t is None]
+    names = [pairs[i][0].name if world == 1 else f"{pairs[i][0].name}@rank{pairs[i][1]}"
+             for i in misses]  # fmt: skip
+    if misses:
+        ctx.progress.start("trace", names)
+        args = [(ctx.layout, pairs[i][0], pairs[i][1], ctx.manifest.target) for i in misses]
+        for i, traced in zip(misses, ctx.run_parallel(trace_job, args, names, ctx.progress),
+                             strict=True):  # fmt: skip
+            flat[i] = traced
+            if cache is not None:
+                cache.store_trace(keys[i], traced)
+    counters["traced"], counters["trace_hits"] = len(misses), len(pairs) - len(misses)
+    done = [t for t in flat if t is not None]
+    return [done[i * world : (i + 1) * world] for i in range(len(specs))]
+
+
+def _hit(trace: TraceResult | None) -> TraceResult | None:
+    """A cached trace cost no tracing this build."""
+    return dataclasses.replace(trace, seconds=0.0) if trace is not None else None
 
 
 def check_graphs(
@@ -177,7 +209,6 @@ def check_graphs(
 ) -> list[GraphUnit]:
     """One unit per graph when every rank traced the same graph (and lowered form); else one per
     rank where the manifest allows per-rank artifacts, or SPMDMismatchError."""
-    counters["traced"] = sum(len(per_rank) for per_rank in traces)
     units: list[GraphUnit] = []
     for (spec, options), per_rank in zip(specs, traces, strict=True):
         try:
@@ -239,8 +270,12 @@ def compile_units(
 
 
 class _Clock:
-    def __init__(self, seconds: dict[str, float]) -> None:
+    """Seconds per stage, and the main process's peak RSS when each stage ends (the peak is
+    monotonic, so the stage where it grows is the one that holds the memory)."""
+
+    def __init__(self, seconds: dict[str, float], peak_rss_mb: dict[str, float]) -> None:
         self.seconds = seconds
+        self.peak_rss_mb = peak_rss_mb
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
@@ -249,6 +284,7 @@ class _Clock:
             yield
         finally:
             self.seconds[stage] = round(time.perf_counter() - t0, 3)
+            self.peak_rss_mb[stage] = round(_peak_rss_mb()["main"], 1)
 
 
 def _place(src: Path, dst: Path, copy: bool = False) -> None:

@@ -6,17 +6,28 @@ build never leaves a half-written entry and builds sharing one directory are saf
 race to the same key, the first rename wins and the second discards its copy). `labels/` remembers
 the factors each graph was last compiled with, so a miss can say which factor changed. Environment
 variables never enter a key; only what changes the artifact does.
+
+`traces/` holds DESIGN.md's early key: everything a graph's trace is made from (resolved manifest,
+model config, checkpoint file stamps, neffkit's own source, torch and lowering versions, the graph
+spec and rank) → the trace itself, so a rebuild with nothing changed traces nothing. A wrong hit
+there could only come from a factor left out; it still cannot give a wrong artifact, whose key is
+the traced graph. Trace entries are pickles: the cache is trusted as much as the compiled
+artifacts it holds, which are executable code.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
+import pickle
 import shutil
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +42,9 @@ from neffkit.bundle import (
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import Backend
+    from neffkit.compile.plan import GraphSpec
     from neffkit.compile.progress import Progress
-    from neffkit.compile.units import GraphUnit
+    from neffkit.compile.units import GraphUnit, TraceResult
     from neffkit.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -91,7 +103,8 @@ class ArtifactCache:
         self.entries = self.root / "entries"
         self.labels = self.root / "labels"
         self.tmp = self.root / "tmp"
-        for d in (self.entries, self.labels, self.tmp):
+        self.traces = self.root / "traces"
+        for d in (self.entries, self.labels, self.tmp, self.traces):
             d.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_dirs(self.tmp, "")
 
@@ -115,11 +128,18 @@ class ArtifactCache:
         shutil.rmtree(entry, ignore_errors=True)
         return None
 
-    def store(self, key: CacheKey, artifact: Path, extra: JsonObject | None = None) -> Path:
-        """Copy `artifact` into a new entry atomically; return the cached artifact's path."""
+    def store(
+        self, key: CacheKey, artifact: Path, extra: JsonObject | None = None, link: bool = False
+    ) -> Path:
+        """Copy `artifact` into a new entry atomically; return the cached artifact's path.
+
+        `link` (weight shards): reflink or hardlink where the filesystem allows, else copy."""
         tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.tmp))
         try:
-            shutil.copyfile(artifact, tmp / artifact.name)
+            if link:
+                link_or_copy(artifact, tmp / artifact.name)
+            else:
+                shutil.copyfile(artifact, tmp / artifact.name)
             meta = {
                 "factors": key.factors,
                 "artifact": artifact.name,
@@ -134,6 +154,21 @@ class ArtifactCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return self._entry(key) / artifact.name
+
+    def lookup_trace(self, key: CacheKey) -> TraceResult | None:
+        """The trace stored under an early key, or None (a missing or unreadable entry)."""
+        try:
+            data = (self.traces / f"{key.digest}.pkl").read_bytes()
+            return pickle.loads(data)  # noqa: S301 (our own cache; see the module docstring)
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            return None
+
+    def store_trace(self, key: CacheKey, trace: TraceResult) -> None:
+        """Write a trace entry atomically: a temp file renamed into place."""
+        fd, tmp = tempfile.mkstemp(prefix=f"{os.getpid()}-", dir=self.tmp)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self.traces / f"{key.digest}.pkl")
 
     def _label_path(self, label: str) -> Path:
         return self.labels / (hashlib.sha256(label.encode()).hexdigest()[:32] + ".json")
@@ -151,6 +186,104 @@ class ArtifactCache:
         with os.fdopen(fd, "w") as f:
             json.dump({"label": label, "factors": key.factors}, f, sort_keys=True)
         os.replace(tmp, path)
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Place `src` at `dst` without copying bytes where the filesystem allows: a reflink
+    (copy-on-write clone: btrfs, xfs), else a hardlink, else a copy. Returns which it used.
+
+    A hardlinked bundle file shares its inode with the cache entry; the entry's sha256 is
+    checked on every lookup, so an edit through the bundle makes the entry a miss, not a wrong
+    hit."""
+    import fcntl
+
+    ficlone = 0x40049409  # linux/fs.h FICLONE
+    try:
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), ficlone, s.fileno())
+        return "reflink"
+    except OSError:
+        dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+        return "hardlink"
+    except OSError:
+        shutil.copyfile(src, dst)
+        return "copy"
+
+
+# ---------------------------------------------------------------- the early key (traces)
+
+LOWERING_PACKAGES = ("torch-mlir", "jax", "jaxlib")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over neffkit's own Python source: any code change invalidates every trace entry."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def checkpoint_stamps(model_dir: Path) -> list[list[str | int]]:
+    """(name, size, mtime_ns) of every file in the model directory: what the trace reads."""
+    return [
+        [p.name, st.st_size, st.st_mtime_ns]
+        for p in sorted(Path(model_dir).iterdir())
+        if p.is_file() and (st := p.stat())
+    ]
+
+
+def _installed(names: tuple[str, ...]) -> dict[str, str]:
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def trace_key(manifest: Manifest, backend: Backend, spec: GraphSpec, rank: int) -> CacheKey:
+    """Everything one rank's trace of one graph is made from (DESIGN.md "Cache", early key)."""
+    import torch
+
+    return CacheKey(
+        {
+            "kind": "trace",
+            "manifest": manifest.to_json(),
+            "model": manifest.model_config.to_json(),
+            "checkpoint": checkpoint_stamps(manifest.model),
+            "neffkit": source_digest(),
+            "torch": torch.__version__,
+            "python": list(sys.version_info[:2]),
+            "lowering": _installed(LOWERING_PACKAGES) if backend.name == "neuron" else {},
+            "backend": f"{backend.name} {backend.version}",
+            "graph": asdict(spec),
+            "rank": rank,
+            "format": FORMAT_VERSION,
+        }
+    )
+
+
+def weights_key(manifest: Manifest, rank: int) -> CacheKey:
+    """Everything one rank's weight shard is made from: the checkpoint, dtype, layout, code."""
+    par = manifest.parallel
+    return CacheKey(
+        {
+            "kind": "weights",
+            "model_dir": str(manifest.model),
+            "checkpoint": checkpoint_stamps(manifest.model),
+            "model": manifest.model_config.to_json(),
+            "dtype": manifest.dtype,
+            "parallel": {"tp": par.tp, "ep": par.ep},
+            "rank": rank,
+            "neffkit": source_digest(),
+            "format": FORMAT_VERSION,
+        }
+    )
 
 
 # ---------------------------------------------------------------- graph units (the build's view)

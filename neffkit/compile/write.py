@@ -7,11 +7,11 @@ so a rebuild with nothing changed writes a byte-identical bundle.json.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 import neffkit
 from neffkit.bundle import (
@@ -30,10 +30,12 @@ from neffkit.bundle import (
     write_zst_text,
 )
 from neffkit.compile.backends.base import Backend
+from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights_key
 from neffkit.compile.trace import ModelLayout
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
-from neffkit.models.weights import iter_rank_weights
+from neffkit.models.tensor_files import write_tensors
+from neffkit.models.weights import iter_rank_weights, rank_weight_specs
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,21 +46,31 @@ TOKENIZER_FILES = (
 )
 
 
-def write_weights(manifest: Manifest, stage: Path, layout: ModelLayout) -> list[WeightsRecord]:
-    """weights/rank{r}.safetensors: each rank's pre-cut shard; a rank reads only its own file."""
+def write_weights(
+    manifest: Manifest, stage: Path, layout: ModelLayout, cache: ArtifactCache | None = None
+) -> tuple[list[WeightsRecord], dict[str, int]]:
+    """weights/rank{r}.safetensors: each rank's pre-cut shard; a rank reads only its own file.
+
+    Streamed tensor by tensor (the build never holds a whole shard). With a cache, a shard whose
+    checkpoint, dtype, layout and code are unchanged is linked from the cache (reflink, hardlink or
+    copy: returned counts say which), not cut again."""
     (stage / "weights").mkdir(parents=True)
-    records = []
+    records, placed = [], {"cut": 0, "reflink": 0, "hardlink": 0, "copy": 0}
     for rank in range(layout.par.tp):
-        tensors = dict(
-            iter_rank_weights(
-                manifest.model, manifest.model_config, manifest.dtype, layout.par, rank
-            )
-        )
         file = f"weights/rank{rank}.safetensors"
-        save_file(tensors, str(stage / file))
-        records.append(WeightsRecord(rank, file, tuple(tensors)))
-        del tensors
-    return records
+        key = weights_key(manifest, rank) if cache is not None else None
+        hit = cache.lookup(key) if cache is not None and key is not None else None
+        if hit is not None:
+            placed[link_or_copy(hit, stage / file)] += 1
+            names = json.loads((hit.parent / KEY_JSON).read_text())["names"]
+        else:
+            args = (manifest.model, manifest.model_config, manifest.dtype, layout.par, rank)
+            names = write_tensors(stage / file, rank_weight_specs(*args), iter_rank_weights(*args))
+            placed["cut"] += 1
+            if cache is not None and key is not None:
+                cache.store(key, stage / file, {"names": names}, link=True)
+        records.append(WeightsRecord(rank, file, tuple(names)))
+    return records, placed
 
 
 def copy_tokenizer(model_dir: Path, out: Path) -> None:

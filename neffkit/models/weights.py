@@ -1,6 +1,6 @@
 """HF safetensors → each rank's ordered weight list (the graphs' weight inputs).
 
-Tensors are read one at a time through safetensors' mmap (never the whole checkpoint at once), cut
+Tensors are read one at a time into their own buffers (never the whole checkpoint at once), cut
 for the rank by `sharding.rank_weights` and cast to the bundle dtype. Shapes alone come from the
 safetensors headers through meta tensors, with the same cutting code. Order is fixed by
 `rank_weights` and recorded in bundle.json; graphs and the runtime both follow it.
@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
 from neffkit.models.sharding import Parallelism, keeps_float32, rank_weights
+from neffkit.models.tensor_files import TensorReader, read_header
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,8 +38,7 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
         raise ModelError(f"{model_dir}: no *.safetensors files")
     out: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            out.update(dict.fromkeys(handle.keys(), file))
+        out.update(dict.fromkeys(read_header(file), file))
     return out
 
 
@@ -63,11 +62,9 @@ def rank_weight_shapes(
     index = checkpoint_index(model_dir)
     shapes: dict[str, list[int]] = {}
     for file in set(index.values()):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                tensor = handle.get_slice(name)
-                _refuse_quantized_tensor(file, name, tensor.get_dtype())
-                shapes[name] = tensor.get_shape()
+        for name, entry in read_header(file).items():
+            _refuse_quantized_tensor(file, name, entry["dtype"])
+            shapes[name] = entry["shape"]
 
     def meta(name: str) -> torch.Tensor:
         return torch.empty(shapes[name], device="meta")
@@ -75,26 +72,42 @@ def rank_weight_shapes(
     return [(n, tuple(t.shape)) for n, t in rank_weights(cfg, par, rank, meta, set(index))]
 
 
+def rank_weight_specs(
+    model_dir: Path, cfg: ModelConfig, dtype: str, par: Parallelism, rank: int
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, bundle dtype) of one rank's weights, in graph order, from headers only."""
+    shapes = rank_weight_shapes(model_dir, cfg, par, rank)
+    return [(name, shape, weight_dtype(name, dtype)) for name, shape in shapes]
+
+
 def iter_rank_weights(
     model_dir: Path, cfg: ModelConfig, dtype: str, par: Parallelism, rank: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield one rank's (name, tensor) in graph order, read lazily, cut, cast, contiguous."""
+    """Yield one rank's (name, tensor) in graph order, read one at a time, cut, cast, compact.
+
+    Each tensor is read into its own buffer (tensor_files.TensorReader, not an mmap), so memory
+    holds one tensor and its cast at a time, whatever the checkpoint's size."""
     index = checkpoint_index(model_dir)
-    handles: dict[Path, object] = {}
+    readers: dict[Path, TensorReader] = {}
 
     def get(name: str) -> torch.Tensor:
         file = index[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        return handles[file].get_tensor(name)
+        if file not in readers:
+            readers[file] = TensorReader(file)
+        return readers[file].get(name)
 
     try:
         for name, tensor in rank_weights(cfg, par, rank, get, set(index)):
-            # a fresh compact tensor: slices must not drag their parent's storage into the file
             cast = tensor.to(weight_dtype(name, dtype))
-            yield name, cast.clone(memory_format=torch.contiguous_format)
+            # a compact tensor: a slice must not drag its parent's storage into the file
+            if not cast.is_contiguous() or cast.untyped_storage().nbytes() != cast.nbytes:
+                cast = cast.clone(memory_format=torch.contiguous_format)
+            yield name, cast
+            del tensor, cast
     finally:
-        handles.clear()
+        for reader in readers.values():
+            reader.close()
+        readers.clear()
 
 
 def load_weights(model_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,116 @@
+"""safetensors files read and written one tensor at a time, so memory never holds a whole shard.
+
+Reading uses positioned reads into a fresh buffer rather than an mmap: pages of an mmap stay
+mapped (and counted in the process's RSS) for as long as the file is open, so reading a 3 GB
+checkpoint through one would grow the build's RSS to 3 GB; a read buffer is freed as soon as the
+tensor is written. Writing lays the header out from the tensors' specs first, then streams each
+tensor's bytes in order: the file is byte-for-byte a safetensors file any reader accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+NAMED_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+ALIGN = 8  # the header is padded so the data (and every aligned tensor) starts 8-byte aligned
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The safetensors header: name → {dtype, shape, data_offsets}, `__metadata__` removed."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+class TensorReader:
+    """Reads one tensor at a time from a safetensors file into memory the caller owns."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+        self.data_start = 8 + size
+        self.header = read_header(self.path)
+        self.fd = os.open(self.path, os.O_RDONLY)
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        begin, end = entry["data_offsets"]
+        buffer = bytearray(end - begin)
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):  # preadv may return short reads on large tensors
+            n = os.preadv(self.fd, [view[done:]], self.data_start + begin + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: truncated while reading tensor {name!r}")
+            done += n
+        dtype = NAMED_DTYPES[entry["dtype"]]
+        if not buffer:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def tensor_nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * dtype.itemsize
+
+
+def write_tensors(
+    path: Path,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
+    """Write `tensors` (yielded in `specs` order, each checked against its spec) as one
+    safetensors file, holding one tensor at a time. Returns the names written."""
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in specs:
+        end = offset + tensor_nbytes(shape, dtype)
+        header[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    names = []
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for (name, shape, dtype), (got, tensor) in zip(specs, tensors, strict=True):
+            if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{path}: expected {name} {tuple(shape)} {dtype}, got {got} "
+                    f"{tuple(tensor.shape)} {tensor.dtype}"
+                )
+            if tensor.numel():
+                f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            names.append(name)
+    return names
