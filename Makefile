@@ -5,7 +5,7 @@ PY := .venv/bin/python
 TEST_WORKERS ?= 2
 VENV_STAMP := .venv/.neffkit-installed
 
-.PHONY: setup demo test test-fast lint bench lm-eval clean
+.PHONY: setup demo test test-fast lint bench lm-eval peers-venv peers clean
 
 setup: $(VENV_STAMP)
 
@@ -38,6 +38,17 @@ lm-eval: setup
 	test -x .venv-lmeval/bin/lm_eval || (python3 -m venv .venv-lmeval && \
 		.venv-lmeval/bin/pip install -q 'lm-eval[api]==0.4.13' transformers)
 	$(PY) bench/lm_eval.py
+
+# the ahead-of-time CPU peers (ONNX Runtime GenAI, OpenVINO GenAI) in their own venv: optimum-intel
+# pins its own transformers; bench/peers.py drives them through bench/peers_worker.py
+peers-venv:
+	test -x .venv-peers/bin/python || (python3 -m venv .venv-peers && \
+		.venv-peers/bin/pip install -q torch==2.13.0 && \
+		.venv-peers/bin/pip install -q onnxruntime-genai onnx onnx_ir 'optimum-intel[openvino]' \
+			openvino-genai)
+
+peers: setup peers-venv
+	$(PY) bench/peers.py
 
 bench: setup
 	$(PY) -m pip install -q -e '.[dev,lower,bench]'

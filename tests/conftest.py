@@ -65,7 +65,8 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
-    "qwen2": ("Qwen2Config", {"num_key_value_heads": 1}, SMALL),  # MQA + qkv bias
+    # MQA + qkv bias; a vocabulary tp=2 does not divide: the last vocab shard is padded
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 1, "vocab_size": 1027}, SMALL),
     # layer 0 dense, layer 1 sparse; renormalised top-2 of 8 experts. MoE decode [1, 4]: one row
     # gathers its 2 routed experts (2 < 8), four rows run all 8 densely (8 is not < 8)
     "qwen3_moe": (

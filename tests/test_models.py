@@ -150,3 +150,23 @@ def test_streamed_safetensors_round_trip_through_the_reference_library(hf_model_
         reader.close()
     with pytest.raises(ValueError, match="expected b"):
         write_tensors(path, specs, iter([("a", tensors["a"]), ("b", tensors["a"])]))
+
+
+def test_vocab_parallel_shards_cover_the_vocabulary_once(hf_model_dir):
+    """tp > 1: each rank keeps ceil(vocab / tp) rows of the embedding (and an untied LM head);
+    the shards laid end to end are the table, the last one zero-padded."""
+    from neffkit.models.parallel import Parallelism
+    from neffkit.models.weights import iter_rank_weights
+
+    model_dir = hf_model_dir("qwen2")  # vocab 1027: tp=2 does not divide it
+    cfg = read_model_config(model_dir)
+    full = load_weights(model_dir, cfg, "float32")
+    par = Parallelism(tp=2)
+    rows = par.vocab_rows(cfg)
+    assert rows == 514
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        shards = [dict(iter_rank_weights(model_dir, cfg, "float32", par, r))[name] for r in (0, 1)]
+        assert [s.shape[0] for s in shards] == [rows, rows]
+        joined = torch.cat(shards)
+        assert torch.equal(joined[: cfg.vocab_size], full[name])
+        assert not joined[cfg.vocab_size :].any()

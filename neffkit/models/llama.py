@@ -146,7 +146,7 @@ class DecoderGraph(torch.nn.Module):
         # Ids are validated on the host; the clamp is defence in depth: an out-of-range gather is
         # an out-of-bounds DMA on Neuron and a crash on CPU (audit rule NK109).
         ids = input_ids.clamp(0, cfg.vocab_size - 1)
-        h = w["model.embed_tokens.weight"][ids]  # [B, T, hidden]
+        h = self._embed(ids, w["model.embed_tokens.weight"])  # [B, T, hidden]
         cos, sin = rope_cos_sin(
             positions, w[ROPE_INV_FREQ], self.rope_attention_factor, h.dtype
         )  # [B, T, 1, D]
@@ -179,17 +179,17 @@ class DecoderGraph(torch.nn.Module):
             last_pos = positions[0].index_select(0, last)  # [1]
             if shape.prompt_logprobs:  # the LM head on every position (TRT-LLM's context logits)
                 h_all = self._norm(h[0], w["model.norm.weight"])
-                all_logits = self._project(h_all, head)  # [T, vocab]
+                all_logits = self._head(h_all, head)  # [T, vocab]
                 targets = meta[-1][0].clamp(0, cfg.vocab_size - 1)  # [T]
                 prompt = target_logprobs(all_logits, targets, shape.logprobs)
                 logits = all_logits.index_select(0, last)  # [1, vocab]
             else:
                 h_last = self._norm(h[0].index_select(0, last), w["model.norm.weight"])
-                logits = self._project(h_last, head)  # [1, vocab]
+                logits = self._head(h_last, head)  # [1, vocab]
         else:
             last_pos = positions[:, -1]  # [B]
             h_last = self._norm(h[:, -1], w["model.norm.weight"])
-            logits = self._project(h_last, head)  # [B, vocab]
+            logits = self._head(h_last, head)  # [B, vocab]
         sampled = sample(
             logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
         )
@@ -279,6 +279,29 @@ class DecoderGraph(torch.nn.Module):
         gate = self._linear(x, w, f"{prefix}.gate_proj")
         up = self._linear(x, w, f"{prefix}.up_proj")
         return self._project(torch.nn.functional.silu(gate) * up, w[f"{prefix}.down_proj.weight"])
+
+    def _embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup; with tp > 1 a vocab-parallel one: each rank looks up the ids in its
+        rows (others read as zeros) and the all-reduce sums the one non-zero row per token."""
+        if self.par.tp == 1:
+            return table[ids]
+        rows = table.shape[0]
+        local = ids - self.rank * rows
+        inside = (local >= 0) & (local < rows)
+        h = table[local.clamp(0, rows - 1)] * inside.unsqueeze(-1).to(table.dtype)
+        return self._reduce(h, None)
+
+    def _head(self, x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab]. With tp > 1 each rank projects onto its vocabulary shard and the
+        shards are gathered (placed at the rank's offset, all-reduced: exact, every rank then
+        holds the same logits and samples identically, and no collective beyond all-reduce is
+        needed by any target's lowering)."""
+        logits = self._project(x, head)  # [N, rows]
+        if self.par.tp == 1:
+            return logits
+        mine = (torch.arange(self.par.tp, device=x.device) == self.rank).to(logits.dtype)
+        spread = mine.unsqueeze(-1) * logits.unsqueeze(-2)  # [N, tp, rows]: zeros but ours
+        return self._reduce(spread, None).flatten(-2)[..., : self.cfg.vocab_size]
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return project(x, weight, self.gemv_max_rows)

@@ -33,8 +33,13 @@ class Parallelism:
         return self.tp // self.ep
 
     def needs_rank_input(self, cfg: ModelConfig) -> bool:
-        """Graphs take `rank` as a tensor only where they need it: selecting local experts."""
-        return cfg.is_moe and self.ep > 1
+        """Graphs take `rank` as a tensor where they need it: selecting this rank's vocabulary
+        shard (tp > 1) and its local experts (ep > 1). As data, so every rank's graph is one."""
+        return self.tp > 1 or (cfg.is_moe and self.ep > 1)
+
+    def vocab_rows(self, cfg: ModelConfig) -> int:
+        """Rows of the embedding / LM head each rank keeps (the last shard zero-padded)."""
+        return -(-cfg.vocab_size // self.tp)
 
 
 def check_parallelism(cfg: ModelConfig, par: Parallelism) -> None:

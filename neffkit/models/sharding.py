@@ -4,9 +4,12 @@ Megatron-style: q/k/v and gate/up are column-parallel (each rank keeps its heads
 intermediate dimension), o and down are row-parallel (each rank keeps the matching input columns;
 the graph all-reduces their partial outputs). KV heads are split across ranks, or replicated when
 tp > num_key_value_heads (rank r keeps KV head r // (tp / kv_heads), the one its query heads use),
-so MQA/GQA models run at any tp that divides the query heads. Embedding, LM head and norms are
-replicated (simple, and exact: no gather of vocab shards). Row-parallel biases are added once,
-after the all-reduce, so they stay whole.
+so MQA/GQA models run at any tp that divides the query heads. The embedding and LM head are
+vocab-parallel (Megatron's VocabParallelEmbedding, as NxDI and vLLM): rank r keeps rows
+[r*R, (r+1)*R) with R = ceil(vocab / tp), the last shard zero-padded, so per-rank weight bytes fall
+as 1/tp (a 128k vocabulary is 525 MB in bf16); the graph looks up with a mask and all-reduces,
+and gathers the logits before sampling (llama.py). Norms are replicated. Row-parallel biases are
+added once, after the all-reduce, so they stay whole.
 
 MoE: the router is replicated; experts are split over `ep` groups of tp/ep ranks, and each expert's
 intermediate dimension over the tp/ep ranks of its group. Each rank's experts are stacked into
@@ -74,7 +77,10 @@ def rank_weights(
     k0 = par.kv_head_start(cfg, rank) * d
     inter = cfg.intermediate_size // par.tp
     i0 = rank * inter
-    yield "model.embed_tokens.weight", need("model.embed_tokens.weight")
+    yield (
+        "model.embed_tokens.weight",
+        _vocab_shard(need("model.embed_tokens.weight"), cfg, par, rank),
+    )
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}"
         yield f"{p}.input_layernorm.weight", need(f"{p}.input_layernorm.weight")
@@ -126,9 +132,27 @@ def rank_weights(
                     yield bias, get(bias)[i0 : i0 + inter]
     yield "model.norm.weight", need("model.norm.weight")
     if not cfg.tie_word_embeddings:
-        yield "lm_head.weight", need("lm_head.weight")
+        yield "lm_head.weight", _vocab_shard(need("lm_head.weight"), cfg, par, rank)
     # computed, not read: the rope frequencies as HF derives them (float32, never cast)
     yield ROPE_INV_FREQ, rope_frequencies(cfg.rope_params, cfg.head_dim)[0]
+
+
+def _vocab_shard(
+    table: torch.Tensor, cfg: ModelConfig, par: Parallelism, rank: int
+) -> torch.Tensor:
+    """This rank's rows of a [vocab, hidden] table; the last shard zero-padded to full size."""
+    if par.tp == 1:
+        return table
+    if table.shape[0] != cfg.vocab_size:
+        raise ModelError(
+            f"embedding/LM head has {table.shape[0]} rows; config.json says vocab_size "
+            f"{cfg.vocab_size}"
+        )
+    rows = par.vocab_rows(cfg)
+    part = table[rank * rows : min((rank + 1) * rows, cfg.vocab_size)]
+    if part.shape[0] < rows:
+        part = torch.cat((part, part.new_zeros((rows - part.shape[0], *table.shape[1:]))))
+    return part
 
 
 def _moe_shard(cfg, par, rank, prefix, need):
