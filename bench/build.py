@@ -1,15 +1,22 @@
-"""Build times: cold with --jobs 1 vs --jobs 2 (parallel efficiency), warm rebuild vs cold.
+"""Build times: cold with --jobs 1 vs --jobs 2 (parallel efficiency), warm rebuild vs cold; with
+`--large`, build memory and per-rank shard sizes on a 1.24B-parameter checkpoint.
 
 Each cold build gets an empty cache directory; the warm rebuild reuses the --jobs 2 cache. Runs the
-real CLI in subprocesses, one after another, in one invocation. Usage:
+real CLI in subprocesses, one after another, in one invocation. `--large` makes a random
+Llama-3.2-1B-shaped bf16 checkpoint (tools/make_large_model.py), builds it cold for cpu (the main
+process's peak RSS per stage against its largest tensor), rebuilds it with --verify, and lowers it
+at tp=8 for neuron (the largest rank shard against total / 8). Usage:
 
     python bench/build.py [--manifest manifests/demo.yaml]
+    python bench/build.py --large
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result  # noqa: E402
 
 
-def timed_build(manifest: Path, out: Path, cache: Path, jobs: int) -> tuple[float, dict]:
+def timed_build(
+    manifest: Path, out: Path, cache: Path | None, jobs: int, *extra: str
+) -> tuple[float, dict]:
     cmd = [
         sys.executable,
         "-m",
@@ -29,21 +38,83 @@ def timed_build(manifest: Path, out: Path, cache: Path, jobs: int) -> tuple[floa
         str(manifest),
         "-o",
         str(out),
-        "--cache",
-        str(cache),
+        *(["--cache", str(cache)] if cache else ["--no-cache"]),
         "--jobs",
         str(jobs),
         "--json",
+        *extra,
     ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
     return time.perf_counter() - t0, json.loads(proc.stdout)
 
 
+LARGE = REPO / "bench" / "work" / "large-1b"
+LARGE_MANIFEST = """neffkit: 1
+name: large-1b{suffix}
+model: {model}
+dtype: bfloat16
+{extra}
+buckets: {{prefill: [128], decode: [1, 4], context: [512]}}
+"""
+
+
+def large() -> None:
+    """Build memory at 1.24B parameters, verify on it, and per-rank shard sizes at tp=8."""
+    from safetensors import safe_open
+
+    if not (LARGE / "config.json").exists():
+        tool = REPO / "tools" / "make_large_model.py"
+        subprocess.run([sys.executable, str(tool), str(LARGE)], check=True, cwd=REPO)
+    with safe_open(str(LARGE / "model.safetensors"), framework="pt") as f:
+        sizes = {n: f.get_slice(n).get_shape() for n in f.keys()}  # noqa: SIM118
+    largest = max(2 * math.prod(s) for s in sizes.values())  # bf16 bytes
+    with tempfile.TemporaryDirectory(dir=REPO / "bench" / "work") as tmp:
+        root = Path(tmp)
+        cpu = root / "cpu.yaml"
+        cpu.write_text(LARGE_MANIFEST.format(suffix="", model=LARGE, extra=""))
+        cold, r1 = timed_build(cpu, root / "b1", root / "cache", jobs=2)
+        verify, r2 = timed_build(cpu, root / "b2", root / "cache", 2, "--verify")
+        verified = json.loads((root / "b2" / "bundle.json").read_text())["graphs"]
+        shutil.rmtree(root / "b1")
+        shutil.rmtree(root / "b2")
+        tp8 = root / "tp8.yaml"
+        extra = "target: neuron\nneuron: {target: trn2}\nparallel: {tp: 8}"
+        tp8.write_text(LARGE_MANIFEST.format(suffix="-tp8", model=LARGE, extra=extra))
+        lowered, r3 = timed_build(tp8, root / "b3", None, 2, "--lower-only")
+        shards = sorted((root / "b3" / "weights").glob("rank*.safetensors"))
+        shard_bytes = [p.stat().st_size for p in shards]
+    total = (LARGE / "model.safetensors").stat().st_size
+    main_peak_mb = r1["peak_rss_mb"]["main"]
+    rows = {
+        "model": "random Llama-3.2-1B-shaped (1.24B parameters), bfloat16, vocab 128256, tied",
+        "checkpoint_bytes": total,
+        "largest_tensor_bytes": largest,
+        "cpu_cold_build_s": round(cold, 1),
+        "cpu_main_peak_rss_mb": round(main_peak_mb, 1),
+        "cpu_main_peak_rss_mb_by_stage": r1["peak_rss_mb_by_stage"],
+        "cpu_workers_peak_rss_mb": round(r1["peak_rss_mb"]["workers"], 1),
+        "main_peak_minus_largest_tensor_mb": round(main_peak_mb - largest / 2**20, 1),
+        "verify_build_s": round(verify, 1),
+        "verify_compiled": r2["counters"]["compiled"],
+        "verify_ok": all(g["verify"]["ok"] for g in verified),
+        "verify_main_peak_rss_mb": round(r2["peak_rss_mb"]["main"], 1),
+        "tp8_lower_only_s": round(lowered, 1),
+        "tp8_shard_bytes": shard_bytes,
+        "tp8_largest_shard_over_total_per_rank": round(max(shard_bytes) / (total / 8), 3),
+    }
+    print(json.dumps(rows, indent=2))
+    print(f"wrote {write_result('build_large', rows)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "demo.yaml")
+    parser.add_argument("--large", action="store_true", help="the 1.24B-parameter figures")
     args = parser.parse_args()
+    if args.large:
+        large()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         cold1, r1 = timed_build(args.manifest, root / "b1", root / "cache1", jobs=1)
@@ -59,6 +130,7 @@ def main() -> None:
         "warm_rebuild_s": round(warm, 2),
         "warm_fraction_of_cold_jobs2": round(warm / cold2, 3),
         "warm_compiled": r3["counters"]["compiled"],
+        "warm_traced": r3["counters"]["traced"],
         "stage_seconds": {
             "cold_jobs1": r1["seconds"],
             "cold_jobs2": r2["seconds"],
