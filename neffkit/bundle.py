@@ -157,6 +157,7 @@ class VerifyRecord(Record):
     executor: str | None = None
     skipped: str | None = None
     max_logprob_error: float | None = None
+    near_ties: int | None = None  # greedy rows that differ only between near-equal logprobs
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ RULES = [
     ("manifest.py", ("neffkit.compile", "neffkit.runtime")),
     ("targets.py", ("neffkit",)),
     ("errors.py", ("neffkit",)),
+    ("tensor_files.py", ("neffkit",)),
     ("models/*.py", ("neffkit.compile", "neffkit.runtime", "neffkit.manifest")),
     ("kernels/*.py", ("neffkit.compile", "neffkit.runtime", "neffkit.models")),
     ("compile/plan.py", ("torch",)),

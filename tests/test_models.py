@@ -124,11 +124,11 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(hf_model_dir, tmp
 
 
 def test_streamed_safetensors_round_trip_through_the_reference_library(hf_model_dir, tmp_path):
-    """tensor_files writes one tensor at a time and reads without an mmap; safetensors' own
-    reader and writer are the oracle for the format."""
+    """tensor_files writes one tensor at a time, reads without an mmap (the build) and maps a
+    whole file (the runtime); safetensors' own reader and writer are the oracle for the format."""
     from safetensors.torch import load_file
 
-    from neffkit.models.tensor_files import TensorReader, write_tensors
+    from neffkit.tensor_files import TensorReader, map_tensors, write_tensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {
@@ -142,6 +142,9 @@ def test_streamed_safetensors_round_trip_through_the_reference_library(hf_model_
     assert write_tensors(path, specs, iter(tensors.items())) == list(tensors)
     loaded = load_file(path)
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+    mapped = map_tensors(path)  # the runtime's loader: views of one mapping, each aligned
+    assert all(torch.equal(mapped[n], t) for n, t in tensors.items())
+    assert all(t.data_ptr() % t.element_size() == 0 for t in mapped.values() if t.numel())
     reference = hf_model_dir("llama") / "model.safetensors"
     reader, expected = TensorReader(reference), load_file(reference)
     try:

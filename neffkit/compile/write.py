@@ -34,8 +34,8 @@ from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights
 from neffkit.compile.trace import ModelLayout
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
-from neffkit.models.tensor_files import write_tensors
 from neffkit.models.weights import iter_rank_weights, rank_weight_specs
+from neffkit.tensor_files import write_tensors
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -17,7 +17,7 @@ import torch
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
 from neffkit.models.sharding import Parallelism, keeps_float32, rank_weights
-from neffkit.models.tensor_files import TensorReader, read_header
+from neffkit.tensor_files import TensorReader, read_header
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

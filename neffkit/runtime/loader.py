@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from neffkit import host
 from neffkit.bundle import Bundle, rank_files, read_bundle, verify_files
@@ -32,6 +31,7 @@ from neffkit.runtime.kv import allocate_kv_cache
 from neffkit.runtime.runner import GraphEntry, ModelRunner
 from neffkit.runtime.scheduler import Layout
 from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.tensor_files import map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,9 @@ def load(
     device = "cuda" if record.target == "cuda" else "cpu"
     lay = record.layout
     shard = record.weights_of(rank)
-    tensors = load_file(str(bundle.path(shard.file)), device=device)
-    weights = [tensors[name] for name in shard.names]
+    # mapped, not read: loading copies nothing; the first step pages the weights in
+    tensors = map_tensors(bundle.path(shard.file))
+    weights = [tensors[name].to(device) for name in shard.names]
     kv_names = lay.kv_names
     kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.dtype), device)
     # `rank` (where graphs take it) is this process's own: it precedes the KV caches

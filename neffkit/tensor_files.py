@@ -1,15 +1,19 @@
-"""safetensors files read and written one tensor at a time, so memory never holds a whole shard.
+"""safetensors files read and written one tensor at a time, or mapped whole.
 
-Reading uses positioned reads into a fresh buffer rather than an mmap: pages of an mmap stay
-mapped (and counted in the process's RSS) for as long as the file is open, so reading a 3 GB
-checkpoint through one would grow the build's RSS to 3 GB; a read buffer is freed as soon as the
-tensor is written. Writing lays the header out from the tensors' specs first, then streams each
-tensor's bytes in order: the file is byte-for-byte a safetensors file any reader accepts.
+The build reads checkpoints with positioned reads into a fresh buffer rather than an mmap: pages
+of an mmap stay mapped (and counted in the process's RSS) for as long as the file is open, so
+reading a 3 GB checkpoint through one would grow the build's RSS to 3 GB; a read buffer is freed as
+soon as the tensor is written. Writing lays the header out from the tensors' specs first, then
+writes each tensor at its offset as it arrives: the file is a safetensors file any reader accepts,
+with tensors ordered by element size (largest first, as safetensors' own writer does) so each
+starts aligned to its element size. The runtime maps a bundle's shard (`map_tensors`): loading
+copies nothing, and pages come in from the page cache as the first step touches them.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Iterable
@@ -88,22 +92,26 @@ def write_tensors(
     metadata: dict[str, str] | None = None,
 ) -> list[str]:
     """Write `tensors` (yielded in `specs` order, each checked against its spec) as one
-    safetensors file, holding one tensor at a time. Returns the names written."""
+    safetensors file, holding one tensor at a time. Returns the names written, in `specs` order."""
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offsets: dict[str, int] = {}
     offset = 0
-    for name, shape, dtype in specs:
+    # largest element size first: the data starts 8-byte aligned, so every tensor is aligned
+    for name, shape, dtype in sorted(specs, key=lambda s: -s[2].itemsize):
         end = offset + tensor_nbytes(shape, dtype)
         header[name] = {
             "dtype": DTYPE_NAMES[dtype],
             "shape": list(shape),
             "data_offsets": [offset, end],
         }
-        offset = end
+        offsets[name], offset = offset, end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGN)
+    data_start = 8 + len(text)
     names = []
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(data_start + offset)
         for (name, shape, dtype), (got, tensor) in zip(specs, tensors, strict=True):
             if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
                 raise ValueError(
@@ -111,6 +119,35 @@ def write_tensors(
                     f"{tuple(tensor.shape)} {tensor.dtype}"
                 )
             if tensor.numel():
+                f.seek(data_start + offsets[name])
                 f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             names.append(name)
     return names
+
+
+def map_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a view of one private (copy-on-write) mapping.
+
+    Nothing is copied at load; the mapping lives as long as any tensor does. Writes to a tensor
+    (none are expected: weights are read-only graph inputs) would stay private to the process."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        if not header:
+            return {}
+        mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    data_start = 8 + size
+    out = {}
+    for name, entry in header.items():
+        dtype = NAMED_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        if end == begin:
+            out[name] = torch.empty(entry["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(
+            mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=data_start + begin
+        )
+        out[name] = flat.reshape(entry["shape"])
+    return out
