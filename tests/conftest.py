@@ -127,6 +127,7 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
 SLOW_FIXTURES = {"bundle", "tp_bundle", "serve_bundle", "server", "lowered"}
 SLOW_MODULES = {
     "test_build",
+    "test_fp8",
     "test_generate",
     "test_neuron",
     "test_parallel",

@@ -88,19 +88,27 @@ def test_mqa_and_tied_configs(hf_model_dir):
     assert read_model_config(hf_model_dir("mistral")).sliding_windows == (24, 24)
 
 
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "gptq"])
-def test_quantization_config_is_refused_by_method(hf_model_dir, tmp_path, method):
-    """Until a method is implemented, widening its tensors without their scales would build a
-    bundle that generates garbage: the config is refused naming the method."""
+@pytest.mark.parametrize(
+    ("quant", "message"),
+    [
+        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' is not"),
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+        # fp8 with per-tensor scales (no weight_block_size): only block fp8 is implemented
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size None"),
+    ],
+)
+def test_unimplemented_quantization_is_refused_by_method(hf_model_dir, tmp_path, quant, message):
+    """Widening a method's tensors without their scales would build a bundle that generates
+    garbage: a config neffkit does not implement is refused naming the method."""
     from neffkit.errors import ModelError
 
     model_dir = tmp_path / "m"
     shutil.copytree(hf_model_dir("llama"), model_dir)
     path = model_dir / "config.json"
     cfg = json.loads(path.read_text())
-    cfg["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = quant
     path.write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=f"quant_method '{method}' is not supported"):
+    with pytest.raises(ModelError, match=message):
         read_model_config(model_dir)
 
 

@@ -31,8 +31,7 @@ from neffkit.models.llama import (
     metadata_inputs,
 )
 from neffkit.models.parallel import Parallelism
-from neffkit.models.sharding import keeps_float32
-from neffkit.models.weights import rank_weight_shapes
+from neffkit.models.weights import rank_weight_specs
 
 
 @dataclass(frozen=True)
@@ -74,17 +73,17 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
     """
     cfg = manifest.model_config
     par = Parallelism(manifest.parallel.tp, manifest.parallel.ep)
-    shapes = rank_weight_shapes(manifest.model, cfg, par, 0)
+    specs = rank_weight_specs(manifest.model, cfg, manifest.dtype, par, 0)
     for rank in range(1, par.tp):
-        if rank_weight_shapes(manifest.model, cfg, par, rank) != shapes:
+        if rank_weight_specs(manifest.model, cfg, manifest.dtype, par, rank) != specs:
             raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
     return ModelLayout(
         config=cfg,
         dtype=manifest.dtype,
         kv_heads=par.kv_heads_per_rank(cfg),
         weights=tuple(
-            TensorSpec(name, shape, "float32" if keeps_float32(name) else manifest.dtype)
-            for name, shape in shapes
+            TensorSpec(name, shape, str(dtype).removeprefix("torch."))
+            for name, shape, dtype in specs
         ),
         block_size=manifest.kv_cache.block_size,
         num_blocks=manifest.kv_cache.num_blocks,

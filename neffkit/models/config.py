@@ -77,6 +77,10 @@ class ModelConfig:
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
+    # DeepSeek-style fine-grained fp8 (quant_method fp8, weight_block_size [out, in]): projection
+    # weights stay float8_e4m3fn, each [out, in] block with one float32 scale (weight_scale_inv);
+    # () = unquantized
+    fp8_block: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -105,6 +109,7 @@ class ModelConfig:
         data["eos_token_ids"] = tuple(data["eos_token_ids"])
         data["sparse_layers"] = tuple(data.get("sparse_layers", ()))
         data["rope"] = _frozen_rope(dict(data.get("rope", ())))
+        data["fp8_block"] = tuple(data.get("fp8_block", ()))
         return cls(**data)
 
 
@@ -250,12 +255,14 @@ def _moe(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     }
 
 
-def _refuse_quantized(cfg: dict[str, Any], path: Path) -> None:
-    """No quantization method is implemented yet: widening quantized tensors without their scales
-    builds a bundle that generates garbage, so any `quantization_config` is refused by name."""
+def _quantization(cfg: dict[str, Any], path: Path) -> tuple[int, ...]:
+    """The fp8 block shape of a DeepSeek-style fine-grained fp8 checkpoint, () when unquantized.
+
+    Every other method is refused by name: widening quantized tensors without their scales builds
+    a bundle that generates garbage."""
     quant = cfg.get("quantization_config")
     if not quant:
-        return
+        return ()
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
     if method == "mxfp4":
         raise ModelError(
@@ -263,12 +270,27 @@ def _refuse_quantized(cfg: dict[str, Any], path: Path) -> None:
             hint="dequantize to bfloat16 first: load with transformers' "
             "Mxfp4Config(dequantize=True) and save_pretrained",
         )
-    raise ModelError(
-        f"{path}: quantization_config.quant_method {method!r} is not supported (neffkit reads "
-        "unquantized float32/bfloat16/float16 checkpoints)",
-        hint="dequantize the checkpoint first (transformers: load it, then save_pretrained with "
-        "an unquantized torch_dtype)",
-    )
+    block = quant.get("weight_block_size") if method == "fp8" else None
+    if method == "fp8" and (
+        not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0
+                                                                  for b in block)
+    ):  # fmt: skip
+        raise ModelError(
+            f"{path}: quantization_config.weight_block_size {block!r}: fp8 is supported in "
+            "DeepSeek's block-scaled form (weight_block_size: [out, in], weight_scale_inv per "
+            "block); per-tensor or per-channel fp8 scales are not supported yet",
+            hint="dequantize the checkpoint first",
+        )
+    if method != "fp8":
+        raise ModelError(
+            f"{path}: quantization_config.quant_method {method!r} is not supported (neffkit "
+            "reads unquantized float32/bfloat16/float16 checkpoints and block-scaled fp8)",
+            hint="dequantize the checkpoint first (transformers: load it, then save_pretrained "
+            "with an unquantized torch_dtype)",
+        )
+    if (cfg.get("architectures") or [None])[0] == "GptOssForCausalLM":
+        raise ModelError(f"{path}: fp8 GPT-OSS checkpoints are not supported")
+    return (int(block[0]), int(block[1]))
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -282,7 +304,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         raise ModelError(f"{path}: invalid JSON: {exc}") from exc
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
-    _refuse_quantized(cfg, path)
+    fp8_block = _quantization(cfg, path)
     if arch not in ARCHITECTURES:
         raise ModelError(
             f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
@@ -315,6 +337,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             **_moe(cfg, arch, num_layers),
             **_mla(cfg, arch),
+            fp8_block=fp8_block,
         )
     except KeyError as exc:
         raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc

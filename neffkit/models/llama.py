@@ -17,12 +17,14 @@ import torch
 from neffkit.kernels.attention import context_mask, paged_attention
 from neffkit.kernels.kv import gather_context, write_cache, write_kv
 from neffkit.kernels.norm import rms_norm
+from neffkit.kernels.quant import dequantize_blocks
 from neffkit.kernels.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
 from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.moe import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.parallel import Parallelism
 from neffkit.models.rope_scaling import rope_frequencies, yarn_mscale
+from neffkit.models.sharding import FP8_SCALE as SCALE
 from neffkit.models.sharding import ROPE_INV_FREQ
 
 SAMPLING_INPUTS = (
@@ -138,6 +140,8 @@ class DecoderGraph(torch.nn.Module):
         per_layer = 1 if cfg.is_mla else 2  # MLA: one latent cache tensor per layer
         kv = rest[: per_layer * cfg.num_layers]
         w = dict(zip(self.weight_names, rest[per_layer * cfg.num_layers :], strict=True))
+        if cfg.fp8_block:  # block fp8 weights: widened right before use (kernels/quant.py)
+            w = self._dequantized(w)
         input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
         sampling_at = 6 if shape.phase == "prefill" else 5
         temperature, top_k, top_p, seed = meta[sampling_at : sampling_at + 4]
@@ -279,6 +283,18 @@ class DecoderGraph(torch.nn.Module):
         gate = self._linear(x, w, f"{prefix}.gate_proj")
         up = self._linear(x, w, f"{prefix}.up_proj")
         return self._project(torch.nn.functional.silu(gate) * up, w[f"{prefix}.down_proj.weight"])
+
+    def _dequantized(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dtype = w["model.embed_tokens.weight"].dtype  # the bundle's dtype (never quantized)
+        out = {}
+        for name, tensor in w.items():
+            if name.endswith(SCALE):
+                continue
+            scale = w.get(name + SCALE)
+            if scale is not None:
+                tensor = dequantize_blocks(tensor, scale, self.cfg.fp8_block, dtype)
+            out[name] = tensor
+        return out
 
     def _embed(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Embedding lookup; with tp > 1 a vocab-parallel one: each rank looks up the ids in its

@@ -32,6 +32,7 @@ from neffkit.models.rope_scaling import rope_frequencies
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ROPE_INV_FREQ = "rope.inv_freq"  # a graph input like the weights; float32 in every bundle dtype
+FP8_SCALE = ".scale"  # `<weight>.scale`: the float32 block scales beside an fp8 weight input
 FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ})
 FLOAT32_SUFFIXES = (".moe.router_score_bias",)  # DeepSeek's e_score_correction_bias: float32
 

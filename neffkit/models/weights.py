@@ -16,7 +16,7 @@ import torch
 
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
-from neffkit.models.sharding import Parallelism, keeps_float32, rank_weights
+from neffkit.models.sharding import FP8_SCALE, Parallelism, keeps_float32, rank_weights
 from neffkit.tensor_files import TensorReader, read_header
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,41 +43,70 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
 
 
 QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8")
+FP8 = torch.float8_e4m3fn
+SCALE = FP8_SCALE  # the graph input beside each fp8 weight: one float32 per block
+CHECKPOINT_SCALE = "_scale_inv"  # DeepSeek's name: `<weight>_scale_inv`, multiplied in
 
 
-def _refuse_quantized_tensor(file: Path, name: str, dtype: str) -> None:
-    """A quantized tensor widened without its scales is silently wrong: refuse it by name."""
-    if dtype.upper() in QUANTIZED_DTYPES:
-        raise ModelError(
-            f"{file}: tensor {name!r} is stored as {dtype}; quantized checkpoints are not "
-            "supported (neffkit reads float32/bfloat16/float16 weights)",
-            hint="dequantize the checkpoint first",
-        )
+def _check_tensor(file: Path, name: str, dtype: str, cfg: ModelConfig, names: set[str]) -> None:
+    """A quantized tensor widened without its scales is silently wrong: refuse it by name,
+    unless the config declares block fp8 and the tensor's scales are there."""
+    if dtype.upper() not in QUANTIZED_DTYPES:
+        return
+    if cfg.fp8_block and dtype.upper() == "F8_E4M3":
+        if name + CHECKPOINT_SCALE not in names:
+            raise ModelError(f"{file}: fp8 tensor {name!r} has no {name + CHECKPOINT_SCALE!r}")
+        return
+    raise ModelError(
+        f"{file}: tensor {name!r} is stored as {dtype}; quantized checkpoints are not "
+        "supported (neffkit reads float32/bfloat16/float16 weights and block-scaled fp8)",
+        hint="dequantize the checkpoint first",
+    )
 
 
-def rank_weight_shapes(
-    model_dir: Path, cfg: ModelConfig, par: Parallelism, rank: int
-) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of one rank's weights, from headers only: tracing never needs values."""
+def _headers(model_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Path], dict[str, dict]]:
     index = checkpoint_index(model_dir)
-    shapes: dict[str, list[int]] = {}
+    entries: dict[str, dict] = {}
     for file in set(index.values()):
-        for name, entry in read_header(file).items():
-            _refuse_quantized_tensor(file, name, entry["dtype"])
-            shapes[name] = entry["shape"]
+        entries.update(read_header(file))
+    for name, entry in entries.items():
+        _check_tensor(index[name], name, entry["dtype"], cfg, set(entries))
+    return index, entries
 
-    def meta(name: str) -> torch.Tensor:
-        return torch.empty(shapes[name], device="meta")
 
-    return [(n, tuple(t.shape)) for n, t in rank_weights(cfg, par, rank, meta, set(index))]
+def _block_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    """The per-block scale's shape of an fp8 tensor: its last two dims counted in blocks."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
 def rank_weight_specs(
     model_dir: Path, cfg: ModelConfig, dtype: str, par: Parallelism, rank: int
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, bundle dtype) of one rank's weights, in graph order, from headers only."""
-    shapes = rank_weight_shapes(model_dir, cfg, par, rank)
-    return [(name, shape, weight_dtype(name, dtype)) for name, shape in shapes]
+    """(name, shape, bundle dtype) of one rank's weights, in graph order, from headers only:
+    tracing never needs values. An fp8 weight keeps float8_e4m3fn and is followed by its
+    float32 block scales (`<name>.scale`)."""
+    index, entries = _headers(model_dir, cfg)
+
+    def meta(name: str) -> torch.Tensor:
+        fp8 = entries[name]["dtype"] == "F8_E4M3"
+        return torch.empty(entries[name]["shape"], device="meta", dtype=FP8 if fp8 else None)
+
+    out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for name, t in rank_weights(cfg, par, rank, meta, set(index)):
+        if t.dtype == FP8:
+            out.append((name, tuple(t.shape), FP8))
+            out.append((name + SCALE, _block_shape(tuple(t.shape), cfg.fp8_block), torch.float32))
+        else:
+            out.append((name, tuple(t.shape), weight_dtype(name, dtype)))
+    return out
+
+
+def rank_weight_shapes(
+    model_dir: Path, cfg: ModelConfig, par: Parallelism, rank: int
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of one rank's weights (fp8 block scales included), from headers only."""
+    return [(n, s) for n, s, _ in rank_weight_specs(model_dir, cfg, "float32", par, rank)]
 
 
 def iter_rank_weights(
@@ -86,28 +115,75 @@ def iter_rank_weights(
     """Yield one rank's (name, tensor) in graph order, read one at a time, cut, cast, compact.
 
     Each tensor is read into its own buffer (tensor_files.TensorReader, not an mmap), so memory
-    holds one tensor and its cast at a time, whatever the checkpoint's size."""
+    holds one tensor and its cast at a time, whatever the checkpoint's size. fp8 weights stay
+    fp8: their block scales are cut by the same sharding code, run a second time on the scales
+    expanded to one per element, then taken back to one per block; a cut that splits a block
+    cannot be taken back, and is an error naming the tensor."""
     index = checkpoint_index(model_dir)
     readers: dict[Path, TensorReader] = {}
 
-    def get(name: str) -> torch.Tensor:
+    def read(name: str) -> torch.Tensor:
         file = index[name]
         if file not in readers:
             readers[file] = TensorReader(file)
         return readers[file].get(name)
 
+    def expanded_scale(name: str) -> torch.Tensor:
+        """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
+        scale_name = name + CHECKPOINT_SCALE
+        weight_shape = readers_shape(name)
+        if scale_name not in index:
+            return torch.empty(weight_shape, device="meta")
+        return _expand(read(scale_name), weight_shape, cfg.fp8_block)
+
+    def readers_shape(name: str) -> list[int]:
+        file = index[name]
+        if file not in readers:
+            readers[file] = TensorReader(file)
+        return readers[file].header[name]["shape"]
+
+    scales = rank_weights(cfg, par, rank, expanded_scale, set(index)) if cfg.fp8_block else None
     try:
-        for name, tensor in rank_weights(cfg, par, rank, get, set(index)):
+        for name, tensor in rank_weights(cfg, par, rank, read, set(index)):
+            scale = next(scales)[1] if scales is not None else None
+            if tensor.dtype == FP8:
+                assert scale is not None
+                yield name, _compact(tensor)
+                yield name + SCALE, _per_block(name, scale, cfg.fp8_block)
+                continue
             cast = tensor.to(weight_dtype(name, dtype))
-            # a compact tensor: a slice must not drag its parent's storage into the file
-            if not cast.is_contiguous() or cast.untyped_storage().nbytes() != cast.nbytes:
-                cast = cast.clone(memory_format=torch.contiguous_format)
-            yield name, cast
+            yield name, _compact(cast)
             del tensor, cast
     finally:
         for reader in readers.values():
             reader.close()
         readers.clear()
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A compact tensor: a slice must not drag its parent's storage into the file."""
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _expand(scale: torch.Tensor, shape: list[int], block: tuple[int, ...]) -> torch.Tensor:
+    rows, cols = shape[-2:]
+    per_row = scale.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    return per_row.repeat_interleave(block[1], dim=-1)[..., :cols].contiguous()
+
+
+def _per_block(name: str, expanded: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
+    """One scale per block again; the cut must have kept every block whole."""
+    compact = expanded[..., :: block[0], :: block[1]].contiguous()
+    if not torch.equal(_expand(compact, list(expanded.shape), block), expanded):
+        raise ModelError(
+            f"tensor {name!r}: the parallel layout cuts it inside a {block[0]}x{block[1]} fp8 "
+            "block, so a rank's share spans blocks its own block grid cannot scale (a rank's "
+            "share of each dimension should start on a block boundary)",
+            field="parallel.tp",
+        )
+    return compact
 
 
 def load_weights(model_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
