@@ -264,6 +264,12 @@ class LayoutRecord(Record):
     # "mha": a K and a V tensor per layer; "mla": one latent tensor per layer (DeepSeek), whose
     # head_dim is the per-token width kv_lora_rank + qk_rope_head_dim, with one "head"
     kv_kind: str = "mha"
+    # the cache tensors' dtype: the model dtype, or float8_e4m3fn (kv_cache.dtype); "" = dtype
+    kv_dtype: str = ""
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
@@ -278,7 +284,7 @@ class LayoutRecord(Record):
 
     @property
     def kv_itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return DTYPE_BYTES[self.cache_dtype]
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -297,6 +297,7 @@ def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
     lay, cfg = record.layout, record.model.config
     out: dict[str, Any] = {
         "kind": lay.kv_kind,
+        "dtype": lay.cache_dtype,
         "tensors_per_layer": len(lay.kv_names) // lay.num_layers,
         "values_per_token_per_layer": lay.kv_heads_per_rank * lay.head_dim,
         "bytes_per_token": lay.kv_bytes_per_token,
@@ -316,8 +317,8 @@ def exit_status(report: dict[str, Any]) -> int:
 
 def _kv_line(kv: dict[str, Any]) -> str:
     line = (
-        f"{kv['kind']}: {kv['values_per_token_per_layer']} values per token per layer, "
-        f"{kv['bytes_per_token']} bytes per token"
+        f"{kv['kind']} {kv['dtype']}: {kv['values_per_token_per_layer']} values per token per "
+        f"layer, {kv['bytes_per_token']} bytes per token"
     )
     if "mha_equivalent_bytes_per_token" in kv:
         mha = kv["mha_equivalent_bytes_per_token"]

@@ -41,10 +41,15 @@ class Parallel:
     per_rank_artifacts: bool = False
 
 
+KV_DTYPES = ("float8_e4m3fn",)  # beside the model dtype (the default)
+
+
 @dataclass(frozen=True)
 class KVCache:
     block_size: int
     num_blocks: int
+    # None: the model dtype. float8_e4m3fn: clamp(x * scale, ±448) stored (scale 1.0 for now)
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -323,6 +328,11 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     if static_rope is not None:
         raise ManifestError(f"buckets.context: {static_rope}")
     mla_decode = _mla(data.get("mla", {}), model_config)
+    if kv_cache.dtype and model_config.is_mla:
+        raise ManifestError(
+            f"kv_cache.dtype: {kv_cache.dtype} latent (MLA) caches are not supported yet",
+            hint="leave kv_cache.dtype out: the latent cache is already 71x smaller than K/V",
+        )
     if sampling.max_logprobs > model_config.vocab_size:
         raise ManifestError(
             f"sampling.max_logprobs: {sampling.max_logprobs} exceeds the vocabulary "
@@ -417,7 +427,13 @@ def _buckets(value: Any) -> Buckets:
 
 def _kv_cache(value: Any, buckets: Buckets) -> KVCache:
     raw = _mapping(value, "kv_cache")
-    _no_unknown(raw, ("block_size", "num_blocks"), "kv_cache")
+    _no_unknown(raw, ("block_size", "num_blocks", "dtype"), "kv_cache")
+    kv_dtype = raw.get("dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ManifestError(
+            f"kv_cache.dtype: {kv_dtype!r} is not supported; supported: {', '.join(KV_DTYPES)} "
+            "(or leave it out for the model dtype)"
+        )
     block_size = _positive_int(raw.get("block_size", 16), "kv_cache.block_size")
     for key in ("prefill", "context"):
         for i, b in enumerate(getattr(buckets, key)):
@@ -436,7 +452,7 @@ def _kv_cache(value: Any, buckets: Buckets) -> KVCache:
             f"cannot hold the largest context bucket ({buckets.context[-1]} tokens)",
             hint=f"use num_blocks >= {buckets.context[-1] // block_size + 1}",
         )
-    return KVCache(block_size=block_size, num_blocks=num_blocks)
+    return KVCache(block_size=block_size, num_blocks=num_blocks, dtype=kv_dtype)
 
 
 def _audit(value: Any) -> Audit:

@@ -87,10 +87,11 @@ def test_mla_latent_cache_bytes_per_token(bundle):
     per-head K/V would take (2 x 4 heads x (16 + 8 + 16) x 4)."""
     path = bundle("deepseek")
     kv = run_json("inspect", str(path), "--json")["kv_cache"]
-    assert kv == {"kind": "mla", "tensors_per_layer": 1, "values_per_token_per_layer": 40,
+    assert kv == {"kind": "mla", "dtype": "float32", "tensors_per_layer": 1,
+                  "values_per_token_per_layer": 40,
                   "bytes_per_token": 320, "mha_equivalent_bytes_per_token": 1280}  # fmt: skip
     text = run_cli("inspect", str(path), check=True).stdout
-    assert "mla: 40 values per token per layer, 320 bytes per token" in text
+    assert "mla float32: 40 values per token per layer, 320 bytes per token" in text
 
 
 def test_mla_expanded_decode_matches_hf(session_dir, hf_model_dir, hf_greedy):

@@ -51,6 +51,7 @@ class ModelLayout:
     par: Parallelism = Parallelism()
     gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)
     mla_decode: str = "absorbed"  # MLA decode graphs: latent-space attention, or expanded K/V
+    kv_dtype: str = ""  # the KV cache tensors' dtype ("" = dtype)
 
 
 @dataclass
@@ -94,6 +95,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         par=par,
         gemv_max_rows=gemv_max_rows,
         mla_decode=manifest.mla_decode,
+        kv_dtype=manifest.kv_cache.dtype or manifest.dtype,
     )
 
 
@@ -111,7 +113,7 @@ def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list
     specs = metadata_inputs(shape)
     if layout.par.needs_rank_input(layout.config):
         specs.append(TensorSpec("rank", (1,), "int64"))
-    specs += kv_inputs(layout.config, shape, layout.kv_heads, layout.dtype)
+    specs += kv_inputs(layout.config, shape, layout.kv_heads, layout.kv_dtype or layout.dtype)
     return shape, specs + list(layout.weights)
 
 

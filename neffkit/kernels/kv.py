@@ -25,6 +25,18 @@ def write_kv(
     v_cache.index_put_(index, v)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (trn2 clamps at 240: not yet applied)
+
+
+def to_cache(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Values as the cache stores them. An fp8 cache stores clamp(x * scale, ±448) with scale
+    1.0 (checkpoints' per-layer k_scale / v_scale are not read yet): a cast alone would turn
+    anything past ±448 into NaN. Attention reads the cache back widened to the compute dtype."""
+    if cache_dtype == torch.float8_e4m3fn:
+        return values.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return values
+
+
 def write_cache(
     cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
     values: torch.Tensor,  # [N, KV, D]

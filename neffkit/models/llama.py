@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from neffkit.kernels.attention import context_mask, paged_attention
-from neffkit.kernels.kv import gather_context, write_cache, write_kv
+from neffkit.kernels.kv import gather_context, to_cache, write_cache, write_kv
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.quant import dequantize_blocks
 from neffkit.kernels.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
@@ -214,12 +214,12 @@ class DecoderGraph(torch.nn.Module):
         write_kv(
             k_cache,
             v_cache,
-            k.reshape(-1, kv_heads, cfg.head_dim),
-            v.reshape(-1, kv_heads, cfg.head_dim),
+            to_cache(k.reshape(-1, kv_heads, cfg.head_dim), k_cache.dtype),
+            to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype),
             slots,
         )
-        keys = gather_context(k_cache, block_tables)  # [B, C, KV, D]
-        values = gather_context(v_cache, block_tables)
+        keys = gather_context(k_cache, block_tables).to(q.dtype)  # [B, C, KV, D]
+        values = gather_context(v_cache, block_tables).to(q.dtype)
         sinks = w.get(f"{p}.self_attn.sinks")  # GPT-OSS
         out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim), sinks)
         partial = self._project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel: partial sum

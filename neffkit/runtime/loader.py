@@ -137,7 +137,7 @@ def load(
     tensors = map_tensors(bundle.path(shard.file))
     weights = [tensors[name].to(device) for name in shard.names]
     kv_names = lay.kv_names
-    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.dtype), device)
+    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.cache_dtype), device)
     # `rank` (where graphs take it) is this process's own: it precedes the KV caches
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
     names = ["rank"] * len(rank_input) + kv_names + list(shard.names)
