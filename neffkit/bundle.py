@@ -218,6 +218,9 @@ class GraphRecord(Record):
     hlo_text: str | None = None
     hlo_sha256: str | None = None
     compiler: CompilerRecord | None = None
+    # how the layers' projections were written for the compiler (models/llama.projection_form):
+    # "reduction" (a fused multiply-and-sum, one decode row), "mm" (a library GEMM), "dot" (HLO)
+    projection: str | None = None
 
     @property
     def stem(self) -> str:

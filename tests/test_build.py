@@ -60,6 +60,9 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     assert report["peak_rss_mb"]["main"] > 0
     second = Path(report["bundle"])
     assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
+    # the projection form each graph was written with: one decode row fuses, more rows use mm
+    forms = {g["name"]: g["projection"] for g in bundle_json(second)["graphs"]}
+    assert forms == {"prefill_t16_c64": "mm", "decode_b1_c64": "reduction", "decode_b4_c64": "mm"}
     for ir in (first / "ir").iterdir():
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
 

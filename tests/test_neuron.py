@@ -75,6 +75,7 @@ def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: 
     assert data["stage"] == "lowered" and data["neuron"] == {"target": "trn2", "lnc": 2}
     for g in data["graphs"]:
         assert g["artifact"] is None and g["ranks"] == "all"  # one HLO module serves every rank
+        assert g["projection"] == "dot"  # the TensorEngine's form, never the fused reduction
         names = [i["name"] for i in g["inputs"]]
         params = _alias_params(read_zst_text(bundle.path(g["hlo_text"])))
         aliased = sorted(names[p] for p in params)

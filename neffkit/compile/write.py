@@ -34,6 +34,7 @@ from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights
 from neffkit.compile.trace import ModelLayout
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
+from neffkit.models.llama import projection_form
 from neffkit.models.weights import iter_rank_weights, rank_weight_specs
 from neffkit.tensor_files import write_tensors
 
@@ -82,7 +83,7 @@ def copy_tokenizer(model_dir: Path, out: Path) -> None:
         shutil.copyfile(model_dir / name, out / name)
 
 
-def graph_record(u: GraphUnit, suffix: str, lower_only: bool) -> GraphRecord:
+def graph_record(u: GraphUnit, suffix: str, lower_only: bool, gemv_rows: int) -> GraphRecord:
     """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
     spec, t = u.spec, u.trace
     hlo = {}
@@ -111,6 +112,7 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool) -> GraphRecord:
         ranks="all" if u.rank is None else (u.rank,),
         artifact_metadata=u.metadata,
         verify=u.verify,
+        projection=projection_form(spec.rows * spec.tokens, gemv_rows),
         **hlo,
     )
 
@@ -160,7 +162,10 @@ def write_bundle(
         manifest=ManifestRecord.from_json(manifest.to_json()),
         model=ModelRecord.from_json(model),
         layout=layout_record(manifest, layout),
-        graphs=tuple(graph_record(u, backend.artifact_suffix, lower_only) for u in units),
+        graphs=tuple(
+            graph_record(u, backend.artifact_suffix, lower_only, layout.gemv_max_rows)
+            for u in units
+        ),
         weights=tuple(weights),
         tokenizer="tokenizer" if (stage / "tokenizer").exists() else None,
         audit=AuditRecord(manifest.audit.waive, tuple(findings)),

@@ -456,6 +456,13 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+def projection_form(rows: int, gemv_max_rows: int) -> str:
+    """What `project` writes for `rows` activation rows: recorded per graph in bundle.json."""
+    if gemv_max_rows == 0:
+        return "dot"  # neuron: the dot the TensorEngine runs
+    return "reduction" if rows <= gemv_max_rows else "mm"
+
+
 def project(x: torch.Tensor, weight: torch.Tensor, gemv_max_rows: int) -> torch.Tensor:
     """x @ weight.T; with at most `gemv_max_rows` rows, as a broadcast multiply and sum.
 
