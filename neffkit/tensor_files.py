@@ -18,6 +18,7 @@ import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -39,13 +40,18 @@ NAMED_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 ALIGN = 8  # the header is padded so the data (and every aligned tensor) starts 8-byte aligned
 
 
+def _read_header(f: BinaryIO) -> tuple[dict[str, dict], int]:
+    """(header without `__metadata__`, offset where the data starts) of an open file."""
+    (size,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 def read_header(path: Path) -> dict[str, dict]:
     """The safetensors header: name → {dtype, shape, data_offsets}, `__metadata__` removed."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return header
+        return _read_header(f)[0]
 
 
 class TensorReader:
@@ -54,9 +60,7 @@ class TensorReader:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         with open(self.path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-        self.data_start = 8 + size
-        self.header = read_header(self.path)
+            self.header, self.data_start = _read_header(f)
         self.fd = os.open(self.path, os.O_RDONLY)
 
     def get(self, name: str) -> torch.Tensor:
@@ -132,13 +136,10 @@ def map_tensors(path: Path) -> dict[str, torch.Tensor]:
     (none are expected: weights are read-only graph inputs) would stay private to the process."""
     path = Path(path)
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
+        header, data_start = _read_header(f)
         if not header:
             return {}
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)
-    data_start = 8 + size
     out = {}
     for name, entry in header.items():
         dtype = NAMED_DTYPES[entry["dtype"]]

@@ -59,8 +59,8 @@ def write_weights(
     records, placed = [], {"cut": 0, "reflink": 0, "hardlink": 0, "copy": 0}
     for rank in range(layout.par.tp):
         file = f"weights/rank{rank}.safetensors"
-        key = weights_key(manifest, rank) if cache is not None else None
-        hit = cache.lookup(key) if cache is not None and key is not None else None
+        key = weights_key(manifest, rank)
+        hit = cache.lookup(key) if cache is not None else None
         if hit is not None:
             placed[link_or_copy(hit, stage / file)] += 1
             names = json.loads((hit.parent / KEY_JSON).read_text())["names"]
@@ -68,7 +68,7 @@ def write_weights(
             args = (manifest.model, manifest.model_config, manifest.dtype, layout.par, rank)
             names = write_tensors(stage / file, rank_weight_specs(*args), iter_rank_weights(*args))
             placed["cut"] += 1
-            if cache is not None and key is not None:
+            if cache is not None:
                 cache.store(key, stage / file, {"names": names}, link=True)
         records.append(WeightsRecord(rank, file, tuple(names)))
     return records, placed

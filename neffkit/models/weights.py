@@ -122,25 +122,23 @@ def iter_rank_weights(
     index = checkpoint_index(model_dir)
     readers: dict[Path, TensorReader] = {}
 
-    def read(name: str) -> torch.Tensor:
+    def reader(name: str) -> TensorReader:
+        """The (kept open) reader of the file holding `name`."""
         file = index[name]
         if file not in readers:
             readers[file] = TensorReader(file)
-        return readers[file].get(name)
+        return readers[file]
+
+    def read(name: str) -> torch.Tensor:
+        return reader(name).get(name)
 
     def expanded_scale(name: str) -> torch.Tensor:
         """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
         scale_name = name + CHECKPOINT_SCALE
-        weight_shape = readers_shape(name)
+        weight_shape = reader(name).header[name]["shape"]
         if scale_name not in index:
             return torch.empty(weight_shape, device="meta")
         return _expand(read(scale_name), weight_shape, cfg.fp8_block)
-
-    def readers_shape(name: str) -> list[int]:
-        file = index[name]
-        if file not in readers:
-            readers[file] = TensorReader(file)
-        return readers[file].header[name]["shape"]
 
     scales = rank_weights(cfg, par, rank, expanded_scale, set(index)) if cfg.fp8_block else None
     try:
