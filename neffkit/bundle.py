@@ -383,6 +383,19 @@ class ManifestRecord(Record):
 
 
 @dataclass(frozen=True)
+class Fp8Record(Record):
+    """fp8 in this bundle: which values are fp8, the range they use, the build-time rescale."""
+
+    max: float  # the largest magnitude an fp8 value holds: 240 on trn1/trn2, else 448
+    weights: str  # the checkpoint's scale layout: "block", "channel", "tensor"; "" unquantized
+    weight_block: tuple[int, ...]  # its scale block [out, in] (0 spans the dimension)
+    weight_rescale: float  # fp8 weights were multiplied by this at build time (240/448, or 1)
+    scale_rescale: float  # and their scales by this (448/240, or 1)
+    kv_cache: bool  # the KV cache is fp8
+    kv_scales: str  # "checkpoint" (per-layer k_scale / v_scale), "1.0", or "" (no fp8 cache)
+
+
+@dataclass(frozen=True)
 class BundleRecord(Record):
     """bundle.json: the contract between `neffkit build` and everything that reads a bundle."""
 
@@ -398,6 +411,7 @@ class BundleRecord(Record):
     audit: AuditRecord
     neuron: NeuronRecord | None = None
     stage: str | None = None  # neuron: "lowered" (HLO only) or "compiled" (NEFFs)
+    fp8: Fp8Record | None = None  # only bundles with fp8 weights or an fp8 KV cache
     files: dict[str, str] = field(default_factory=dict)  # path → sha256, bundle.json excluded
     format: int = FORMAT_VERSION
 
@@ -423,6 +437,8 @@ class BundleRecord(Record):
         data = super().to_json()
         if self.neuron is None:  # only neuron bundles carry the chip and stage
             del data["neuron"], data["stage"]
+        if self.fp8 is None:
+            del data["fp8"]
         return data
 
 

@@ -71,6 +71,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         },
         "layout": record.layout.to_json(),
         "kv_cache": kv_cache_summary(record),
+        "fp8": record.fp8.to_json() if record.fp8 else None,
         "weights": [
             {
                 "rank": w.rank,
@@ -326,6 +327,19 @@ def _kv_line(kv: dict[str, Any]) -> str:
     return line
 
 
+def _fp8_line(fp8: dict[str, Any]) -> str:
+    parts = []
+    if fp8["weights"]:
+        block = "x".join(str(b or "all") for b in fp8["weight_block"])
+        part = f"weights per {fp8['weights']} ({block})"
+        if fp8["weight_rescale"] != 1.0:
+            part += f", x{fp8['weight_rescale']:.4g} at build (scales x{fp8['scale_rescale']:.4g})"
+        parts.append(part)
+    if fp8["kv_cache"]:
+        parts.append(f"kv cache (scales: {fp8['kv_scales']})")
+    return "; ".join(parts) + f"; values within ±{fp8['max']:g}"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -348,6 +362,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"kv={lay['num_blocks']}x{lay['block_size']} tokens",
         ),
         ("kv cache", _kv_line(summary["kv_cache"])),
+        *([("fp8", _fp8_line(summary["fp8"]))] if summary.get("fp8") else []),
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         (
             "sampling",

@@ -18,7 +18,15 @@ from neffkit.errors import ManifestError, ModelError
 from neffkit.models.config import ModelConfig, check_static, read_model_config
 from neffkit.models.parallel import Parallelism as ParallelLayout
 from neffkit.models.parallel import check_parallelism
-from neffkit.targets import AUDIT_RULE_IDS, DTYPES, NEURON_TARGETS, PHASES, TARGETS
+from neffkit.targets import (
+    AUDIT_RULE_IDS,
+    DTYPE_BYTES,
+    DTYPES,
+    NEURON_TARGETS,
+    PHASES,
+    TARGETS,
+    fp8_max,
+)
 
 SCHEMA_VERSION = 1
 # AOTInductor options a manifest may set (compiler.inductor), with their value types.
@@ -48,8 +56,11 @@ KV_DTYPES = ("float8_e4m3fn",)  # beside the model dtype (the default)
 class KVCache:
     block_size: int
     num_blocks: int
-    # None: the model dtype. float8_e4m3fn: clamp(x * scale, ±448) stored (scale 1.0 for now)
+    # None: the model dtype. float8_e4m3fn: clamp(x / k_scale, ±M) stored, M the target's fp8
+    # range (targets.fp8_max), k_scale/v_scale per layer from the checkpoint, else 1.0
     dtype: str | None = None
+    # num_blocks from a per-rank memory budget (MiB) instead, sized by the cache dtype's width
+    memory_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,16 @@ class Manifest:
     @property
     def max_model_len(self) -> int:
         return self.buckets.context[-1]
+
+    @property
+    def fp8_max(self) -> float:
+        """The range fp8 values may use on this target (240 on trn1/trn2, else 448)."""
+        return fp8_max(self.target, self.neuron.target if self.neuron else None)
+
+    @property
+    def uses_fp8(self) -> bool:
+        """fp8 values in the graphs: fp8 checkpoint weights or an fp8 KV cache."""
+        return bool(self.model_config.fp8_block) or self.kv_cache.dtype == "float8_e4m3fn"
 
     def to_json(self) -> dict[str, Any]:
         """The resolved manifest as bundle.json stores it: absolute model path, defaults filled."""
@@ -315,7 +336,6 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     neuron = _neuron(data, target)
     parallel = _parallel(data.get("parallel", {}))
     buckets = _buckets(data["buckets"])
-    kv_cache = _kv_cache(data.get("kv_cache", {}), buckets)
     sampling = _sampling(data.get("sampling", {}))
     compiler = _compiler(data.get("compiler", {}), "compiler")
     audit = _audit(data.get("audit", {}))
@@ -328,6 +348,13 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     if static_rope is not None:
         raise ManifestError(f"buckets.context: {static_rope}")
     mla_decode = _mla(data.get("mla", {}), model_config)
+    kv_cache = _kv_cache(
+        data.get("kv_cache", {}),
+        buckets,
+        dtype,
+        model_config,
+        ParallelLayout(parallel.tp, parallel.ep),
+    )
     if kv_cache.dtype and model_config.is_mla:
         raise ManifestError(
             f"kv_cache.dtype: {kv_cache.dtype} latent (MLA) caches are not supported yet",
@@ -425,9 +452,11 @@ def _buckets(value: Any) -> Buckets:
     return buckets
 
 
-def _kv_cache(value: Any, buckets: Buckets) -> KVCache:
+def _kv_cache(
+    value: Any, buckets: Buckets, dtype: str, cfg: ModelConfig, par: ParallelLayout
+) -> KVCache:
     raw = _mapping(value, "kv_cache")
-    _no_unknown(raw, ("block_size", "num_blocks", "dtype"), "kv_cache")
+    _no_unknown(raw, ("block_size", "num_blocks", "dtype", "memory_mb"), "kv_cache")
     kv_dtype = raw.get("dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ManifestError(
@@ -442,8 +471,19 @@ def _kv_cache(value: Any, buckets: Buckets) -> KVCache:
                     f"buckets.{key}[{i}]: {b} is not a multiple of kv_cache.block_size "
                     f"({block_size})"
                 )
-    # Default: every decode row can hold the largest context, plus the reserved null block 0.
+    # Default: every decode row can hold the largest context, plus the reserved null block 0;
+    # or as many blocks as a per-rank memory budget holds at the cache dtype's width.
     default_blocks = buckets.context[-1] * buckets.decode[-1] // block_size + 1
+    memory_mb = raw.get("memory_mb")
+    if memory_mb is not None:
+        memory_mb = _positive_int(memory_mb, "kv_cache.memory_mb")
+        if "num_blocks" in raw:
+            raise ManifestError(
+                "kv_cache: give num_blocks or memory_mb, not both",
+                hint="memory_mb sizes num_blocks from a per-rank budget",
+            )
+        per_token = kv_bytes_per_token(cfg, par, kv_dtype or dtype)
+        default_blocks = memory_mb * 2**20 // (block_size * per_token)
     num_blocks = _positive_int(raw.get("num_blocks", default_blocks), "kv_cache.num_blocks")
     if buckets.context[-1] > (num_blocks - 1) * block_size:
         raise ManifestError(
@@ -452,7 +492,15 @@ def _kv_cache(value: Any, buckets: Buckets) -> KVCache:
             f"cannot hold the largest context bucket ({buckets.context[-1]} tokens)",
             hint=f"use num_blocks >= {buckets.context[-1] // block_size + 1}",
         )
-    return KVCache(block_size=block_size, num_blocks=num_blocks, dtype=kv_dtype)
+    return KVCache(
+        block_size=block_size, num_blocks=num_blocks, dtype=kv_dtype, memory_mb=memory_mb
+    )
+
+
+def kv_bytes_per_token(cfg: ModelConfig, par: ParallelLayout, dtype: str) -> int:
+    """Cache bytes one token takes on one rank, every layer (K and V; MLA: the latent row)."""
+    tensors = cfg.num_layers * (1 if cfg.is_mla else 2)
+    return tensors * par.kv_heads_per_rank(cfg) * cfg.kv_width * DTYPE_BYTES[dtype]
 
 
 def _audit(value: Any) -> Audit:

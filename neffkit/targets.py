@@ -22,6 +22,24 @@ DTYPE_BYTES = {
     "uint8": 1,
     "int8": 1,
 }
+# fp8 (float8_e4m3fn): its largest finite value is 448. trn1/trn2 have no OCP e4m3fn (neuronx-cc
+# NCC_EVRF051: https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/EVRF051.html);
+# with --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 the compiler reads e4m3fn bits as IEEE-style
+# e4m3, which agree up to 240 (its largest finite value), so there every fp8 value must stay
+# within ±240 (field notes, seed 000 §7). trn3 has e4m3fn.
+E4M3FN_MAX = 448.0
+E4M3_MAX = 240.0
+FP8_AS_E4M3_CHIPS = ("trn1", "trn2")
+FP8_AS_E4M3_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+def fp8_max(target: str, neuron_target: str | None) -> float:
+    """The largest magnitude an fp8 value may hold on this target."""
+    if target == "neuron" and neuron_target in FP8_AS_E4M3_CHIPS:
+        return E4M3_MAX
+    return E4M3FN_MAX
+
+
 PHASES = ("prefill", "decode")
 # the hazard audit's rules (compile/audit.RULES), in id order; a manifest may waive any of them
 AUDIT_RULE_IDS = (

@@ -10,11 +10,31 @@ nothing from neffkit.compile.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from neffkit.errors import BundleError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """torch → numpy without a copy, for the dtypes numpy lacks too (bfloat16, float8_e4m3fn as
+    ml_dtypes' types, which jax reads)."""
+    import torch
+
+    narrow = {
+        torch.bfloat16: ("bfloat16", torch.int16),
+        torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8),
+    }
+    if tensor.dtype in narrow:
+        import ml_dtypes
+
+        name, bits = narrow[tensor.dtype]
+        return tensor.view(bits).numpy().view(getattr(ml_dtypes, name))
+    return tensor.numpy()
 
 
 class XlaCpu:

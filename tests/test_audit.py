@@ -176,12 +176,42 @@ def test_nk201_prefill_bucket_multiple_of_128():
 FP8 = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
 
 
+H2T = "--internal-hlo2tensorizer-options=--modular-flow-mac-threshold=10"
+
+
 def test_nk202_fp8_on_trn2_needs_the_flag():
     lines = ["%0 = input k_cache.0 : float8_e4m3fn[4, 4]"]
-    h2t = "--internal-hlo2tensorizer-options=--modular-flow-mac-threshold=10"
-    assert rules(text_facts(lines, target="neuron", neuron="trn2", flags=[h2t])) == ["NK202"]
-    ok = [f"{h2t} {FP8}"]
+    assert rules(text_facts(lines, target="neuron", neuron="trn2", flags=[H2T])) == ["NK202"]
+    assert rules(text_facts(lines, target="neuron", neuron="trn1", flags=[H2T])) == ["NK202"]
+    ok = [f"{H2T} {FP8}"]
     assert rules(text_facts(lines, target="neuron", neuron="trn2", flags=ok)) == []
+    assert rules(text_facts(lines, target="neuron", neuron="trn3", flags=[H2T])) == []
+
+
+def _fp8_cast(clamp: str) -> list[str]:
+    return [
+        "%0 = input k : float32[4, 4]",
+        f"%1 = {clamp} : float32[4, 4]",
+        "%2 = aten._to_copy.default(%1) {dtype: torch.float8_e4m3fn} : float8_e4m3fn[4, 4]",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("clamp", "fires"),
+    [
+        ("aten.clamp.default(%0, -240.0, 240.0)", False),
+        ("aten.clamp.default(%0, -200, 200)", False),
+        ("aten.clamp.default(%0, -448.0, 448.0)", True),  # the e4m3fn range: past e4m3's
+        ("aten.clamp.default(%0, -240.0)", True),  # one-sided
+        ("aten.mul.Tensor(%0, 2.0)", True),  # no clamp at all
+    ],
+)
+def test_nk202_fp8_cast_on_trn2_must_read_a_240_clamp(clamp: str, fires: bool):
+    ok = [f"{H2T} {FP8}"]
+    found = rules(text_facts(_fp8_cast(clamp), target="neuron", neuron="trn2", flags=ok))
+    assert found == (["NK202"] if fires else [])
+    # trn3 has e4m3fn (448): the cast rule is trn1/trn2's
+    assert rules(text_facts(_fp8_cast(clamp), target="neuron", neuron="trn3", flags=[H2T])) == []
 
 
 def test_nk203_one_hlo2tensorizer_string():

@@ -171,3 +171,25 @@ def test_prompt_logprobs_score_each_target() -> None:
     assert torch.allclose(chosen.double(), want[torch.arange(9), targets], atol=1e-5)
     assert torch.equal(top_ids, want.topk(4, dim=-1).indices)
     assert torch.allclose(top.double(), want.topk(4, dim=-1).values, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8_max", [448.0, 240.0])
+def test_fp8_cache_round_trip_scales_and_clamps(fp8_max: float):
+    """An fp8 cache stores clamp(x / scale, ±fp8_max) and reads it back times the scale: with a
+    calibrated scale small values keep e4m3's 3 mantissa bits (relative error <= 1/16); without
+    one they fall into fp8's subnormals; anything past the range is clamped (never NaN)."""
+    from neffkit.kernels.kv import from_cache, to_cache
+
+    fp8 = torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 2, 16, generator=gen) * 1e-3  # |x| ~ 1e-3: fp8 subnormals unscaled
+    scale = x.abs().max().reshape(1) / fp8_max
+    stored = to_cache(x, fp8, fp8_max, scale)
+    assert stored.dtype == fp8 and stored.float().abs().max() <= fp8_max
+    back = from_cache(stored, torch.float32, scale)
+    assert ((back - x).abs() <= x.abs() / 16 + 1e-12).all()
+    unscaled = from_cache(to_cache(x, fp8, fp8_max), torch.float32)
+    assert (unscaled - x).abs().max() > 4 * (back - x).abs().max()
+    big = to_cache(torch.tensor([1e4, -1e4]), fp8, fp8_max)
+    assert big.float().tolist() == [fp8_max, -fp8_max]  # both exact in e4m3fn
+    assert to_cache(x, torch.float32, fp8_max, scale) is x  # other caches store x as it is

@@ -76,6 +76,12 @@ BAD = [
     ),
     ("too few kv blocks", _with("kv_cache.num_blocks", 4), "kv_cache.num_blocks: 4 blocks"),
     (
+        "kv blocks twice",
+        _with("kv_cache", {"num_blocks": 9, "memory_mb": 1}),
+        "kv_cache: give num_blocks or memory_mb, not both",
+    ),
+    ("kv memory too small", _with("kv_cache.memory_mb", 0), "kv_cache.memory_mb: expected a"),
+    (
         "bad block size",
         _with("kv_cache.block_size", 0),
         "kv_cache.block_size: expected a positive int, got 0",
@@ -209,6 +215,23 @@ def test_defaults_and_relative_model_path(tmp_path, model_dir):
     # largest context x largest decode bucket, plus the null block
     assert m.kv_cache.num_blocks == 32 * 2 // 16 + 1
     assert m.model_config.num_kv_heads == 2
+
+
+def test_kv_memory_budget_sizes_num_blocks_by_the_cache_width(tmp_path, model_dir):
+    """kv_cache.memory_mb: as many blocks as the per-rank budget holds; an fp8 cache (1 byte a
+    value) gets twice the blocks of a bfloat16 one in the same memory."""
+    base = {"neffkit": 1, "model": "MODEL", "dtype": "bfloat16",
+            "buckets": {"prefill": [16], "decode": [1], "context": [32]}}  # fmt: skip
+    blocks = {}
+    for kv_dtype in ("bfloat16", "float8_e4m3fn"):
+        kv = {"memory_mb": 1, **({"dtype": kv_dtype} if kv_dtype != "bfloat16" else {})}
+        m = load_manifest(_write(tmp_path, {**base, "kv_cache": kv}, model_dir))
+        cfg = m.model_config
+        width = 2 if kv_dtype == "bfloat16" else 1
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
+        assert m.kv_cache.num_blocks == 2**20 // (16 * per_token)
+        blocks[kv_dtype] = m.kv_cache.num_blocks
+    assert blocks["float8_e4m3fn"] == 2 * blocks["bfloat16"]
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("*.yaml")), ids=lambda p: p.stem)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from neffkit.bundle import FindingRecord, IoAlias
 from neffkit.errors import BuildError
-from neffkit.targets import DTYPE_BYTES
+from neffkit.targets import DTYPE_BYTES, E4M3_MAX, FP8_AS_E4M3_CHIPS, FP8_AS_E4M3_FLAG
 
 if TYPE_CHECKING:
     from neffkit.compile.progress import Progress
@@ -88,8 +88,11 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "NK202",
-            "fp8 e4m3fn on trn2 without --experimental-unsafe-fp8e4m3fn-as-fp8e4m3",
-            "add it inside the single --internal-hlo2tensorizer-options string; clamp to ±240",
+            "fp8 e4m3fn on trn1/trn2: the e4m3fn-as-e4m3 flag and a ±240 clamp before every "
+            "fp8 cast (NCC_EVRF051)",
+            "add --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 inside the single "
+            "--internal-hlo2tensorizer-options string, and clamp(x, -240, 240) right before "
+            "each cast to float8_e4m3fn (e4m3 has no values past 240)",
         ),
         Rule(
             "NK203",
@@ -327,19 +330,42 @@ def _bool_and(g: GraphFacts) -> Iterator[Finding]:
             yield _finding("NK106", "warning", g, node.text, f"{shapes[0]} & {shapes[1]}")
 
 
+CASTS = ("aten._to_copy", "prims.convert_element_type", "aten.to.")
+FP8 = "float8_e4m3fn"
+_CLAMP_BOUNDS = re.compile(r"^aten\.clamp\.default\(%\d+, (-?[\d.e+-]+), (-?[\d.e+-]+)\)")
+
+
+def _fp8_casts(g: GraphFacts) -> Iterator[Finding]:
+    """On trn1/trn2 every cast to fp8 must read a value clamped within ±240: the compiler reads
+    e4m3fn as e4m3, whose largest value is 240 (NCC_EVRF051), so a wider value is not what the
+    graph meant (field notes, seed 000 §7)."""
+    if g.target != "neuron" or g.neuron_target not in FP8_AS_E4M3_CHIPS:
+        return
+    for node in g.nodes:
+        if node.dtype != FP8 or not node.target.startswith(CASTS) or not node.refs:
+            continue
+        src = g.nodes[node.refs[0]]
+        if src.dtype == FP8:
+            continue  # a copy of fp8 values, no conversion
+        body = src.text.split(" = ", 1)[-1]
+        bounds = _CLAMP_BOUNDS.match(body)
+        if not bounds or float(bounds.group(1)) < -E4M3_MAX or float(bounds.group(2)) > E4M3_MAX:
+            yield _finding(
+                "NK202", "error", g, node.text, f"its input is not clamped to ±{E4M3_MAX:g}"
+            )
+
+
 def _flag_rules(g: GraphFacts) -> Iterator[Finding]:
     if g.target != "neuron":
         return
     h2t = [f for f in g.flags if f.startswith("--internal-hlo2tensorizer-options")]
     if len(h2t) > 1:
         yield _finding("NK203", "error", g, h2t[-1], f"{len(h2t)} occurrences")
-    fp8 = any(n.dtype == "float8_e4m3fn" for n in g.nodes)
-    if (
-        fp8
-        and g.neuron_target == "trn2"
-        and not any("--experimental-unsafe-fp8e4m3fn-as-fp8e4m3" in f for f in h2t)
-    ):
-        yield _finding("NK202", "error", g, "--internal-hlo2tensorizer-options")
+    fp8 = any(n.dtype == FP8 for n in g.nodes)
+    if fp8 and g.neuron_target in FP8_AS_E4M3_CHIPS and not any(FP8_AS_E4M3_FLAG in f for f in h2t):
+        yield _finding(
+            "NK202", "error", g, "--internal-hlo2tensorizer-options", f"{FP8_AS_E4M3_FLAG} missing"
+        )
     model_type = next((f for f in g.flags if f.startswith("--model-type")), None)
     if model_type and g.flag_origins.get(model_type, "base") != "base":
         yield _finding("NK204", "warning", g, model_type, f"set by {g.flag_origins[model_type]}")
@@ -355,6 +381,7 @@ GRAPH_RULES = (
     _host_reads,
     _aliasing,
     _bool_and,
+    _fp8_casts,
     _flag_rules,
 )
 

@@ -268,8 +268,9 @@ def trace_key(manifest: Manifest, backend: Backend, spec: GraphSpec, rank: int) 
     )
 
 
-def weights_key(manifest: Manifest, rank: int) -> CacheKey:
-    """Everything one rank's weight shard is made from: the checkpoint, dtype, layout, code."""
+def weights_key(manifest: Manifest, rank: int, storage: JsonObject) -> CacheKey:
+    """Everything one rank's weight shard is made from: the checkpoint, how it is stored (dtype,
+    fp8 rescale, k/v scales: trace.weight_storage), the layout, the code."""
     par = manifest.parallel
     return CacheKey(
         {
@@ -277,7 +278,7 @@ def weights_key(manifest: Manifest, rank: int) -> CacheKey:
             "model_dir": str(manifest.model),
             "checkpoint": checkpoint_stamps(manifest.model),
             "model": manifest.model_config.to_json(),
-            "dtype": manifest.dtype,
+            "storage": storage,
             "parallel": {"tp": par.tp, "ep": par.ep},
             "rank": rank,
             "neffkit": source_digest(),

@@ -9,8 +9,9 @@ Two kinds of options, one resolution:
   * `--model-type` last wins, with a warning when it overrides the injected (base) value;
   * any other flag repeated with the same value is reported as a duplicate, with another value as
     a conflict (the last wins).
-Each rendered flag records its origin ("base", "manifest", "rule N"). Path-bearing flags (log files,
-work dirs) are kept in the argv but left out of cache keys. Imports no torch.
+Each rendered flag records its origin ("base", "fp8", "manifest", "rule N"; "fp8": the
+e4m3fn-as-e4m3 flag neffkit adds on trn1/trn2 when a graph holds fp8 values). Path-bearing flags
+(log files, work dirs) are kept in the argv but left out of cache keys. Imports no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from neffkit.bundle import OptionValue
 from neffkit.compile.plan import GraphSpec
 from neffkit.errors import ManifestError
 from neffkit.manifest import Manifest
+from neffkit.targets import E4M3FN_MAX, FP8_AS_E4M3_FLAG
 
 HLO2TENSORIZER = "--internal-hlo2tensorizer-options"
 MODEL_TYPE = "--model-type"
@@ -137,10 +139,14 @@ def merge_flags(flags: list[Flag]) -> tuple[list[Flag], list[str]]:
 def _layers(manifest: Manifest, spec: GraphSpec) -> list[tuple[str, str, tuple[str, ...], dict]]:
     """(origin, manifest field, flags, inductor options) from lowest to highest precedence."""
     base_flags = BASE_NEURON_FLAGS if manifest.target == "neuron" else ()
-    layers = [
-        ("base", "base flags", base_flags, BASE_INDUCTOR_OPTIONS),
-        ("manifest", "compiler.flags", manifest.compiler.flags, manifest.compiler.inductor),
-    ]
+    layers = [("base", "base flags", base_flags, BASE_INDUCTOR_OPTIONS)]
+    if manifest.fp8_max < E4M3FN_MAX and manifest.uses_fp8:
+        # trn1/trn2 have no e4m3fn: the compiler reads it as e4m3 (values kept within ±240),
+        # inside the one hlo2tensorizer string (field notes, seed 000 §7)
+        layers.append(("fp8", "fp8 on trn1/trn2", (f"{HLO2TENSORIZER}={FP8_AS_E4M3_FLAG}",), {}))
+    layers.append(
+        ("manifest", "compiler.flags", manifest.compiler.flags, manifest.compiler.inductor)
+    )
     layers += [
         (f"rule {i}", f"compiler.per_graph[{i}].flags", rule.flags, rule.inductor)
         for i, rule in enumerate(manifest.compiler.per_graph)

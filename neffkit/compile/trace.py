@@ -31,7 +31,8 @@ from neffkit.models.llama import (
     metadata_inputs,
 )
 from neffkit.models.parallel import Parallelism
-from neffkit.models.weights import rank_weight_specs
+from neffkit.models.weights import Storage, has_kv_scales, rank_weight_specs
+from neffkit.targets import E4M3FN_MAX
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ModelLayout:
     gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)
     mla_decode: str = "absorbed"  # MLA decode graphs: latent-space attention, or expanded K/V
     kv_dtype: str = ""  # the KV cache tensors' dtype ("" = dtype)
+    fp8_max: float = E4M3FN_MAX  # the range fp8 values use on the target (targets.fp8_max)
 
 
 @dataclass
@@ -66,6 +68,17 @@ class Traced:
     sources: list[str]  # per canonical line: the model source line that made the node
 
 
+def weight_storage(manifest: Manifest) -> Storage:
+    """How this manifest's bundle stores the checkpoint: dtype, the trn1/trn2 fp8 rescale
+    (values into ±240), and whether the fp8 KV cache reads the checkpoint's k/v scales."""
+    fp8_kv = manifest.kv_cache.dtype == "float8_e4m3fn"
+    return Storage(
+        manifest.dtype,
+        fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
+        kv_scales=fp8_kv and has_kv_scales(manifest.model),
+    )
+
+
 def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLayout:
     """Shapes only (safetensors headers): tracing never needs the weight values.
 
@@ -74,9 +87,10 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
     """
     cfg = manifest.model_config
     par = Parallelism(manifest.parallel.tp, manifest.parallel.ep)
-    specs = rank_weight_specs(manifest.model, cfg, manifest.dtype, par, 0)
+    storage = weight_storage(manifest)
+    specs = rank_weight_specs(manifest.model, cfg, storage, par, 0)
     for rank in range(1, par.tp):
-        if rank_weight_specs(manifest.model, cfg, manifest.dtype, par, rank) != specs:
+        if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
             raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
     return ModelLayout(
         config=cfg,
@@ -96,6 +110,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         gemv_max_rows=gemv_max_rows,
         mla_decode=manifest.mla_decode,
         kv_dtype=manifest.kv_cache.dtype or manifest.dtype,
+        fp8_max=manifest.fp8_max,
     )
 
 
@@ -175,6 +190,7 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
         layout.par,
         layout.gemv_max_rows,
         layout.mla_decode,
+        layout.fp8_max,
     )
     return module, specs
 

@@ -26,6 +26,7 @@ from neffkit.bundle import IoAlias, VerifyRecord
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.trace import ModelLayout, decoder_module, graph_inputs
 from neffkit.errors import BuildError
+from neffkit.xla_cpu import to_numpy
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import Backend
@@ -157,7 +158,7 @@ def xla_cpu_runner(
     executable = xla.compile(proto)
 
     def run(inputs: list[torch.Tensor]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-        outs = xla.run(executable, [xla.put(t.numpy()) for t in inputs])
+        outs = xla.run(executable, [xla.put(to_numpy(t)) for t in inputs])
         kv = {a.input: np.asarray(outs[a.output]) for a in io_alias}
         return [np.asarray(o) for o in outs[-num_outputs:]], kv
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from neffkit.bundle import (
     BucketLists,
     BundleRecord,
     FindingRecord,
+    Fp8Record,
     GraphBuckets,
     GraphRecord,
     LayoutRecord,
@@ -31,7 +33,7 @@ from neffkit.bundle import (
 )
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights_key
-from neffkit.compile.trace import ModelLayout
+from neffkit.compile.trace import ModelLayout, weight_storage
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
 from neffkit.models.llama import projection_form
@@ -57,15 +59,16 @@ def write_weights(
     copy: returned counts say which), not cut again."""
     (stage / "weights").mkdir(parents=True)
     records, placed = [], {"cut": 0, "reflink": 0, "hardlink": 0, "copy": 0}
+    storage = weight_storage(manifest)
     for rank in range(layout.par.tp):
         file = f"weights/rank{rank}.safetensors"
-        key = weights_key(manifest, rank)
+        key = weights_key(manifest, rank, asdict(storage))
         hit = cache.lookup(key) if cache is not None else None
         if hit is not None:
             placed[link_or_copy(hit, stage / file)] += 1
             names = json.loads((hit.parent / KEY_JSON).read_text())["names"]
         else:
-            args = (manifest.model, manifest.model_config, manifest.dtype, layout.par, rank)
+            args = (manifest.model, manifest.model_config, storage, layout.par, rank)
             names = write_tensors(stage / file, rank_weight_specs(*args), iter_rank_weights(*args))
             placed["cut"] += 1
             if cache is not None:
@@ -171,5 +174,32 @@ def write_bundle(
         audit=AuditRecord(manifest.audit.waive, tuple(findings)),
         neuron=neuron,
         stage=bundle_stage,
+        fp8=fp8_record(manifest),
     )
     return write_bundle_json(stage, record)
+
+
+def fp8_record(manifest: Manifest) -> Fp8Record | None:
+    """What bundle.json says about fp8: a trn1/trn2 and a trn3 build of one fp8 manifest differ
+    exactly in `max`, the rescales and the compiler flag."""
+    if not manifest.uses_fp8:
+        return None
+    block = manifest.model_config.fp8_block
+    storage = weight_storage(manifest)
+    fp8_kv = manifest.kv_cache.dtype == "float8_e4m3fn"
+    return Fp8Record(
+        max=manifest.fp8_max,
+        weights=fp8_layout(block),
+        weight_block=tuple(block),
+        weight_rescale=storage.fp8_rescale,
+        scale_rescale=1.0 / storage.fp8_rescale,
+        kv_cache=fp8_kv,
+        kv_scales=("checkpoint" if storage.kv_scales else "1.0") if fp8_kv else "",
+    )
+
+
+def fp8_layout(block: tuple[int, ...]) -> str:
+    """A scale block's common name."""
+    if not block:
+        return ""
+    return {(0, 0): "tensor", (1, 0): "channel"}.get(tuple(block), "block")

@@ -25,16 +25,30 @@ def write_kv(
     v_cache.index_put_(index, v)
 
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (trn2 clamps at 240: not yet applied)
+def to_cache(
+    values: torch.Tensor,
+    cache_dtype: torch.dtype,
+    fp8_max: float,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Values as the cache stores them. An fp8 cache stores clamp(x / scale, ±fp8_max): `scale`
+    is the layer's k_scale / v_scale from the checkpoint (a dequantization scale, vLLM's
+    convention), 1.0 when it has none; fp8_max is 448, or 240 on trn1/trn2 (targets.fp8_max). A
+    cast alone would turn anything past the range into NaN (or, on trn2, into e4m3 infinities).
+    The clamp is the cast's direct input: the audit (NK202) checks exactly that."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return values
+    if scale is not None:
+        values = values / scale.to(values.dtype)
+    return values.clamp(-fp8_max, fp8_max).to(cache_dtype)
 
 
-def to_cache(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Values as the cache stores them. An fp8 cache stores clamp(x * scale, ±448) with scale
-    1.0 (checkpoints' per-layer k_scale / v_scale are not read yet): a cast alone would turn
-    anything past ±448 into NaN. Attention reads the cache back widened to the compute dtype."""
-    if cache_dtype == torch.float8_e4m3fn:
-        return values.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
-    return values
+def from_cache(
+    cached: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cached values in the compute dtype: widened, times the layer's scale for fp8."""
+    wide = cached.to(dtype)
+    return wide * scale.to(dtype) if scale is not None else wide
 
 
 def write_cache(

@@ -1,10 +1,12 @@
-"""Weight dequantization inside the graph: quantized bytes are what a step streams.
+"""fp8 weight scales: their layout, and the dequantization inside the graph.
 
-Block fp8 (DeepSeek's fine-grained format): a float8_e4m3fn weight and one float32 scale per
-[block_out, block_in] block, the last blocks of each dimension partial. The graph widens the
-weight and multiplies each block by its scale right before the projection that reads it, so
-Inductor can fuse the dequantization into the projection's loop (one row: the weight is read as
-fp8 bytes once) and the bundle holds a quarter of the float32 bytes.
+An fp8 weight ([..., out, in], float8_e4m3fn) has one float32 scale per [block_out, block_in]
+block, the last blocks of each dimension partial. A block size of 0 spans the whole dimension,
+so one layout covers DeepSeek's fine-grained blocks (128, 128), per-channel scales (1, 0) and a
+per-tensor scale (0, 0). The graph widens the weight and multiplies each block by its scale
+right before the projection that reads it, so Inductor can fuse the dequantization into the
+projection's loop (one row: the weight is read as fp8 bytes once) and the bundle holds a quarter
+of the float32 bytes.
 """
 
 from __future__ import annotations
@@ -12,20 +14,49 @@ from __future__ import annotations
 import torch
 
 
+def effective_block(shape: tuple[int, ...] | list[int], block: tuple[int, ...]) -> tuple[int, int]:
+    """The block in elements for a weight of `shape` (0 = the whole dimension)."""
+    rows, cols = shape[-2:]
+    return (block[0] or rows, block[1] or cols)
+
+
+def scale_grid(shape: tuple[int, ...] | list[int], block: tuple[int, ...]) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight of `shape`: its last two dims counted in blocks."""
+    *lead, rows, cols = shape
+    b = effective_block(shape, block)
+    return (*lead, -(-rows // b[0]), -(-cols // b[1]))
+
+
+def expand_scales(
+    scale: torch.Tensor, shape: tuple[int, ...] | list[int], block: tuple[int, ...]
+) -> torch.Tensor:
+    """One float32 scale per element of a weight of `shape` (checkpoint scales in any of the
+    shapes the formats use: [R, C] blocks, [out, 1] channels, [] or [1] for the tensor)."""
+    rows, cols = shape[-2:]
+    b = effective_block(shape, block)
+    grid = scale.float().reshape(scale_grid(shape, block))
+    per_row = grid.repeat_interleave(b[0], dim=-2)[..., :rows, :]
+    return per_row.repeat_interleave(b[1], dim=-1)[..., :cols].contiguous()
+
+
 def dequantize_blocks(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """`weight.float() * scale` per block, cast to the compute dtype ([..., out, in]).
 
-    Written as a broadcast over a block view of the (padded) weight, not by repeating the
-    scales per element: Inductor (torch 2.13, cpu) miscompiled the repeat_interleave and gather
-    forms for weights with 16 rows or fewer when materialised for `mm` (errors up to 1e38; a
-    [16, 72] weight at block 16). This form matched eager at every shape tried."""
+    Per-channel and per-tensor scales broadcast directly. Blocks are a broadcast over a block
+    view of the (padded) weight, not a repeat of the scales per element: Inductor (torch 2.13,
+    cpu) miscompiled the repeat_interleave and gather forms for weights with 16 rows or fewer
+    when materialised for `mm` (errors up to 1e38; a [16, 72] weight at block 16). This form
+    matched eager at every shape tried."""
     rows, cols = weight.shape[-2:]
+    b = effective_block(tuple(weight.shape), block)
     wide = weight.to(torch.float32)
-    pad_rows, pad_cols = -rows % block[0], -cols % block[1]
+    if b[1] == cols and b[0] in (1, rows):  # scale [.., out, 1] or [.., 1, 1]
+        return (wide * scale).to(dtype)
+    pad_rows, pad_cols = -rows % b[0], -cols % b[1]
     if pad_rows or pad_cols:
         wide = torch.nn.functional.pad(wide, (0, pad_cols, 0, pad_rows))
-    blocks = wide.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))  # [.., R, br, C, bc]
+    blocks = wide.unflatten(-1, (-1, b[1])).unflatten(-3, (-1, b[0]))  # [.., R, br, C, bc]
     scaled = blocks * scale.unsqueeze(-1).unsqueeze(-3)
     return scaled.flatten(-2).flatten(-3, -2)[..., :rows, :cols].to(dtype)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from neffkit.kernels.attention import context_mask, paged_attention
-from neffkit.kernels.kv import gather_context, to_cache, write_cache, write_kv
+from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_cache, write_kv
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.quant import dequantize_blocks
 from neffkit.kernels.rope import apply_rope, apply_rope_interleaved, rope_cos_sin
@@ -26,6 +26,7 @@ from neffkit.models.parallel import Parallelism
 from neffkit.models.rope_scaling import rope_frequencies, yarn_mscale
 from neffkit.models.sharding import FP8_SCALE as SCALE
 from neffkit.models.sharding import ROPE_INV_FREQ
+from neffkit.targets import E4M3FN_MAX
 
 SAMPLING_INPUTS = (
     ("temperature", "float32"),
@@ -118,8 +119,10 @@ class DecoderGraph(torch.nn.Module):
         par: Parallelism | None = None,
         gemv_max_rows: int = 0,
         mla_decode: str = "absorbed",
+        fp8_max: float = E4M3FN_MAX,
     ) -> None:
         super().__init__()
+        self.fp8_max = fp8_max  # the range fp8 cache values are clamped to (targets.fp8_max)
         self.cfg = cfg
         self.shape = shape
         self.weight_names = weight_names
@@ -211,15 +214,17 @@ class DecoderGraph(torch.nn.Module):
             q = self._norm(q, w[f"{p}.self_attn.q_norm.weight"])
             k = self._norm(k, w[f"{p}.self_attn.k_norm.weight"])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
+        fp8_max = self.fp8_max
         write_kv(
             k_cache,
             v_cache,
-            to_cache(k.reshape(-1, kv_heads, cfg.head_dim), k_cache.dtype),
-            to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype),
+            to_cache(k.reshape(-1, kv_heads, cfg.head_dim), k_cache.dtype, fp8_max, k_scale),
+            to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype, fp8_max, v_scale),
             slots,
         )
-        keys = gather_context(k_cache, block_tables).to(q.dtype)  # [B, C, KV, D]
-        values = gather_context(v_cache, block_tables).to(q.dtype)
+        keys = from_cache(gather_context(k_cache, block_tables), q.dtype, k_scale)  # [B,C,KV,D]
+        values = from_cache(gather_context(v_cache, block_tables), q.dtype, v_scale)
         sinks = w.get(f"{p}.self_attn.sinks")  # GPT-OSS
         out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim), sinks)
         partial = self._project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel: partial sum

@@ -34,7 +34,8 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ROPE_INV_FREQ = "rope.inv_freq"  # a graph input like the weights; float32 in every bundle dtype
 FP8_SCALE = ".scale"  # `<weight>.scale`: the float32 block scales beside an fp8 weight input
 FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ})
-FLOAT32_SUFFIXES = (".moe.router_score_bias",)  # DeepSeek's e_score_correction_bias: float32
+# DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales
+FLOAT32_SUFFIXES = (".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale")
 
 
 def keeps_float32(name: str) -> bool:
@@ -63,8 +64,12 @@ def rank_weights(
     rank: int,
     get: Callable[[str], torch.Tensor],
     available: set[str],
+    kv_scales: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for one rank, in graph order. Missing tensors are a ModelError."""
+    """(name, tensor) for one rank, in graph order. Missing tensors are a ModelError.
+
+    `kv_scales`: each layer's k_scale / v_scale (one float each, the fp8 KV cache's
+    dequantization scales) follow its attention weights, replicated."""
 
     def need(name: str) -> torch.Tensor:
         if name not in available:
@@ -104,6 +109,9 @@ def rank_weights(
             yield f"{p}.self_attn.{proj}.weight", w[start : start + size]
             if bias in available:
                 yield bias, get(bias)[start : start + size]
+        if kv_scales:
+            for kind in ("k", "v"):
+                yield f"{p}.self_attn.{kind}_scale", need(_kv_scale(p, kind, available)).reshape(1)
         if cfg.attention_sinks:  # one logit per query head: this rank's heads
             yield f"{p}.self_attn.sinks", need(f"{p}.self_attn.sinks")[q0 // d : q0 // d + heads]
         if cfg.qk_norm:
@@ -136,6 +144,13 @@ def rank_weights(
         yield "lm_head.weight", _vocab_shard(need("lm_head.weight"), cfg, par, rank)
     # computed, not read: the rope frequencies as HF derives them (float32, never cast)
     yield ROPE_INV_FREQ, rope_frequencies(cfg.rope_params, cfg.head_dim)[0]
+
+
+def _kv_scale(prefix: str, kind: str, available: set[str]) -> str:
+    """A layer's K or V cache scale as the checkpoint names it (compressed-tensors puts it on
+    the attention module, ModelOpt exports on the projection)."""
+    on_projection = f"{prefix}.self_attn.{kind}_proj.{kind}_scale"
+    return on_projection if on_projection in available else f"{prefix}.self_attn.{kind}_scale"
 
 
 def _vocab_shard(

@@ -10,16 +10,42 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from neffkit.errors import ModelError
+from neffkit.kernels.quant import effective_block, expand_scales, scale_grid
 from neffkit.models.config import ModelConfig
 from neffkit.models.sharding import FP8_SCALE, Parallelism, keeps_float32, rank_weights
 from neffkit.tensor_files import TensorReader, read_header
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a bundle stores the checkpoint's tensors, beyond the tp/ep cut."""
+
+    dtype: str  # unquantized tensors' bundle dtype
+    # fp8 weights are multiplied by this and their scales divided by it: 240/448 on trn1/trn2,
+    # whose fp8 values must stay within ±240 (targets.fp8_max), else 1
+    fp8_rescale: float = 1.0
+    # the fp8 KV cache reads the checkpoint's per-layer k_scale / v_scale (graph inputs)
+    kv_scales: bool = False
+
+
+def _storage(storage: Storage | str) -> Storage:
+    return storage if isinstance(storage, Storage) else Storage(storage)
+
+
+KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.k_proj.k_scale")
+
+
+def has_kv_scales(model_dir: Path) -> bool:
+    """Does the checkpoint carry per-layer KV cache scales (compressed-tensors, ModelOpt)?"""
+    return any(name.endswith(KV_SCALE_NAMES) for name in checkpoint_index(model_dir))
 
 
 def weight_dtype(name: str, dtype: str) -> torch.dtype:
@@ -45,21 +71,21 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
 QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8")
 FP8 = torch.float8_e4m3fn
 SCALE = FP8_SCALE  # the graph input beside each fp8 weight: one float32 per block
-CHECKPOINT_SCALE = "_scale_inv"  # DeepSeek's name: `<weight>_scale_inv`, multiplied in
 
 
 def _check_tensor(file: Path, name: str, dtype: str, cfg: ModelConfig, names: set[str]) -> None:
     """A quantized tensor widened without its scales is silently wrong: refuse it by name,
-    unless the config declares block fp8 and the tensor's scales are there."""
+    unless the config declares fp8 and the tensor's scales are there."""
     if dtype.upper() not in QUANTIZED_DTYPES:
         return
     if cfg.fp8_block and dtype.upper() == "F8_E4M3":
-        if name + CHECKPOINT_SCALE not in names:
-            raise ModelError(f"{file}: fp8 tensor {name!r} has no {name + CHECKPOINT_SCALE!r}")
+        if name + cfg.fp8_scale_suffix not in names:
+            raise ModelError(f"{file}: fp8 tensor {name!r} has no {name + cfg.fp8_scale_suffix!r}")
         return
     raise ModelError(
         f"{file}: tensor {name!r} is stored as {dtype}; quantized checkpoints are not "
-        "supported (neffkit reads float32/bfloat16/float16 weights and block-scaled fp8)",
+        "supported (neffkit reads float32/bfloat16/float16 weights and fp8 ones with their "
+        "quantization_config)",
         hint="dequantize the checkpoint first",
     )
 
@@ -74,18 +100,13 @@ def _headers(model_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Path], dict[s
     return index, entries
 
 
-def _block_shape(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
-    """The per-block scale's shape of an fp8 tensor: its last two dims counted in blocks."""
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
-
-
 def rank_weight_specs(
-    model_dir: Path, cfg: ModelConfig, dtype: str, par: Parallelism, rank: int
+    model_dir: Path, cfg: ModelConfig, storage: Storage | str, par: Parallelism, rank: int
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, bundle dtype) of one rank's weights, in graph order, from headers only:
     tracing never needs values. An fp8 weight keeps float8_e4m3fn and is followed by its
     float32 block scales (`<name>.scale`)."""
+    storage = _storage(storage)
     index, entries = _headers(model_dir, cfg)
 
     def meta(name: str) -> torch.Tensor:
@@ -93,12 +114,12 @@ def rank_weight_specs(
         return torch.empty(entries[name]["shape"], device="meta", dtype=FP8 if fp8 else None)
 
     out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    for name, t in rank_weights(cfg, par, rank, meta, set(index)):
+    for name, t in rank_weights(cfg, par, rank, meta, set(index), storage.kv_scales):
         if t.dtype == FP8:
             out.append((name, tuple(t.shape), FP8))
-            out.append((name + SCALE, _block_shape(tuple(t.shape), cfg.fp8_block), torch.float32))
+            out.append((name + SCALE, scale_grid(tuple(t.shape), cfg.fp8_block), torch.float32))
         else:
-            out.append((name, tuple(t.shape), weight_dtype(name, dtype)))
+            out.append((name, tuple(t.shape), weight_dtype(name, storage.dtype)))
     return out
 
 
@@ -106,11 +127,11 @@ def rank_weight_shapes(
     model_dir: Path, cfg: ModelConfig, par: Parallelism, rank: int
 ) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of one rank's weights (fp8 block scales included), from headers only."""
-    return [(n, s) for n, s, _ in rank_weight_specs(model_dir, cfg, "float32", par, rank)]
+    return [(n, s) for n, s, _ in rank_weight_specs(model_dir, cfg, Storage("float32"), par, rank)]
 
 
 def iter_rank_weights(
-    model_dir: Path, cfg: ModelConfig, dtype: str, par: Parallelism, rank: int
+    model_dir: Path, cfg: ModelConfig, storage: Storage | str, par: Parallelism, rank: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield one rank's (name, tensor) in graph order, read one at a time, cut, cast, compact.
 
@@ -119,6 +140,7 @@ def iter_rank_weights(
     fp8: their block scales are cut by the same sharding code, run a second time on the scales
     expanded to one per element, then taken back to one per block; a cut that splits a block
     cannot be taken back, and is an error naming the tensor."""
+    storage = _storage(storage)
     index = checkpoint_index(model_dir)
     readers: dict[Path, TensorReader] = {}
 
@@ -134,22 +156,31 @@ def iter_rank_weights(
 
     def expanded_scale(name: str) -> torch.Tensor:
         """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
-        scale_name = name + CHECKPOINT_SCALE
+        scale_name = name + cfg.fp8_scale_suffix
         weight_shape = reader(name).header[name]["shape"]
         if scale_name not in index:
             return torch.empty(weight_shape, device="meta")
-        return _expand(read(scale_name), weight_shape, cfg.fp8_block)
+        return expand_scales(read(scale_name), weight_shape, cfg.fp8_block)
 
-    scales = rank_weights(cfg, par, rank, expanded_scale, set(index)) if cfg.fp8_block else None
+    available, kv_scales = set(index), storage.kv_scales
+    scales = (
+        rank_weights(cfg, par, rank, expanded_scale, available, kv_scales)
+        if cfg.fp8_block
+        else None
+    )
+    rescale = storage.fp8_rescale
     try:
-        for name, tensor in rank_weights(cfg, par, rank, read, set(index)):
+        for name, tensor in rank_weights(cfg, par, rank, read, available, kv_scales):
             scale = next(scales)[1] if scales is not None else None
             if tensor.dtype == FP8:
                 assert scale is not None
+                block_scale = _per_block(name, scale, cfg.fp8_block)
+                if rescale != 1.0:  # into ±240: the weight scaled down, its scale up
+                    tensor, block_scale = (tensor.float() * rescale).to(FP8), block_scale / rescale
                 yield name, _compact(tensor)
-                yield name + SCALE, _per_block(name, scale, cfg.fp8_block)
+                yield name + SCALE, _compact(block_scale)
                 continue
-            cast = tensor.to(weight_dtype(name, dtype))
+            cast = tensor.to(weight_dtype(name, storage.dtype))
             yield name, _compact(cast)
             del tensor, cast
     finally:
@@ -165,18 +196,14 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _expand(scale: torch.Tensor, shape: list[int], block: tuple[int, ...]) -> torch.Tensor:
-    rows, cols = shape[-2:]
-    per_row = scale.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    return per_row.repeat_interleave(block[1], dim=-1)[..., :cols].contiguous()
-
-
 def _per_block(name: str, expanded: torch.Tensor, block: tuple[int, ...]) -> torch.Tensor:
-    """One scale per block again; the cut must have kept every block whole."""
-    compact = expanded[..., :: block[0], :: block[1]].contiguous()
-    if not torch.equal(_expand(compact, list(expanded.shape), block), expanded):
+    """One scale per block of the rank's share again; the cut must have kept every block whole
+    (per-channel and per-tensor scales survive any cut)."""
+    b = effective_block(tuple(expanded.shape), block)
+    compact = expanded[..., :: b[0], :: b[1]].contiguous()
+    if not torch.equal(expand_scales(compact, list(expanded.shape), block), expanded):
         raise ModelError(
-            f"tensor {name!r}: the parallel layout cuts it inside a {block[0]}x{block[1]} fp8 "
+            f"tensor {name!r}: the parallel layout cuts it inside a {b[0]}x{b[1]} fp8 "
             "block, so a rank's share spans blocks its own block grid cannot scale (a rank's "
             "share of each dimension should start on a block boundary)",
             field="parallel.tp",
@@ -184,6 +211,8 @@ def _per_block(name: str, expanded: torch.Tensor, block: tuple[int, ...]) -> tor
     return compact
 
 
-def load_weights(model_dir: Path, cfg: ModelConfig, dtype: str) -> dict[str, torch.Tensor]:
+def load_weights(
+    model_dir: Path, cfg: ModelConfig, storage: Storage | str
+) -> dict[str, torch.Tensor]:
     """All weights for tp=1 (tests and tools)."""
-    return dict(iter_rank_weights(model_dir, cfg, dtype, Parallelism(), 0))
+    return dict(iter_rank_weights(model_dir, cfg, storage, Parallelism(), 0))

@@ -22,6 +22,7 @@ import torch
 from neffkit.aoti import load_package
 from neffkit.bundle import Bundle, GraphRecord
 from neffkit.errors import BundleError
+from neffkit.xla_cpu import to_numpy
 
 GraphRun = Callable[[list[np.ndarray]], list[np.ndarray]]  # metadata → user outputs
 EXECUTORS = ("auto", "aotinductor", "xla-cpu", "neuron")
@@ -83,15 +84,6 @@ class AotiExecutor:
             return [out.cpu().numpy() for out in runner.run(bound[1])]
 
         return run
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """torch → numpy, bfloat16 included (as ml_dtypes.bfloat16, which jax reads)."""
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
 
 
 class XlaCpuExecutor:
