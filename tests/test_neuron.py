@@ -34,7 +34,10 @@ LOWERED = {  # kind, tp → buckets
     ("gpt_oss", 1): {"prefill": [16], "decode": [1], "context": [64]},
     # MLA: latent cache, expanded prefill, absorbed decode; grouped routing, shared expert
     ("deepseek", 1): {"prefill": [16], "decode": [1], "context": [64]},
+    # experts over 2 groups (ep=2), each expert's intermediate dimension whole (tp/ep = 1)
+    ("mixtral", 2): {"prefill": [16], "decode": [2], "context": [64]},
 }
+EP = {"mixtral": 2}  # kind → ep at tp > 1
 
 
 def _build(session_dir: Path, model_dir: Path, name: str, *extra: str, **manifest: Any) -> Path:
@@ -55,8 +58,9 @@ def lowered(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[
             with exclusive(session_dir, name):  # one build per run, shared by xdist workers
                 out = session_dir / "bundles" / name
                 if not (out / "bundle.json").exists():
+                    parallel = {"tp": tp, "ep": EP.get(kind, 1) if tp > 1 else 1}
                     _build(session_dir, hf_model_dir(kind), name, "--lower-only", "--verify",
-                           buckets=LOWERED[(kind, tp)], parallel={"tp": tp})  # fmt: skip
+                           buckets=LOWERED[(kind, tp)], parallel=parallel)  # fmt: skip
             built[(kind, tp)] = out
         return built[(kind, tp)]
 
@@ -86,9 +90,10 @@ def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: 
         assert not re.search(r"\bf64\[", read_zst_text(bundle.path(g["hlo_text"])))
         if tp > 1:
             assert "all-reduce(" in read_zst_text(bundle.path(g["hlo_text"]))
-        else:
-            assert g["verify"]["ok"] and g["verify"]["tokens_equal"], g["verify"]
-            assert g["verify"]["executor"].startswith("xla-cpu")
+        # tp > 1: every rank at once over host devices, against the tp=1 eager model
+        assert g["verify"]["ok"] and g["verify"]["tokens_equal"], g["verify"]
+        devices = f"{tp} host devices" if tp > 1 else "(HLO)"
+        assert g["verify"]["executor"].startswith("xla-cpu") and devices in g["verify"]["executor"]
 
 
 def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
@@ -137,12 +142,16 @@ def test_hlo_protos_are_byte_identical_across_builds(
         assert (first / g["hlo"]).read_bytes() == (again / g["hlo"]).read_bytes(), g["name"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "deepseek"])
-def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind) -> None:
+@pytest.mark.parametrize(
+    ("kind", "tp"), [("llama", 1), ("gpt_oss", 1), ("deepseek", 1), ("llama", 2), ("mixtral", 2)]
+)
+def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind, tp) -> None:
+    """tp=2 (and tp=2 ep=2): the one HLO module runs as SPMD over two host devices in one
+    process, each rank's shard on its device, the all-reduces executed by XLA."""
     prompts = [[5, 17, 300, 42, 7], list(range(3, 23))]  # the second spans two prefill chunks
     args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
     proc = run_cli(
-        "run", str(lowered(kind)), "--executor", "xla-cpu", *args,
+        "run", str(lowered(kind, tp)), "--executor", "xla-cpu", *args,
         "--max-tokens", "12", "--ignore-eos", "--json", check=True,
     )  # fmt: skip
     outputs = json.loads(proc.stdout)["outputs"]

@@ -132,7 +132,7 @@ def build(
                 result.counters["compiled"] = compile_units(ctx, backend, cache, stage, units)
             if verify:  # 8. every graph against the eager model
                 with clock("verify"):
-                    verify_units(layout, backend, stage, units, progress)
+                    verify_units(manifest, layout, backend, stage, units, progress)
             with clock("write"):  # 9. ir/, tokenizer/, bundle.json; renamed into place
                 write_bundle(
                     manifest, layout, backend, stage, units, weights, result.findings, lower_only

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,14 +24,22 @@ import torch
 from neffkit.aoti import load_package
 from neffkit.bundle import IoAlias, VerifyRecord
 from neffkit.compile.plan import GraphSpec
-from neffkit.compile.trace import ModelLayout, decoder_module, graph_inputs
+from neffkit.compile.trace import (
+    ModelLayout,
+    decoder_module,
+    graph_inputs,
+    model_layout,
+    weight_storage,
+)
 from neffkit.errors import BuildError
+from neffkit.models.weights import iter_rank_weights
 from neffkit.xla_cpu import to_numpy
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import Backend
     from neffkit.compile.progress import Progress
     from neffkit.compile.units import GraphUnit
+    from neffkit.manifest import Manifest
 
 # largest K/V difference tolerated per dtype (fp32 differences seen: ≤ 1e-6)
 KV_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
@@ -41,6 +49,10 @@ LOGPROB_OUTPUTS = (1, 3)  # token_logprobs, top_logprobs (graph_outputs' order)
 
 # (inputs) → (user outputs in order, K/V cache tensors by input name)
 Runner = Callable[[list[torch.Tensor]], tuple[list[np.ndarray], dict[str, np.ndarray]]]
+# (each rank's inputs) → (rank 0's user outputs, each rank's K/V cache tensors by input name)
+SpmdRunner = Callable[
+    [list[list[torch.Tensor]]], tuple[list[np.ndarray], list[dict[str, np.ndarray]]]
+]
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,29 @@ def xla_cpu_runner(
     return run
 
 
+def xla_spmd_runner(
+    proto: bytes, names: list[str], io_alias: tuple[IoAlias, ...], num_outputs: int, ranks: int
+) -> SpmdRunner:
+    """The HLO as SPMD over `ranks` XLA:CPU host devices (its all-reduces run for real)."""
+    from neffkit.xla_cpu import XlaCpu
+
+    xla = XlaCpu(devices=ranks)
+    executable = xla.compile(proto)
+
+    def run(
+        inputs_by_rank: list[list[torch.Tensor]],
+    ) -> tuple[list[np.ndarray], list[dict[str, np.ndarray]]]:
+        args = [
+            xla.put_ranks([to_numpy(inputs[i]) for inputs in inputs_by_rank])
+            for i in range(len(names))
+        ]
+        outs = xla.run_ranks(executable, args)
+        kv = [{a.input: np.asarray(outs[a.output][r]) for a in io_alias} for r in range(ranks)]
+        return [np.asarray(o[0]) for o in outs[-num_outputs:]], kv
+
+    return run
+
+
 def _kv_by_name(names: list[str], inputs: list[torch.Tensor]) -> dict[str, np.ndarray]:
     return {n: t.float().numpy() for n, t in zip(names, inputs, strict=True) if "_cache." in n}
 
@@ -183,6 +218,70 @@ def verify_graph(
         got, got_kv = runner([t.clone() for t in inputs])
     except Exception as exc:
         raise BuildError(f"{spec.name}: --verify could not run the artifact: {exc}") from exc
+    return _compare(layout, want, want_kv, got, got_kv, executor)
+
+
+def verify_spmd_graph(
+    layout: ModelLayout,
+    reference: ModelLayout,
+    spec: GraphSpec,
+    full_weights: list[torch.Tensor],
+    rank_weights: list[dict[str, torch.Tensor]],
+    runner: SpmdRunner,
+    executor: str,
+) -> VerifyResult:
+    """A tp > 1 artifact, every rank at once, against the tp=1 eager model on the whole
+    checkpoint: the same metadata, each rank's K/V cache the slice of the reference's that holds
+    its heads; rank 0's outputs and every rank's K/V are compared."""
+    cfg, par = layout.config, layout.par
+    ref_inputs = representative_inputs(reference, spec, full_weights)
+    want, want_kv = eager_runner(reference, spec)([t.clone() for t in ref_inputs])
+    ref_by_name = dict(zip([s.name for s in graph_inputs(reference, spec)[1]], ref_inputs,
+                           strict=True))  # fmt: skip
+    heads = [
+        slice(0, None) if cfg.is_mla else slice(h0, h0 + layout.kv_heads)
+        for h0 in (par.kv_head_start(cfg, r) for r in range(par.tp))
+    ]
+    by_rank = []
+    for rank in range(par.tp):
+        inputs = []
+        for s in graph_inputs(layout, spec)[1]:
+            if s.name == "rank":
+                inputs.append(torch.tensor([rank], dtype=torch.int64))
+            elif "_cache." in s.name:
+                inputs.append(ref_by_name[s.name][:, :, heads[rank]].clone())
+            elif s.name in rank_weights[rank]:
+                inputs.append(rank_weights[rank][s.name])
+            else:
+                inputs.append(ref_by_name[s.name].clone())
+        by_rank.append(inputs)
+    try:
+        got, got_kv = runner(by_rank)
+    except Exception as exc:
+        raise BuildError(f"{spec.name}: --verify could not run the artifact: {exc}") from exc
+    kv_pairs = {
+        f"{name} (rank {rank})": (got_kv[rank][name], ref[:, :, heads[rank]])
+        for name, ref in want_kv.items()
+        for rank in range(par.tp)
+    }
+    return _compare(
+        layout,
+        want,
+        {k: w for k, (_, w) in kv_pairs.items()},
+        got,
+        {k: g for k, (g, _) in kv_pairs.items()},
+        executor,
+    )
+
+
+def _compare(
+    layout: ModelLayout,
+    want: list[np.ndarray],
+    want_kv: dict[str, np.ndarray],
+    got: list[np.ndarray],
+    got_kv: dict[str, np.ndarray],
+    executor: str,
+) -> VerifyResult:
     err = max(
         float(np.abs(got_kv[name].astype(np.float64) - want_kv[name]).max()) for name in want_kv
     )
@@ -228,22 +327,42 @@ def _tokens_word(outcome: VerifyResult) -> str:
 
 
 def verify_units(
-    layout: ModelLayout, backend: Backend, stage: Path, units: list[GraphUnit], progress: Progress
+    manifest: Manifest,
+    layout: ModelLayout,
+    backend: Backend,
+    stage: Path,
+    units: list[GraphUnit],
+    progress: Progress,
 ) -> None:
-    """`--verify`: each graph against the eager model; a mismatch fails the build."""
+    """`--verify`: each graph against the eager model; a mismatch fails the build. tp > 1
+    graphs run every rank at once where the backend can (neuron: the HLO over host devices),
+    against the tp=1 eager model on the whole checkpoint; elsewhere they are skipped."""
     from safetensors.torch import load_file
 
-    if layout.par.tp > 1:
+    tp = layout.par.tp
+    spmd = [backend.spmd_runner(u, tp) for u in units] if tp > 1 else []
+    if tp > 1 and any(r is None for r in spmd):
         for u in units:
             u.verify = VerifyRecord(skipped="tp > 1: the eager model needs every rank")
         progress.message("verify: skipped (tp > 1 graphs need every rank to run eagerly)")
         return
-    tensors = load_file(str(stage / "weights" / "rank0.safetensors"))
-    weights = [tensors[w.name] for w in layout.weights]
+    shards = [load_file(str(stage / "weights" / f"rank{rank}.safetensors")) for rank in range(tp)]
+    weights = [shards[0][w.name] for w in layout.weights]
+    reference, full = None, []
+    if tp > 1:  # the tp=1 eager model on the whole checkpoint (held in memory for verify)
+        one = replace(manifest, parallel=replace(manifest.parallel, tp=1, ep=1))
+        reference = model_layout(one, layout.device, 0)
+        whole = dict(iter_rank_weights(one.model, one.model_config, weight_storage(one),
+                                       reference.par, 0))  # fmt: skip
+        full = [whole[w.name] for w in reference.weights]
     failed = []
-    for u in units:
-        runner, executor = backend.verify_runner(layout, u, stage)
-        outcome = verify_graph(layout, u.spec, weights, runner, executor)
+    for i, u in enumerate(units):
+        if reference is not None:
+            runner, executor = spmd[i]  # type: ignore[misc]
+            outcome = verify_spmd_graph(layout, reference, u.spec, full, shards, runner, executor)
+        else:
+            runner, executor = backend.verify_runner(layout, u, stage)
+            outcome = verify_graph(layout, u.spec, weights, runner, executor)
         u.verify = outcome.record()
         progress.message(
             f"verify {u.stem}: tokens {_tokens_word(outcome)}, "

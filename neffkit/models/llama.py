@@ -366,7 +366,9 @@ class DecoderGraph(torch.nn.Module):
         local = gate_up.shape[0]
         first: torch.Tensor | int = 0
         if self.rank is not None:  # this rank's experts, chosen by a tensor: SPMD-identical
-            first = torch.div(self.rank, self.par.moe_tp, rounding_mode="floor") * local
+            # trunc (= floor: ranks are >= 0) stays in integers; floor lowers through float64,
+            # which Trainium lacks
+            first = torch.div(self.rank, self.par.moe_tp, rounding_mode="trunc") * local
         if self._routed(x2.shape[0], local):
             mine = local_slots(routing, local, first)
             reduce = x2.shape[0] <= self.gemv_max_rows

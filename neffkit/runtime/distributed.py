@@ -261,8 +261,8 @@ def run_on_ranks(
     """`leader(loaded)` on this process's load of the bundle: directly for a one-rank bundle,
     as rank 0 of every rank otherwise (None on followers of a torchrun launch)."""
     world_size = read_bundle(bundle, verify=False).record.world_size
-    if world_size == 1 and not launched_by_torchrun():
-        return leader(load(bundle, executor=executor))
+    if (world_size == 1 or executor == "xla-cpu") and not launched_by_torchrun():
+        return leader(load(bundle, executor=executor))  # xla-cpu: every rank in this process
     if executor != "auto":
         raise RequestError(
             f"--executor {executor} runs one rank; this bundle has {world_size} ranks"

@@ -112,6 +112,41 @@ class XlaCpuExecutor:
         return run
 
 
+class XlaCpuSpmdExecutor:
+    """A multi-rank bundle's HLO as SPMD over one XLA:CPU host device per rank, in one process:
+    each rank's statics (rank input, K/V caches, weight shard) stay on its device, the host sends
+    the metadata to every rank and reads rank 0's outputs (every rank samples the same tokens)."""
+
+    name = "xla-cpu"
+
+    def __init__(self, statics_by_rank: list[list[torch.Tensor]], names: list[str]) -> None:
+        from neffkit.xla_cpu import XlaCpu
+
+        self.ranks = len(statics_by_rank)
+        self.xla = XlaCpu(devices=self.ranks)
+        self.names = names
+        self.index = {name: i for i, name in enumerate(names)}
+        self.arrays = [
+            self.xla.put_ranks([to_numpy(statics[i]) for statics in statics_by_rank])
+            for i in range(len(names))
+        ]
+
+    def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun:
+        _check_static_order(graph, num_meta, self.names)
+        executable = self.xla.compile(bundle.path(graph.hlo or "").read_bytes())
+        aliases = [(self.index[a.input], a.output) for a in graph.io_alias]
+        xla, arrays, user, ranks = self.xla, self.arrays, len(graph.outputs), self.ranks
+
+        def run(meta: list[np.ndarray]) -> list[np.ndarray]:
+            args = [xla.put_ranks([m] * ranks) for m in meta] + arrays
+            outs = xla.run_ranks(executable, args)
+            for static_index, output_index in aliases:  # donated inputs → their new values
+                arrays[static_index] = xla.join(outs[output_index])
+            return [np.asarray(o[0]) for o in outs[-user:]]
+
+        return run
+
+
 class NeuronExecutor:
     """NEFFs on NeuronCores through nkipy's `spike` bindings over libnrt.
 

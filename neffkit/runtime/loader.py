@@ -24,6 +24,7 @@ from neffkit.runtime.executors import (
     Executor,
     NeuronExecutor,
     XlaCpuExecutor,
+    XlaCpuSpmdExecutor,
     check_neff,
     choose_executor,
 )
@@ -112,6 +113,20 @@ def _executor(
     return AotiExecutor(statics, names, "cuda" if bundle.target == "cuda" else "cpu")
 
 
+def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Tensor], list[str]]:
+    """One rank's static graph inputs, in graph order: its rank (where graphs take it), fresh
+    K/V caches, its weight shard (mapped, not read: the first step pages the weights in)."""
+    lay = bundle.record.layout
+    shard = bundle.record.weights_of(rank)
+    tensors = map_tensors(bundle.path(shard.file))
+    weights = [tensors[name].to(device) for name in shard.names]
+    kv_names = lay.kv_names
+    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.cache_dtype), device)
+    rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
+    names = ["rank"] * len(rank_input) + kv_names + list(shard.names)
+    return rank_input + kv + weights, names
+
+
 def load(
     path: str | Path,
     rank: int = 0,
@@ -119,29 +134,36 @@ def load(
     verify: bool = True,
     executor: str = "auto",
 ) -> LoadedBundle:
+    """One rank's load; with `--executor xla-cpu` a multi-rank bundle loads every rank in this
+    process (SPMD over host devices: `world_size` is then the bundle's)."""
     t0 = time.perf_counter()
     bundle = read_bundle(path, verify=False)
+    record = bundle.record
+    spmd = executor == "xla-cpu" and record.world_size > 1
+    if spmd:
+        rank, world_size = 0, record.world_size
+        if any(g.ranks != "all" for g in record.graphs):
+            raise BundleError(
+                f"{bundle.root}: per-rank artifacts cannot run as SPMD on XLA:CPU",
+                hint="build without parallel.per_rank_artifacts",
+            )
     if verify:  # what this rank reads, in parallel (`inspect --verify` hashes everything)
-        verify_files(bundle, rank_files(bundle.record, rank))
+        ranks = range(world_size) if spmd else (rank,)
+        verify_files(bundle, sorted({f for r in ranks for f in rank_files(record, r)}))
     check_host(bundle, world_size)
     # refuse a wrong executor or an unfit NEFF before loading any weights
     chosen = choose_executor(bundle, executor)
     if chosen == "neuron":
         for g in bundle.graphs:
             check_neff(bundle, g, runtime_lnc(bundle))
-    record = bundle.record
     device = "cuda" if record.target == "cuda" else "cpu"
-    lay = record.layout
-    shard = record.weights_of(rank)
-    # mapped, not read: loading copies nothing; the first step pages the weights in
-    tensors = map_tensors(bundle.path(shard.file))
-    weights = [tensors[name].to(device) for name in shard.names]
-    kv_names = lay.kv_names
-    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.cache_dtype), device)
-    # `rank` (where graphs take it) is this process's own: it precedes the KV caches
-    rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
-    names = ["rank"] * len(rank_input) + kv_names + list(shard.names)
-    run_with = _executor(bundle, chosen, rank_input + kv + weights, names, rank)
+    statics_list, names = _rank_statics(bundle, rank, device)
+    run_with: Executor
+    if spmd:
+        others = [_rank_statics(bundle, r, device)[0] for r in range(1, world_size)]
+        run_with = XlaCpuSpmdExecutor([statics_list, *others], names)
+    else:
+        run_with = _executor(bundle, chosen, statics_list, names, rank)
     statics = set(names)
     entries = []
     # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"

@@ -16,7 +16,7 @@ from neffkit.bundle import HostRecord, NeuronRecord
 if TYPE_CHECKING:
     from neffkit.compile.trace import ModelLayout, Traced
     from neffkit.compile.units import BuildContext, Compiled, GraphUnit, LoweredGraph
-    from neffkit.compile.verify import Runner
+    from neffkit.compile.verify import Runner, SpmdRunner
     from neffkit.manifest import Manifest
 
 CacheFactors = dict[str, str | int]
@@ -60,6 +60,11 @@ class Backend(Protocol):
         self, layout: ModelLayout, unit: GraphUnit, stage: Path
     ) -> tuple[Runner, str]:
         """How `build --verify` runs this unit's artifact here, and the executor's name."""
+        ...
+
+    def spmd_runner(self, unit: GraphUnit, ranks: int) -> tuple[SpmdRunner, str] | None:
+        """How `build --verify` runs a tp > 1 unit's artifact as every rank at once here, or
+        None where this host cannot (cpu/cuda: it would need a process group per rank)."""
         ...
 
     def target_record(

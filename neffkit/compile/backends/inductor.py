@@ -24,7 +24,7 @@ from neffkit.errors import BuildError
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import CacheFactors
     from neffkit.compile.trace import ModelLayout, Traced
-    from neffkit.compile.verify import Runner
+    from neffkit.compile.verify import Runner, SpmdRunner
     from neffkit.manifest import Manifest
 
 # Decode graphs up to this many rows project as fused reductions on Inductor targets
@@ -122,6 +122,9 @@ class CpuBackend:
 
         artifact = stage / "graphs" / f"{unit.stem}{self.artifact_suffix}"
         return aoti_runner(artifact, [i.name for i in unit.trace.inputs]), "aotinductor"
+
+    def spmd_runner(self, unit: GraphUnit, ranks: int) -> tuple[SpmdRunner, str] | None:
+        return None
 
     def target_record(
         self, manifest: Manifest, lower_only: bool

@@ -20,7 +20,7 @@ from neffkit.compile.units import BuildContext, Compiled, GraphUnit, LoweredGrap
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import CacheFactors
     from neffkit.compile.trace import ModelLayout, Traced
-    from neffkit.compile.verify import Runner
+    from neffkit.compile.verify import Runner, SpmdRunner
     from neffkit.manifest import Manifest
 
 
@@ -100,6 +100,14 @@ class NeuronBackend:
             _lowered(unit).proto, names, unit.trace.io_alias, len(unit.trace.outputs)
         )
         return runner, "xla-cpu (HLO)"
+
+    def spmd_runner(self, unit: GraphUnit, ranks: int) -> tuple[SpmdRunner, str] | None:
+        from neffkit.compile.verify import xla_spmd_runner
+
+        proto = _lowered(unit).proto
+        names = [i.name for i in unit.trace.inputs]
+        runner = xla_spmd_runner(proto, names, unit.trace.io_alias, len(unit.trace.outputs), ranks)
+        return runner, f"xla-cpu (HLO, {ranks} host devices)"
 
     def target_record(
         self, manifest: Manifest, lower_only: bool
