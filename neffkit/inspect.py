@@ -31,8 +31,17 @@ def _facts(bundle: Bundle, g: GraphRecord) -> GraphFacts:
     record = bundle.record
     neuron = record.neuron.target if record.neuron else None
     text = read_zst_text(bundle.path(g.ir))
+    hlo = read_zst_text(bundle.path(g.hlo_text)) if g.hlo_text else None
     return GraphFacts(
-        g.name, g.phase, text, g.io_alias, g.flags, g.flag_origins, record.target, neuron
+        g.name,
+        g.phase,
+        text,
+        g.io_alias,
+        g.flags,
+        g.flag_origins,
+        record.target,
+        neuron,
+        hlo_text=hlo,
     )
 
 

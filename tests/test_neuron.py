@@ -96,6 +96,18 @@ def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: 
         assert g["verify"]["executor"].startswith("xla-cpu") and devices in g["verify"]["executor"]
 
 
+@pytest.mark.parametrize(("kind", "tp"), list(LOWERED))
+def test_own_graphs_pass_the_hlo_rules(lowered, kind: str, tp: int) -> None:
+    """The HLO rules (NK30x) on what neuronx-cc would read: no errors on neffkit's own graphs,
+    only the informational opcode note. (Before them, an ep=2 MoE lowered `rank // moe_tp`
+    through f64 and gathered experts at an unclamped rank offset, and prefill gathered at an
+    unclamped last_token_index.)"""
+    findings = json.loads(run_cli("inspect", str(lowered(kind, tp)), "--json").stdout)["findings"]
+    hlo = [f for f in findings if f["rule"].startswith("NK30")]
+    assert [f for f in hlo if f["severity"] != "info"] == []
+    assert {f["rule"] for f in hlo} == {"NK305"}
+
+
 def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
     """What the build's SPMD check compares for the neuron target, checked directly."""
     from neffkit.compile.build import target_layout

@@ -3,7 +3,8 @@
 Rules read a graph's canonical text (ir/), its inputs, io-alias map and rendered flags, so `build`
 (on fresh traces) and `inspect` (on a shipped bundle) run exactly the same checks. Each finding has
 a stable rule id, a severity, the graph and the node or flag it points at, and a one-line fix. The
-knowledge comes from the vllm-neuron field notes (seed 000, sections 2, 4-7). Pure Python.
+knowledge comes from the vllm-neuron field notes (seed 000, sections 2, 4-7). Neuron graphs are also
+audited on their HLO module (hlo_audit.py: NK30x), what neuronx-cc actually reads. Pure Python.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from neffkit.bundle import FindingRecord, IoAlias
+from neffkit.compile.hlo_audit import hlo_hazards
 from neffkit.errors import BuildError
 from neffkit.targets import DTYPE_BYTES, E4M3_MAX, FP8_AS_E4M3_CHIPS, FP8_AS_E4M3_FLAG
 
@@ -109,6 +111,33 @@ RULES: dict[str, Rule] = {
             "decode graph with collectives compiled below -O3 (modular flow wraps each)",
             "compile decode graphs with -O3 (a per_graph rule: {match: {phase: decode}})",
         ),
+        Rule(
+            "NK301",
+            "f64 value in the HLO module (Trainium has no 64-bit floating point)",
+            "find the torch op that lowered through float64 (floor division, float() of an "
+            "int64) and keep it in integers or float32",
+        ),
+        Rule(
+            "NK302",
+            "HLO collective reads an entry parameter (NCC_INLA001)",
+            "copy the input into an intermediate tensor before the collective",
+        ),
+        Rule(
+            "NK303",
+            "HLO gather/scatter indices reach a parameter without a clamp",
+            "clamp indices from the host (token ids, slots, positions, ranks) into range in "
+            "the graph: an out-of-range index is an out-of-bounds DMA on Neuron",
+        ),
+        Rule(
+            "NK304",
+            "HLO value of 2**32 or more elements (offset truncation)",
+            "split the tensor so no value reaches 2**32 elements",
+        ),
+        Rule(
+            "NK305",
+            "HLO opcode not in the documented XLA operator list (neuron-cc-ops-xla)",
+            "none needed if neuronx-cc accepts it; the list predates neuronx-cc",
+        ),
     ]
 }
 
@@ -195,6 +224,7 @@ class GraphFacts:
     # Whether the graph runs collectives; derived from the nodes unless given (a manifest alone
     # knows only that tp > 1).
     collectives: bool | None = None
+    hlo_text: str | None = None  # neuron: the HLO module neuronx-cc reads (hlo_audit.py)
     nodes: list[Node] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -374,6 +404,18 @@ def _flag_rules(g: GraphFacts) -> Iterator[Finding]:
         yield _finding("NK205", "warning", g, levels[-1] if levels else "(default -O)")
 
 
+HLO_SEVERITY = {"NK301": "error", "NK302": "error", "NK303": "error", "NK304": "error",
+                "NK305": "info"}  # fmt: skip
+
+
+def _hlo_rules(g: GraphFacts) -> Iterator[Finding]:
+    """The rules on the HLO module itself (neuron graphs)."""
+    if g.target != "neuron" or not g.hlo_text:
+        return
+    for hazard in hlo_hazards(g.hlo_text):
+        yield _finding(hazard.rule, HLO_SEVERITY[hazard.rule], g, hazard.at, hazard.detail)
+
+
 GRAPH_RULES = (
     _kv_writes,
     _embedding_gathers,
@@ -383,6 +425,7 @@ GRAPH_RULES = (
     _bool_and,
     _fp8_casts,
     _flag_rules,
+    _hlo_rules,
 )
 
 
@@ -426,8 +469,9 @@ def audit_units(
     findings = audit_buckets(m.target, list(m.buckets.prefill), m.audit.waive)
     for u in units:
         o = u.options
+        hlo = u.trace.lowered.text if u.trace.lowered else None
         facts = GraphFacts(u.spec.name, u.spec.phase, u.trace.canonical_text, u.trace.io_alias,
-                           o.flags, o.flag_origins, m.target, neuron)  # fmt: skip
+                           o.flags, o.flag_origins, m.target, neuron, hlo_text=hlo)  # fmt: skip
         findings += audit_graph(facts, m.audit.waive)
     for f in findings:
         if f.severity != "info":

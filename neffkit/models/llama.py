@@ -182,7 +182,9 @@ class DecoderGraph(torch.nn.Module):
         head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         prompt: tuple[torch.Tensor, ...] = ()
         if shape.phase == "prefill":
-            last = meta[5]  # [1]
+            # [1]; clamped like every index from the host (audit NK303: a gather past the
+            # chunk would be an out-of-bounds DMA on Neuron)
+            last = meta[5].clamp(0, tokens - 1)
             last_pos = positions[0].index_select(0, last)  # [1]
             if shape.prompt_logprobs:  # the LM head on every position (TRT-LLM's context logits)
                 h_all = self._norm(h[0], w["model.norm.weight"])

@@ -41,7 +41,9 @@ def dense_weights(routing: Routing, num_experts: int, first: torch.Tensor | int,
     full = full.scatter(1, routing.ids, routing.weights)
     if isinstance(first, int) and first == 0 and local == num_experts:
         return full
-    ids = first + torch.arange(local, device=routing.ids.device)
+    # clamped: `first` comes from the rank input, and an index past the experts would be an
+    # out-of-bounds DMA on Neuron (audit NK303)
+    ids = (first + torch.arange(local, device=routing.ids.device)).clamp(0, num_experts - 1)
     return full.index_select(1, ids)
 
 
