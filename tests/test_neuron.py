@@ -315,3 +315,77 @@ def test_neff_header_round_trip_and_checks() -> None:
     ]
     other = {**h.to_json(), "neff_version_minor": 4}
     assert compatibility_problems(h, other) == ["neff_version_minor is 3, the bundle recorded 4"]
+
+
+# ---------------------------------------------------------------- the neuron executor vs spike
+
+
+SPIKE_STAND_IN = REPO / "tests" / "tools"  # holds `spike/`, the stand-in for nkipy's bindings
+
+
+def test_neuron_executor_runs_a_compiled_bundle_through_spike(
+    lowered, hf_model_dir, hf_greedy, tmp_path: Path
+) -> None:
+    """`run --executor neuron` on stand-in NEFFs, through a `spike` with nkipy's signatures that
+    executes the NEFF's HLO on XLA:CPU: HF's tokens over 12 steps (so every aliased K/V output
+    landed in the resident cache tensors), weights and caches uploaded once at load, each step
+    writing only metadata and reading back only the sampled tokens and logprobs."""
+    out = tmp_path / "compiled"
+    assert _compile(lowered("llama"), out).returncode == 0
+    log = tmp_path / "spike.jsonl"
+    prompts = [[5, 17, 300, 42, 7], list(range(3, 23))]
+    args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
+    proc = subprocess.run(
+        [sys.executable, "-m", "neffkit", "run", str(out), "--executor", "neuron", *args,
+         "--max-tokens", "12", "--ignore-eos", "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{SPIKE_STAND_IN}{os.pathsep}{REPO}",
+             "SPIKE_STAND_IN_LOG": str(log)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outputs = json.loads(proc.stdout)["outputs"]
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, 12)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    first_run = next(i for i, c in enumerate(calls) if c["call"] == "execute")
+    assert all(c["call"] != "from_numpy" for c in calls[first_run:])  # nothing allocated later
+    record = read_bundle(out).record
+    resident = [c["name"] for c in calls if c["call"] == "from_numpy"]
+    statics = record.layout.kv_names + list(record.weights_of(0).names)
+    assert all(resident.count(name) == 1 for name in statics)  # uploaded once, shared by graphs
+    runs = sum(c["call"] == "execute" for c in calls)
+    reads = [c for c in calls if c["call"] == "numpy"]
+    assert len(reads) == 4 * runs  # tokens, token logprobs, top ids, top logprobs: nothing else
+    loads = [c for c in calls if c["call"] == "load_from_neff"]
+    assert len(loads) == len(record.graphs)
+    assert all((c["rank_id"], c["world_size"], c["cc_enabled"]) == (0, 1, False) for c in loads)
+
+
+def test_neuron_executor_gives_each_rank_its_rank_and_world_size(
+    lowered, tmp_path: Path, monkeypatch
+) -> None:
+    """A tp=2 bundle's rank 1 loads its NEFFs with rank_id 1, world_size 2 and collectives
+    enabled, and uploads its own shard (the stand-in cannot run collectives: loading only)."""
+    out = tmp_path / "compiled"
+    assert _compile(lowered("llama", 2), out).returncode == 0
+    monkeypatch.syspath_prepend(str(SPIKE_STAND_IN))
+    import spike
+
+    from neffkit.runtime.loader import load
+
+    spike.CALLS.clear()
+    load(out, rank=1, world_size=2, executor="neuron")
+    loads = [c for c in spike.CALLS if c["call"] == "load_from_neff"]
+    assert loads and all(
+        (c["rank_id"], c["world_size"], c["cc_enabled"]) == (1, 2, True) for c in loads
+    )
+
+
+def test_neff_tensors_are_matched_by_position_or_refused() -> None:
+    from neffkit.errors import BundleError
+    from neffkit.runtime.executors import by_position
+
+    names = {"input2": 0, "input0": 0, "input1": 0}
+    assert by_position(names, "input", 3, Path("g.neff")) == ["input0", "input1", "input2"]
+    with pytest.raises(BundleError, match=r"do not number 0\.\.2"):
+        by_position({"input0": 0, "input1": 0, "kv": 0}, "input", 3, Path("g.neff"))

@@ -5,13 +5,16 @@ caches, the weights) in the form its runtime wants, binds them to every graph on
 K/V caches current through the graph's io-alias map:
 - `aotinductor` (cpu, cuda): AOTInductor packages mutate the K/V tensors in place.
 - `xla-cpu` (neuron bundles, lowered or compiled): the HLO modules on XLA:CPU; aliased K/V
-  buffers are donated and replaced by the outputs they alias. The test path for neuron bundles.
-- `neuron` (compiled neuron bundles on Trainium): NEFFs through the Neuron runtime's Python
-  bindings. Not runnable here (no NeuronCore); it checks every NEFF header first.
+  buffers are donated and replaced by the outputs they alias. The test path for neuron bundles;
+  a multi-rank bundle runs as SPMD over one host device per rank, in one process.
+- `neuron` (compiled neuron bundles on Trainium): NEFFs through nkipy's `spike` bindings, with
+  weights and K/V resident on the device. Tested against a stand-in with spike's signatures,
+  never on a NeuronCore; the loader checks every NEFF header first.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -148,15 +151,26 @@ class XlaCpuSpmdExecutor:
 
 
 class NeuronExecutor:
-    """NEFFs on NeuronCores through nkipy's `spike` bindings over libnrt.
+    """NEFFs on a NeuronCore through nkipy's `spike` bindings over libnrt, written against
+    aws-neuron/nkipy's spike (`SpikeModel.load_from_neff(path, name, core_id, cc_enabled,
+    rank_id, world_size)`, `model(inputs={name: SpikeTensor}, outputs={name: SpikeTensor})`,
+    `SpikeTensor.from_numpy / write_from_numpy / numpy`).
 
-    Not verified here: no NeuronCore or Neuron runtime exists on the hosts neffkit is tested on.
-    What is verified is everything before it: each NEFF's header against the bundle's record.
+    Weights and K/V caches are uploaded once and stay resident; each aliased K/V output is
+    bound to its input's device tensor, so the cache is updated in place; a graph's metadata
+    tensors are allocated once and rewritten each call; only the user outputs (sampled tokens
+    and their logprobs) are read back. The NEFF's tensors are matched to the graph's by
+    position: the number its names end in (`input5` is HLO parameter 5, `output2` result 2), in
+    the HLO parameter order recorded at lowering. Collectives get this process's rank and the
+    world size at load. Verified against a stand-in with spike's signatures
+    (tests/tools/spike), never on a NeuronCore.
     """
 
     name = "neuron"
 
-    def __init__(self, statics: list[torch.Tensor], names: list[str], rank: int, lnc: int) -> None:
+    def __init__(
+        self, statics: list[torch.Tensor], names: list[str], rank: int, world_size: int, lnc: int
+    ) -> None:
         try:
             import spike  # the Neuron runtime's Python bindings (Neuron DLAMI / nkipy)
         except ImportError as exc:
@@ -166,22 +180,80 @@ class NeuronExecutor:
                 hint="run on a Trainium host with the Neuron SDK, or run the bundle's HLO here "
                 "with `--executor xla-cpu`",
             ) from exc
-        self.spike, self.rank, self.lnc = spike, rank, lnc
+        self.spike, self.rank, self.world_size, self.lnc = spike, rank, world_size, lnc
         self.names = names
-        self.statics = {n: to_numpy(t) for n, t in zip(names, statics, strict=True)}
+        # uploaded once: every graph binds these same device tensors
+        self.resident = {
+            n: spike.SpikeTensor.from_numpy(to_numpy(t), n, core_id=0)
+            for n, t in zip(names, statics, strict=True)
+        }
 
     def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun:
         _check_static_order(graph, num_meta, self.names)
-        model = self.spike.SpikeModel.load_from_neff(str(bundle.path(graph.artifact or "")))
-        meta_names = [i.name for i in graph.inputs[:num_meta]]
-        statics, user = self.statics, len(graph.outputs)
+        spike, path = self.spike, bundle.path(graph.artifact or "")
+        model = spike.SpikeModel.load_from_neff(
+            str(path), name=graph.name, core_id=0, cc_enabled=self.world_size > 1,
+            rank_id=self.rank, world_size=self.world_size,
+        )  # fmt: skip
+        aliased = len(graph.io_alias)
+        in_names = by_position(model.input_tensors_info, "input", len(graph.inputs), path)
+        out_names = by_position(
+            model.output_tensors_info, "output", aliased + len(graph.outputs), path
+        )
+        inputs: dict[str, Any] = {}
+        meta: list[Any] = []
+        for i, spec in enumerate(graph.inputs):
+            if i < num_meta:  # allocated once, rewritten every call
+                tensor = spike.SpikeTensor.from_numpy(
+                    np.zeros(spec.shape, numpy_dtype(spec.dtype)), in_names[i], core_id=0
+                )
+                meta.append(tensor)
+            else:
+                tensor = self.resident[spec.name]
+            inputs[in_names[i]] = tensor
+        outputs = {out_names[a.output]: self.resident[a.input] for a in graph.io_alias}
+        user = []
+        for j, spec in enumerate(graph.outputs):
+            name = out_names[aliased + j]
+            tensor = spike.SpikeTensor.from_numpy(
+                np.zeros(spec.shape, numpy_dtype(spec.dtype)), name, core_id=0
+            )
+            outputs[name] = tensor
+            user.append(tensor)
 
-        def run(meta: list[np.ndarray]) -> list[np.ndarray]:
-            outputs = model(inputs={**dict(zip(meta_names, meta, strict=True)), **statics})
-            values = list(outputs.values()) if isinstance(outputs, dict) else list(outputs)
-            return [np.asarray(o) for o in values[-user:]]
+        def run(values: list[np.ndarray]) -> list[np.ndarray]:
+            for tensor, value in zip(meta, values, strict=True):
+                tensor.write_from_numpy(value)
+            model(inputs=inputs, outputs=outputs)
+            return [tensor.numpy() for tensor in user]
 
         return run
+
+
+def by_position(tensors: Any, kind: str, expected: int, neff: Path) -> list[str]:
+    """A NEFF's tensor names in HLO order: sorted by the number each ends in, which must run
+    0..expected-1 (anything else is refused with the names, not guessed)."""
+    numbered = {}
+    for name in tensors:
+        m = re.search(r"(\d+)$", name)
+        if m:
+            numbered[int(m.group(1))] = name
+    if sorted(numbered) != list(range(expected)) or len(numbered) != len(tensors):
+        raise BundleError(
+            f"{neff}: its {kind} tensors {sorted(tensors)} do not number 0..{expected - 1}, "
+            f"the graph's {expected} {kind}s in HLO order",
+            hint="recompile the bundle's HLO with `neffkit compile`",
+        )
+    return [numbered[i] for i in range(expected)]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A TensorSpec dtype as numpy's (bfloat16 and float8 as ml_dtypes' types)."""
+    if name in ("bfloat16", "float8_e4m3fn"):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
 
 
 def check_neff(bundle: Bundle, graph: GraphRecord, lnc: int | None) -> None:

@@ -104,12 +104,17 @@ def runtime_lnc(bundle: Bundle) -> int:
 
 
 def _executor(
-    bundle: Bundle, chosen: str, statics: list[torch.Tensor], names: list[str], rank: int
+    bundle: Bundle,
+    chosen: str,
+    statics: list[torch.Tensor],
+    names: list[str],
+    rank: int,
+    world_size: int,
 ) -> Executor:
     if chosen == "xla-cpu":
         return XlaCpuExecutor(statics, names)
     if chosen == "neuron":
-        return NeuronExecutor(statics, names, rank, runtime_lnc(bundle))
+        return NeuronExecutor(statics, names, rank, world_size, runtime_lnc(bundle))
     return AotiExecutor(statics, names, "cuda" if bundle.target == "cuda" else "cpu")
 
 
@@ -163,7 +168,7 @@ def load(
         others = [_rank_statics(bundle, r, device)[0] for r in range(1, world_size)]
         run_with = XlaCpuSpmdExecutor([statics_list, *others], names)
     else:
-        run_with = _executor(bundle, chosen, statics_list, names, rank)
+        run_with = _executor(bundle, chosen, statics_list, names, rank, world_size)
     statics = set(names)
     entries = []
     # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"
