@@ -90,7 +90,7 @@ def _neuron_manifest(tmp_path: Path, model_dir: Path) -> Path:
         "neuron": {"target": "trn2", "lnc": 2},
         "buckets": {"prefill": [128], "decode": [1, 8], "context": [1024]},
         "compiler": {
-            "flags": ["--verbose=35", "--logfile=/tmp/neuron.log"],
+            "flags": ["--verbose=info", "--logfile=/tmp/neuron.log"],
             "per_graph": [
                 {"match": {"phase": "decode"}, "flags": ["-O3"]},
                 {
@@ -122,3 +122,60 @@ def test_golden_neuronx_cc_argv(graph, tmp_path, hf_model_dir):
 def test_cpu_targets_get_no_neuron_base_flags(bundle):
     for g in bundle_json(bundle("llama_tied"))["graphs"]:
         assert g["flags"] == [] and not set(g["flags"]) & set(BASE_NEURON_FLAGS)
+
+
+def _reference() -> dict:
+    return json.loads((GOLDEN / "neuronx_cc_reference.json").read_text())
+
+
+def check_against_reference(argv: list[str]) -> list[str]:
+    """Problems with an argv against the CLI reference (documented options, their values) and
+    the internal options the field notes record; [] when every flag is accounted for."""
+    ref, problems = _reference(), []
+    assert argv[:2] == ["neuronx-cc", "compile"] and argv[2].endswith(".hlo.pb"), argv
+    i = 3
+    while i < len(argv):
+        token = argv[i]
+        if token.startswith("-O") and not token.startswith("--"):
+            name, value = "-O", token[2:]
+        elif "=" in token:
+            name, value = token.split("=", 1)
+        elif ref["documented"].get(token, {}).get("bare"):
+            name, value = token, None
+        else:
+            name, value = token, argv[i + 1]
+            i += 1
+        i += 1
+        if name in ref["internal"]:
+            unknown = set((value or "").split()) - set(ref["internal_values"][name])
+            problems += [f"{name}: {part} is not in the field notes" for part in sorted(unknown)]
+            continue
+        spec = ref["documented"].get(name)
+        if spec is None:
+            problems.append(f"{name}: not a documented neuronx-cc compile option")
+        elif "values" in spec and value not in spec["values"]:
+            problems.append(f"{name}: {value!r} is not one of {spec['values']}")
+        elif spec.get("int") and not (value or "").isdigit():
+            problems.append(f"{name}: {value!r} is not an integer")
+    return problems
+
+
+@pytest.mark.parametrize("golden", sorted(GOLDEN.glob("*.argv.json")), ids=lambda p: p.stem)
+def test_golden_argv_is_spelled_as_the_cli_reference_documents(golden: Path):
+    """Every flag in the golden argv files is a documented neuronx-cc option with a documented
+    value, or one of the internal options the field notes record (cited in the reference file)."""
+    assert check_against_reference(json.loads(golden.read_text())["argv"]) == []
+
+
+def test_reference_check_catches_misspellings():
+    base = ["neuronx-cc", "compile", "ir/g.hlo.pb", "--framework", "XLA"]
+    assert check_against_reference([*base, "--lnc", "2"]) == [
+        "--lnc: not a documented neuronx-cc compile option"
+    ]
+    assert check_against_reference([*base, "--verbose=35"]) == [
+        "--verbose: '35' is not one of ['debug', 'info', 'warning', 'error', 'critical']"
+    ]
+    assert check_against_reference([*base, "--internal-backend-options=--made-up"]) == [
+        "--internal-backend-options: --made-up is not in the field notes"
+    ]
+    assert check_against_reference([*base, "-O2", "--logical-nc-config", "2"]) == []

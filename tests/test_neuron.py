@@ -230,7 +230,7 @@ def test_compile_finishes_a_lowered_bundle(lowered, tmp_path: Path) -> None:
         argv = g["compiler"]["argv"]
         assert argv[:11] == [
             "neuronx-cc", "compile", f"ir/{stem}.hlo.pb", "--framework", "XLA",
-            "--target", "trn2", "--lnc", "2", "--output", f"graphs/{stem}.neff",
+            "--target", "trn2", "--logical-nc-config", "2", "--output", f"graphs/{stem}.neff",
         ]  # fmt: skip
         assert argv[11:] == g["flags"]
         assert "stand-in" in g["compiler"]["version"]

@@ -25,6 +25,7 @@ from neffkit.manifest import Manifest
 from neffkit.targets import E4M3FN_MAX, FP8_AS_E4M3_FLAG
 
 HLO2TENSORIZER = "--internal-hlo2tensorizer-options"
+LNC_FLAG = "--logical-nc-config"  # the CLI reference's long form (also `-lnc`)
 MODEL_TYPE = "--model-type"
 OPT_LEVEL = "-O"
 PATH_FLAGS = ("--logfile", "--log-file", "--workdir", "--compile_workdir", "--dump", "--output")
@@ -181,9 +182,11 @@ def neuronx_cc_argv(
     """The full neuronx-cc command for one graph: the only place that argv is assembled.
 
     `flags` are a graph's resolved, rendered flags (ResolvedOptions.flags, or as recorded in a
-    lowered bundle's bundle.json).
+    lowered bundle's bundle.json). Spelled as the Neuron Compiler CLI Reference Guide documents
+    them (`--logical-nc-config`, not the `--lnc` some examples use; see
+    tests/golden/neuronx_cc_reference.json, which the golden argv files are checked against).
     """
     return [
         "neuronx-cc", "compile", hlo, "--framework", "XLA", "--target", neuron_target,
-        "--lnc", str(lnc), "--output", neff, *flags,
+        LNC_FLAG, str(lnc), "--output", neff, *flags,
     ]  # fmt: skip
