@@ -486,8 +486,13 @@ def rank_files(record: BundleRecord, rank: int) -> list[str]:
 
 
 def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
-    """Open a bundle directory; check its format and (by default) every file's sha256."""
+    """Open a bundle directory, or a packed bundle (BUNDLE.tar.zst: extracted once into the
+    bundle cache, every file checked); check its format and (by default) every file's sha256."""
     root = Path(path)
+    if root.is_file() and root.name.endswith(".tar.zst"):
+        from neffkit.bundle_pack import unpack_bundle
+
+        root = unpack_bundle(root)
     meta = root / BUNDLE_JSON
     if not root.is_dir():
         raise BundleError(

@@ -54,6 +54,11 @@ def cli(verbose: bool) -> None:
     is_flag=True,
     help="Run every graph against the eager model; record and check the result.",
 )
+@click.option(
+    "--pack",
+    is_flag=True,
+    help="Also write the bundle as one file, BUNDLE.tar.zst (run and inspect accept it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
 def build(
     manifest: Path,
@@ -64,9 +69,10 @@ def build(
     dry_run: bool,
     lower_only: bool,
     verify: bool,
+    pack: bool,
     as_json: bool,
 ) -> None:
-    """Build MANIFEST into a bundle; prints the bundle path."""
+    """Build MANIFEST into a bundle; prints the bundle path (and the pack's, with --pack)."""
     from neffkit.manifest import load_manifest
 
     resolved = load_manifest(manifest)  # validate before importing torch: bad input fails fast
@@ -85,8 +91,16 @@ def build(
         lower_only=lower_only,
         verify=verify,
     )
+    packed = None
+    if pack and not dry_run:
+        from neffkit.bundle_pack import pack_bundle
+
+        packed = pack_bundle(result.bundle)
     if as_json:
-        click.echo(json.dumps(result.report(), indent=2))
+        report = result.report()
+        if packed is not None:
+            report["pack"] = str(packed)
+        click.echo(json.dumps(report, indent=2))
     elif dry_run:
         _print_plan(result.graphs)
     else:
@@ -97,6 +111,8 @@ def build(
             err=True,
         )
         click.echo(str(result.bundle))
+        if packed is not None:
+            click.echo(str(packed))
 
 
 @cli.command(name="compile")
@@ -251,7 +267,7 @@ def inspect(
     from neffkit import inspect as insp
     from neffkit.bundle import read_bundle
 
-    if target.is_file():  # a manifest: flag and bucket rules, no tracing
+    if target.is_file() and not target.name.endswith(".tar.zst"):  # a manifest: no tracing
         report = insp.inspect_manifest(str(target))
         _emit(report, as_json, lambda r: insp.findings_table(r["findings"]))
         sys.exit(insp.exit_status(report))

@@ -524,6 +524,8 @@ def load_manifest(path: str | Path) -> Manifest:
         raise ManifestError(f"{path}: manifest file not found") from exc
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read manifest: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not a text file (a manifest is YAML)") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

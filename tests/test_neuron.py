@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -389,3 +390,71 @@ def test_neff_tensors_are_matched_by_position_or_refused() -> None:
     assert by_position(names, "input", 3, Path("g.neff")) == ["input0", "input1", "input2"]
     with pytest.raises(BundleError, match=r"do not number 0\.\.2"):
         by_position({"input0": 0, "input1": 0, "kv": 0}, "input", 3, Path("g.neff"))
+
+
+# ---------------------------------------------------------------- a bundle as one file
+
+
+def _run_ids(bundle: Path, env: dict[str, str]) -> list[list[int]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "neffkit", "run", str(bundle), "--executor", "xla-cpu",
+         "--prompt-ids", "5,17,300,42,7", "--max-tokens", "8", "--ignore-eos", "--json"],
+        capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [o["token_ids"] for o in json.loads(proc.stdout)["outputs"]]
+
+
+def test_build_pack_round_trips_through_run_and_inspect(session_dir, hf_model_dir, tmp_path):
+    """`build --pack` writes BUNDLE.tar.zst beside the bundle; `run` and `inspect --verify` on
+    the pack equal the directory's (extracted once into the bundle cache, keyed by digest)."""
+    cache = tmp_path / "bundles"
+    env = {"NEFFKIT_BUNDLES": str(cache)}
+    path = write_manifest(session_dir / "packed.yaml", hf_model_dir("llama"), **NEURON,
+                          buckets=LOWERED[("llama", 1)])  # fmt: skip
+    out = tmp_path / "packed"
+    proc = run_cli("build", str(path), "-o", str(out), "--lower-only", "--pack", "--json",
+                   check=True)  # fmt: skip
+    pack = Path(json.loads(proc.stdout)["pack"])
+    assert pack == tmp_path / "packed.tar.zst" and pack.is_file()
+    assert _run_ids(pack, env) == _run_ids(out, env)
+    inspect = [sys.executable, "-m", "neffkit", "inspect", "--verify", "--json"]
+    got = json.loads(subprocess.run([*inspect, str(pack)], capture_output=True, text=True,
+                                    env={**os.environ, **env}, check=True).stdout)  # fmt: skip
+    want = json.loads(run_cli("inspect", str(out), "--verify", "--json", check=True).stdout)
+    assert got["digest"] == want["digest"] and got["graphs"] == want["graphs"]
+    assert [p.name for p in cache.iterdir()] == [want["digest"]]  # extracted once, by digest
+
+
+def test_truncated_or_altered_packs_are_refused(lowered, tmp_path, monkeypatch):
+    import tarfile
+
+    import zstandard
+
+    from neffkit.bundle import read_bundle
+    from neffkit.bundle_pack import pack_bundle
+    from neffkit.errors import BundleError
+
+    cache = tmp_path / "bundles"
+    monkeypatch.setenv("NEFFKIT_BUNDLES", str(cache))
+    src = tmp_path / "src"
+    shutil.copytree(lowered("llama"), src)
+    pack = pack_bundle(src)
+    truncated = tmp_path / "truncated.tar.zst"
+    truncated.write_bytes(pack.read_bytes()[: pack.stat().st_size // 2])
+    with pytest.raises(BundleError, match="truncated or damaged pack"):
+        read_bundle(truncated)
+    # the same bundle.json, one weight byte changed: the hash check names the file
+    weights = src / "weights" / "rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    altered = tmp_path / "altered.tar.zst"
+    with altered.open("wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as zw:
+        with tarfile.open(fileobj=zw, mode="w|") as tar:
+            tar.add(src / "bundle.json", "bundle.json")
+            for rel in sorted(read_bundle(src, verify=False).record.files):
+                tar.add(src / rel, rel)
+    with pytest.raises(BundleError, match=r"altered\.tar\.zst: .*weights/rank0\.safetensors"):
+        read_bundle(altered)
+    assert [p for p in cache.iterdir()] == []  # nothing half-extracted is kept
