@@ -55,6 +55,12 @@ def cli(verbose: bool) -> None:
     help="Run every graph against the eager model; record and check the result.",
 )
 @click.option(
+    "--shard",
+    metavar="K/N",
+    help="CI matrix job K of N: trace and compile only this share into the cache; no bundle. "
+    "A build without --shard then assembles the bundle from the cache.",
+)
+@click.option(
     "--pack",
     is_flag=True,
     help="Also write the bundle as one file, BUNDLE.tar.zst (run and inspect accept it).",
@@ -69,6 +75,7 @@ def build(
     dry_run: bool,
     lower_only: bool,
     verify: bool,
+    shard: str | None,
     pack: bool,
     as_json: bool,
 ) -> None:
@@ -81,6 +88,7 @@ def build(
     from neffkit.compile.progress import Progress
 
     cache = None if no_cache else (cache_dir or default_cache_dir())
+    share = _parse_shard(shard) if shard else None
     result = run_build(
         resolved,
         output,
@@ -90,9 +98,10 @@ def build(
         dry_run,
         lower_only=lower_only,
         verify=verify,
+        shard=share,
     )
     packed = None
-    if pack and not dry_run:
+    if pack and not dry_run and share is None:
         from neffkit.bundle_pack import pack_bundle
 
         packed = pack_bundle(result.bundle)
@@ -110,9 +119,18 @@ def build(
             f"{c['compiled']} compiled ({c['cache_hits']} from the cache)",
             err=True,
         )
-        click.echo(str(result.bundle))
+        if result.bundle is not None:
+            click.echo(str(result.bundle))
         if packed is not None:
             click.echo(str(packed))
+
+
+def _parse_shard(value: str) -> tuple[int, int]:
+    """`K/N` with 1 <= K <= N."""
+    k, _, n = value.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise click.BadParameter(f"{value!r}: expected K/N with 1 <= K <= N, e.g. 2/4")
+    return int(k), int(n)
 
 
 @cli.command(name="compile")

@@ -67,6 +67,64 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
 
 
+def test_ci_shards_fill_one_cache_and_the_assembly_compiles_nothing(bundle, session_dir, tmp_path):
+    """`--shard 1/2` and `--shard 2/2` run as separate processes (a CI matrix) into one fresh
+    cache, each tracing and compiling only its share and writing no bundle; the build without a
+    shard then traces and compiles nothing, and its bundle.json and ir/ equal a local build's,
+    except the AOTInductor packages' file hashes: two compiles of one graph do not give the
+    same .pt2 bytes (what is compared instead is everything the graphs are identified by)."""
+    first = bundle("llama_tied")
+    manifest = session_dir / "llama_tied.yaml"
+    cache = tmp_path / "shared-cache"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "neffkit",
+                "build",
+                str(manifest),
+                "--cache",
+                str(cache),
+                "--shard",
+                f"{k}/2",
+                "-j",
+                "1",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )  # fmt: skip
+        for k in (1, 2)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        reports.append(json.loads(out))
+    shares = [{g["name"] for g in r["graphs"]} for r in reports]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == {"prefill_t16_c64", "decode_b1_c64", "decode_b4_c64"}
+    for r, share in zip(reports, shares, strict=True):
+        assert r["bundle"] is None and r["counters"]["compiled"] == len(share)
+        assert r["counters"]["traced"] == len(share)
+    proc = _cli_build(manifest, tmp_path / "assembled", cache, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["counters"]["traced"] == 0 and report["counters"]["compiled"] == 0
+    second = Path(report["bundle"])
+    local, assembled = (json.loads((b / "bundle.json").read_text()) for b in (first, second))
+    for record in (local, assembled):
+        record["files"] = {k: v for k, v in record["files"].items() if not k.endswith(".pt2")}
+    assert local == assembled
+    for ir in (first / "ir").iterdir():
+        assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
+    bad = _cli_build(manifest, tmp_path / "x", cache, "--shard", "3/2")
+    assert bad.returncode == 2 and "expected K/N with 1 <= K <= N" in bad.stderr
+
+
 def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir, tmp_path):
     """A checkpoint file's stamp is part of the early key: touching it retraces every graph;
     the traced graphs are unchanged, so nothing recompiles."""

@@ -91,10 +91,18 @@ def test_mqa_and_tied_configs(hf_model_dir):
 @pytest.mark.parametrize(
     ("quant", "message"),
     [
-        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors' is not"),
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
         ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
-        # fp8 with per-tensor scales (no weight_block_size): only block fp8 is implemented
-        ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size None"),
+        # compressed-tensors packs int4/int8 weights too: only float-quantized fp8 is read
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+            "format 'pack-quantized' is not supported",
+        ),
+        # DeepSeek's fp8 without its block shape: nothing says how the scales map to blocks
+        (
+            {"quant_method": "fp8", "activation_scheme": "static"},
+            "weight_block_size: None is not a block shape",
+        ),
     ],
 )
 def test_unimplemented_quantization_is_refused_by_method(hf_model_dir, tmp_path, quant, message):

@@ -17,6 +17,7 @@ import logging
 import os
 import resource
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +49,7 @@ from neffkit.compile.units import BuildContext, GraphUnit, TraceResult
 from neffkit.compile.verify import verify_units
 from neffkit.compile.workers import trace_job, worker_pool
 from neffkit.compile.write import write_bundle, write_weights
+from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -92,12 +94,15 @@ def build(
     dry_run: bool = False,
     lower_only: bool = False,
     verify: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> BuildResult:
     """Build `manifest` into a bundle at `output` (or only report the plan with `dry_run`).
 
     `cache_dir=None` disables the artifact cache. `lower_only` (neuron) stops after lowering: the
     bundle holds HLO modules for `neffkit compile` to finish on a Neuron host. `verify` runs every
-    graph against the eager model and records the result per graph.
+    graph against the eager model and records the result per graph. `shard=(k, n)` (a CI matrix
+    job) traces and compiles only the k-th of n shares of the graphs into the cache and writes
+    no bundle; a build without a shard then assembles the bundle from the cache.
     """
     progress = progress or Progress(enabled=False)
     dest = Path(output) if output else default_output(manifest)
@@ -107,8 +112,17 @@ def build(
     # a lowered bundle compiles nothing, so there is nothing to cache
     cache = ArtifactCache(cache_dir) if cache_dir and not lower_only else None
     clock = _Clock(result.seconds, result.peak_rss_mb_by_stage)
+    if shard is not None and cache is None:
+        raise BuildError(
+            "--shard fills the artifact cache, and this build has none "
+            "(--no-cache or --lower-only)",
+            hint="give every shard and the assembling build the same --cache",
+        )
     with clock("plan"):  # 1. graphs, their resolved compiler options, the weights' shapes
         specs = plan_graphs(manifest, result, progress)
+        if shard is not None:
+            specs = shard_share(specs, *shard)
+            result.counters["shard_graphs"] = len(specs)
         layout = target_layout(manifest, backend)
     with worker_pool(jobs or os.cpu_count() or 1) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
@@ -123,6 +137,13 @@ def build(
         result.counters["cache_hits"] = sum(u.cached is not None for u in units)
         if dry_run:
             result.graphs = [_dry_run_row(u, cache is not None) for u in units]
+            return result
+        if shard is not None:  # compile into the cache only: no weights, no bundle
+            with tempfile.TemporaryDirectory(prefix="neffkit-shard-") as stage, clock("compile"):
+                result.counters["compiled"] = compile_units(ctx, backend, cache, Path(stage), units)
+            result.bundle = None
+            result.graphs = [_report_row(u) for u in units]
+            result.peak_rss_mb = _peak_rss_mb()
             return result
         with staging_dir(dest) as stage:
             with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
@@ -152,6 +173,24 @@ def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLa
 
 
 Planned = list[tuple[GraphSpec, ResolvedOptions]]
+
+
+def graph_cost(spec: GraphSpec) -> int:
+    """A graph's expected trace + compile cost, for balancing shards: the values it computes
+    attention over (rows x tokens x context), plus a constant per graph."""
+    return spec.rows * spec.tokens * spec.context + (1 << 16)
+
+
+def shard_share(specs: Planned, k: int, n: int) -> Planned:
+    """The k-th (1-based) of n shares: graphs dealt largest first to the least loaded share
+    (ties by name), so every shard of one manifest computes the same assignment."""
+    load = [0] * n
+    owner: dict[str, int] = {}
+    for spec, _ in sorted(specs, key=lambda p: (-graph_cost(p[0]), p[0].name)):
+        i = min(range(n), key=lambda j: (load[j], j))
+        owner[spec.name] = i
+        load[i] += graph_cost(spec)
+    return [(spec, options) for spec, options in specs if owner[spec.name] == k - 1]
 
 
 def plan_graphs(manifest: Manifest, result: BuildResult, progress: Progress) -> Planned:
