@@ -9,6 +9,7 @@ audited on their HLO module (hlo_audit.py: NK30x), what neuronx-cc actually read
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -177,10 +178,7 @@ class Node:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 _META = re.compile(r"^(\w+)\[([\d, ]*)\]$")

@@ -20,6 +20,7 @@ Rules (ids in targets.AUDIT_RULE_IDS, registered in audit.RULES):
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,10 +58,7 @@ class Instruction:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 _TYPE = re.compile(r"^(\w+)\[([\d,]*)\]")
