@@ -34,6 +34,12 @@ from neffkit.targets import DTYPE_BYTES
 
 FORMAT_VERSION = 1
 BUNDLE_JSON = "bundle.json"
+PACK_SUFFIX = ".tar.zst"  # a bundle as one file (bundle_pack.py)
+
+
+def is_pack(path: Path) -> bool:
+    """A packed bundle (BUNDLE.tar.zst), which read_bundle extracts, rather than a directory."""
+    return path.is_file() and path.name.endswith(PACK_SUFFIX)
 
 
 def sha256_file(path: Path) -> str:
@@ -489,7 +495,7 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
     """Open a bundle directory, or a packed bundle (BUNDLE.tar.zst: extracted once into the
     bundle cache, every file checked); check its format and (by default) every file's sha256."""
     root = Path(path)
-    if root.is_file() and root.name.endswith(".tar.zst"):
+    if is_pack(root):
         from neffkit.bundle_pack import unpack_bundle
 
         root = unpack_bundle(root)

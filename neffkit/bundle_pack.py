@@ -20,10 +20,8 @@ from pathlib import Path, PurePosixPath
 
 import zstandard
 
+from neffkit.bundle import BUNDLE_JSON, PACK_SUFFIX, read_bundle
 from neffkit.errors import BundleError
-
-PACK_SUFFIX = ".tar.zst"
-BUNDLE_JSON = "bundle.json"
 
 
 def bundle_cache() -> Path:
@@ -44,8 +42,6 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
 def pack_bundle(root: Path, out: Path | None = None) -> Path:
     """Write `root` (a bundle directory, already verified by its builder) as ROOT.tar.zst beside
     it, atomically (a temporary file renamed at the end)."""
-    from neffkit.bundle import read_bundle
-
     bundle = read_bundle(root, verify=False)
     out = out or root.with_name(root.name + PACK_SUFFIX)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
@@ -74,8 +70,6 @@ def _safe(name: str) -> str:
 
 def unpack_bundle(pack: Path) -> Path:
     """The directory holding the pack's bundle, extracted (once) and every file checked."""
-    from neffkit.bundle import read_bundle
-
     cache = bundle_cache()
     cache.mkdir(parents=True, exist_ok=True)
     tmp: Path | None = None
@@ -132,7 +126,3 @@ def unpack_bundle(pack: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
-
-
-def is_pack(path: Path) -> bool:
-    return path.is_file() and path.name.endswith(PACK_SUFFIX)

@@ -283,9 +283,9 @@ def inspect(
 ) -> None:
     """Audit a bundle (or a manifest, before building). Exit 1 on unwaived audit errors."""
     from neffkit import inspect as insp
-    from neffkit.bundle import read_bundle
+    from neffkit.bundle import is_pack, read_bundle
 
-    if target.is_file() and not target.name.endswith(".tar.zst"):  # a manifest: no tracing
+    if target.is_file() and not is_pack(target):  # a manifest: no tracing
         report = insp.inspect_manifest(str(target))
         _emit(report, as_json, lambda r: insp.findings_table(r["findings"]))
         sys.exit(insp.exit_status(report))

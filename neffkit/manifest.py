@@ -140,9 +140,13 @@ class Manifest:
         return fp8_max(self.target, self.neuron.target if self.neuron else None)
 
     @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache.dtype == "float8_e4m3fn"
+
+    @property
     def uses_fp8(self) -> bool:
         """fp8 values in the graphs: fp8 checkpoint weights or an fp8 KV cache."""
-        return bool(self.model_config.fp8_block) or self.kv_cache.dtype == "float8_e4m3fn"
+        return bool(self.model_config.fp8_block) or self.fp8_kv_cache
 
     def to_json(self) -> dict[str, Any]:
         """The resolved manifest as bundle.json stores it: absolute model path, defaults filled."""

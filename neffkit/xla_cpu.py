@@ -3,9 +3,10 @@
 The same `HloModuleProto` neuronx-cc compiles is converted back to StableHLO and compiled by
 XLA:CPU; its `input_output_alias` is honoured, so K/V caches are donated and come back as the
 aliased outputs, exactly the contract the Neuron runtime follows with the io-alias map. A tp > 1
-module runs as SPMD over N host devices in one process (XLA's
-`--xla_force_host_platform_device_count`): replicas = ranks, each rank's arguments on its own
-device, so the module's `all_reduce`s (replica_groups {{0..N-1}}) execute for real.
+module runs as SPMD over N host devices in one process (jax's `jax_num_cpu_devices`, or XLA's
+`--xla_force_host_platform_device_count` when the user sets it): replicas = ranks, each rank's
+arguments on its own device, so the module's `all_reduce`s (replica_groups {{0..N-1}}) execute
+for real.
 Used by `neffkit build --verify` and by `neffkit run --executor xla-cpu`. Imports jax lazily and
 nothing from neffkit.compile.
 """
@@ -24,20 +25,26 @@ if TYPE_CHECKING:
     import torch
 
 
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """torch → numpy without a copy, for the dtypes numpy lacks too (bfloat16, float8_e4m3fn as
-    ml_dtypes' types, which jax reads)."""
-    import torch
+ML_DTYPES = ("bfloat16", "float8_e4m3fn")  # dtypes numpy lacks: ml_dtypes' types (jax reads them)
 
-    narrow = {
-        torch.bfloat16: ("bfloat16", torch.int16),
-        torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8),
-    }
-    if tensor.dtype in narrow:
+
+def numpy_dtype(name: str) -> np.dtype:
+    """A dtype name (torch's spelling) as numpy's."""
+    if name in ML_DTYPES:
         import ml_dtypes
 
-        name, bits = narrow[tensor.dtype]
-        return tensor.view(bits).numpy().view(getattr(ml_dtypes, name))
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """torch → numpy without a copy, bfloat16 and float8_e4m3fn included."""
+    import torch
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in ML_DTYPES:  # numpy cannot take these from torch: view the bits
+        bits = {2: torch.int16, 1: torch.uint8}[tensor.element_size()]
+        return tensor.view(bits).numpy().view(numpy_dtype(name))
     return tensor.numpy()
 
 
@@ -104,16 +111,13 @@ class XlaCpu:
             options.device_assignment = xc.DeviceAssignment.create(assignment)
         return self.backend.compile_and_load(stablehlo, xc.DeviceList(tuple(self.devices)), options)
 
-    def put(self, array: np.ndarray) -> Any:
-        return self._jax.device_put(np.ascontiguousarray(array), self.device)
+    def put(self, array: np.ndarray, device: Any = None) -> Any:
+        """`array` on `device` (default: the first)."""
+        return self._jax.device_put(np.ascontiguousarray(array), device or self.device)
 
     def put_ranks(self, arrays: Sequence[np.ndarray]) -> Any:
         """One argument of a replicated run: `arrays[r]` on rank r's device."""
-        placed = [self.put_on(a, d) for a, d in zip(arrays, self.devices, strict=True)]
-        return self.join(placed)
-
-    def put_on(self, array: np.ndarray, device: Any) -> Any:
-        return self._jax.device_put(np.ascontiguousarray(array), device)
+        return self.join([self.put(a, d) for a, d in zip(arrays, self.devices, strict=True)])
 
     def join(self, per_rank: Sequence[Any]) -> Any:
         """Device arrays, one per rank, as one replicated-run argument (no copy)."""

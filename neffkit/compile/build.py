@@ -142,9 +142,7 @@ def build(
             with tempfile.TemporaryDirectory(prefix="neffkit-shard-") as stage, clock("compile"):
                 result.counters["compiled"] = compile_units(ctx, backend, cache, Path(stage), units)
             result.bundle = None
-            result.graphs = [_report_row(u) for u in units]
-            result.peak_rss_mb = _peak_rss_mb()
-            return result
+            return _finished(result, units)
         with staging_dir(dest) as stage:
             with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
                 weights, placed = write_weights(manifest, stage, layout, cache)
@@ -158,6 +156,11 @@ def build(
                 write_bundle(
                     manifest, layout, backend, stage, units, weights, result.findings, lower_only
                 )
+    return _finished(result, units)
+
+
+def _finished(result: BuildResult, units: list[GraphUnit]) -> BuildResult:
+    """The report's per-graph rows and peak memory, once the build's work is done."""
     result.graphs = [_report_row(u) for u in units]
     result.peak_rss_mb = _peak_rss_mb()
     return result

@@ -46,6 +46,7 @@ class ModelLayout:
     block_size: int
     num_blocks: int
     max_top_k: int  # candidates of top-k / top-p sampling
+    storage: Storage  # how the weight shards store the checkpoint (weight_storage)
     max_logprobs: int = 5  # top logprobs returned per sampled token
     prompt_logprobs: bool = False  # prefill graphs also return the prompt's own logprobs
     device: str = "cpu"
@@ -71,11 +72,10 @@ class Traced:
 def weight_storage(manifest: Manifest) -> Storage:
     """How this manifest's bundle stores the checkpoint: dtype, the trn1/trn2 fp8 rescale
     (values into ±240), and whether the fp8 KV cache reads the checkpoint's k/v scales."""
-    fp8_kv = manifest.kv_cache.dtype == "float8_e4m3fn"
     return Storage(
         manifest.dtype,
         fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
-        kv_scales=fp8_kv and has_kv_scales(manifest.model),
+        kv_scales=manifest.fp8_kv_cache and has_kv_scales(manifest.model),
     )
 
 
@@ -111,6 +111,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         mla_decode=manifest.mla_decode,
         kv_dtype=manifest.kv_cache.dtype or manifest.dtype,
         fp8_max=manifest.fp8_max,
+        storage=storage,
     )
 
 

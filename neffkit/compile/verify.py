@@ -29,7 +29,6 @@ from neffkit.compile.trace import (
     decoder_module,
     graph_inputs,
     model_layout,
-    weight_storage,
 )
 from neffkit.errors import BuildError
 from neffkit.models.weights import iter_rank_weights
@@ -242,10 +241,11 @@ def verify_spmd_graph(
         slice(0, None) if cfg.is_mla else slice(h0, h0 + layout.kv_heads)
         for h0 in (par.kv_head_start(cfg, r) for r in range(par.tp))
     ]
+    specs = graph_inputs(layout, spec)[1]
     by_rank = []
     for rank in range(par.tp):
         inputs = []
-        for s in graph_inputs(layout, spec)[1]:
+        for s in specs:
             if s.name == "rank":
                 inputs.append(torch.tensor([rank], dtype=torch.int64))
             elif "_cache." in s.name:
@@ -259,19 +259,12 @@ def verify_spmd_graph(
         got, got_kv = runner(by_rank)
     except Exception as exc:
         raise BuildError(f"{spec.name}: --verify could not run the artifact: {exc}") from exc
-    kv_pairs = {
-        f"{name} (rank {rank})": (got_kv[rank][name], ref[:, :, heads[rank]])
-        for name, ref in want_kv.items()
-        for rank in range(par.tp)
+    ranks = range(par.tp)  # each rank's cache against its slice of the reference's
+    want_slices = {
+        f"{n} (rank {r})": kv[:, :, heads[r]] for n, kv in want_kv.items() for r in ranks
     }
-    return _compare(
-        layout,
-        want,
-        {k: w for k, (_, w) in kv_pairs.items()},
-        got,
-        {k: g for k, (g, _) in kv_pairs.items()},
-        executor,
-    )
+    got_slices = {f"{n} (rank {r})": got_kv[r][n] for n in want_kv for r in ranks}
+    return _compare(layout, want, want_slices, got, got_slices, executor)
 
 
 def _compare(
@@ -352,7 +345,7 @@ def verify_units(
     if tp > 1:  # the tp=1 eager model on the whole checkpoint (held in memory for verify)
         one = replace(manifest, parallel=replace(manifest.parallel, tp=1, ep=1))
         reference = model_layout(one, layout.device, 0)
-        whole = dict(iter_rank_weights(one.model, one.model_config, weight_storage(one),
+        whole = dict(iter_rank_weights(one.model, one.model_config, reference.storage,
                                        reference.par, 0))  # fmt: skip
         full = [whole[w.name] for w in reference.weights]
     failed = []

@@ -33,11 +33,11 @@ from neffkit.bundle import (
 )
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights_key
-from neffkit.compile.trace import ModelLayout, weight_storage
+from neffkit.compile.trace import ModelLayout
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
 from neffkit.models.llama import projection_form
-from neffkit.models.weights import iter_rank_weights, rank_weight_specs
+from neffkit.models.weights import Storage, iter_rank_weights, rank_weight_specs
 from neffkit.tensor_files import write_tensors
 
 TOKENIZER_FILES = (
@@ -59,7 +59,7 @@ def write_weights(
     copy: returned counts say which), not cut again."""
     (stage / "weights").mkdir(parents=True)
     records, placed = [], {"cut": 0, "reflink": 0, "hardlink": 0, "copy": 0}
-    storage = weight_storage(manifest)
+    storage = layout.storage
     for rank in range(layout.par.tp):
         file = f"weights/rank{rank}.safetensors"
         key = weights_key(manifest, rank, asdict(storage))
@@ -174,19 +174,18 @@ def write_bundle(
         audit=AuditRecord(manifest.audit.waive, tuple(findings)),
         neuron=neuron,
         stage=bundle_stage,
-        fp8=fp8_record(manifest),
+        fp8=fp8_record(manifest, layout.storage),
     )
     return write_bundle_json(stage, record)
 
 
-def fp8_record(manifest: Manifest) -> Fp8Record | None:
+def fp8_record(manifest: Manifest, storage: Storage) -> Fp8Record | None:
     """What bundle.json says about fp8: a trn1/trn2 and a trn3 build of one fp8 manifest differ
     exactly in `max`, the rescales and the compiler flag."""
     if not manifest.uses_fp8:
         return None
     block = manifest.model_config.fp8_block
-    storage = weight_storage(manifest)
-    fp8_kv = manifest.kv_cache.dtype == "float8_e4m3fn"
+    fp8_kv = manifest.fp8_kv_cache
     return Fp8Record(
         max=manifest.fp8_max,
         weights=fp8_layout(block),

@@ -111,7 +111,10 @@ def rank_weights(
                 yield bias, get(bias)[start : start + size]
         if kv_scales:
             for kind in ("k", "v"):
-                yield f"{p}.self_attn.{kind}_scale", need(_kv_scale(p, kind, available)).reshape(1)
+                yield (
+                    f"{p}.self_attn.{kind}_scale",
+                    need(kv_scale_name(p, kind, available)).reshape(1),
+                )
         if cfg.attention_sinks:  # one logit per query head: this rank's heads
             yield f"{p}.self_attn.sinks", need(f"{p}.self_attn.sinks")[q0 // d : q0 // d + heads]
         if cfg.qk_norm:
@@ -146,7 +149,7 @@ def rank_weights(
     yield ROPE_INV_FREQ, rope_frequencies(cfg.rope_params, cfg.head_dim)[0]
 
 
-def _kv_scale(prefix: str, kind: str, available: set[str]) -> str:
+def kv_scale_name(prefix: str, kind: str, available: set[str]) -> str:
     """A layer's K or V cache scale as the checkpoint names it (compressed-tensors puts it on
     the attention module, ModelOpt exports on the projection)."""
     on_projection = f"{prefix}.self_attn.{kind}_proj.{kind}_scale"

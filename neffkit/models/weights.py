@@ -18,7 +18,13 @@ import torch
 from neffkit.errors import ModelError
 from neffkit.kernels.quant import effective_block, expand_scales, scale_grid
 from neffkit.models.config import ModelConfig
-from neffkit.models.sharding import FP8_SCALE, Parallelism, keeps_float32, rank_weights
+from neffkit.models.sharding import (
+    FP8_SCALE,
+    Parallelism,
+    keeps_float32,
+    kv_scale_name,
+    rank_weights,
+)
 from neffkit.tensor_files import TensorReader, read_header
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,12 +46,11 @@ def _storage(storage: Storage | str) -> Storage:
     return storage if isinstance(storage, Storage) else Storage(storage)
 
 
-KV_SCALE_NAMES = (".self_attn.k_scale", ".self_attn.k_proj.k_scale")
-
-
 def has_kv_scales(model_dir: Path) -> bool:
-    """Does the checkpoint carry per-layer KV cache scales (compressed-tensors, ModelOpt)?"""
-    return any(name.endswith(KV_SCALE_NAMES) for name in checkpoint_index(model_dir))
+    """Does the checkpoint carry per-layer KV cache scales (compressed-tensors, ModelOpt)?
+    (Layer 0's K scale, under either name `sharding.kv_scale_name` reads.)"""
+    names = set(checkpoint_index(model_dir))
+    return kv_scale_name("model.layers.0", "k", names) in names
 
 
 def weight_dtype(name: str, dtype: str) -> torch.dtype:

@@ -25,7 +25,7 @@ import torch
 from neffkit.aoti import load_package
 from neffkit.bundle import Bundle, GraphRecord
 from neffkit.errors import BundleError
-from neffkit.xla_cpu import to_numpy
+from neffkit.xla_cpu import numpy_dtype, to_numpy
 
 GraphRun = Callable[[list[np.ndarray]], list[np.ndarray]]  # metadata → user outputs
 EXECUTORS = ("auto", "aotinductor", "xla-cpu", "neuron")
@@ -245,15 +245,6 @@ def by_position(tensors: Any, kind: str, expected: int, neff: Path) -> list[str]
             hint="recompile the bundle's HLO with `neffkit compile`",
         )
     return [numbered[i] for i in range(expected)]
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """A TensorSpec dtype as numpy's (bfloat16 and float8 as ml_dtypes' types)."""
-    if name in ("bfloat16", "float8_e4m3fn"):
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
-    return np.dtype(name)
 
 
 def check_neff(bundle: Bundle, graph: GraphRecord, lnc: int | None) -> None:
