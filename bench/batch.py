@@ -3,10 +3,11 @@
 A random 125M-parameter Llama (hidden 1024, 6 layers, vocab 32000) built in float32 and bfloat16
 with decode buckets [1, 4, 8]. A bandwidth-bound step streams the weights once whatever the batch,
 so a batch-8 step should cost about what a batch-1 step costs. Alternating rounds, medians.
-Writes bench/results/batch.json; `--label before` records the figures of an earlier checkout
-(run this file from there with PYTHONPATH pointing at it).
+Writes bench/results/batch.json. `--before DIR` also times the bundle-float32 and
+bundle-bfloat16 an earlier checkout built into DIR (its bench/work/batch), alternating with this
+checkout's in the same rounds, and records them as "before" (with each graph's projection form).
 
-    .venv/bin/python bench/batch.py
+    .venv/bin/python bench/batch.py [--before /tmp/before/bench/work/batch]
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "batch"
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
              num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
              max_position_embeddings=1024, tie_word_embeddings=False)  # fmt: skip
 BATCHES = (1, 4, 8)
+DTYPES = ("float32", "bfloat16")
 MANIFEST = """neffkit: 1
 name: batch-{dtype}
 model: {model}
@@ -54,33 +56,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--label", default="after")
+    ap.add_argument("--before", type=Path, help="an earlier checkout's bench/work/batch")
     args = ap.parse_args()
     from neffkit.runtime.core import EngineCore
     from neffkit.runtime.loader import load
 
-    engines = {d: EngineCore(load(bundle(d)).runner) for d in ("float32", "bfloat16")}
-    times: dict[tuple[str, int], list[float]] = {}
+    dirs = {("after", d): bundle(d) for d in DTYPES}
+    if args.before:
+        dirs.update({("before", d): args.before / f"bundle-{d}" for d in DTYPES})
+    engines = {key: EngineCore(load(path).runner) for key, path in dirs.items()}
+    times: dict[tuple[str, str, int], list[float]] = {}
     for _ in range(args.rounds):  # alternate: the machine's noise hits every case alike
-        for dtype, engine in engines.items():
+        for (label, dtype), engine in engines.items():
             for batch in BATCHES:
                 prompts = [[5 + i, 6, 7, 8] for i in range(batch)]
                 step = median(decode_step_times(engine, prompts, args.steps))
-                times.setdefault((dtype, batch), []).append(1000 * step)
-    figures: dict[str, float] = {}
-    for (dtype, batch), values in times.items():
-        figures[f"{dtype}_b{batch}_ms"] = round(median(values), 3)
-    for dtype in engines:
+                times.setdefault((label, dtype, batch), []).append(1000 * step)
+    data: dict[str, dict] = {}
+    for (label, dtype, batch), values in times.items():
+        data.setdefault(label, {})[f"{dtype}_b{batch}_ms"] = round(median(values), 3)
+    for (label, dtype), path in dirs.items():
+        figures = data[label]
         b1, b8 = figures[f"{dtype}_b1_ms"], figures[f"{dtype}_b8_ms"]
         figures[f"{dtype}_b8_over_b1"] = round(b8 / b1, 2)
         figures[f"{dtype}_b8_tokens_per_s_over_b1"] = round(8 * b1 / b8, 2)
-    figures["bf16_b1_over_fp32_b1"] = round(figures["bfloat16_b1_ms"] / figures["float32_b1_ms"], 2)
-    path = RESULTS / "batch.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[args.label] = figures
+        graphs = json.loads((path / "bundle.json").read_text())["graphs"]
+        figures[f"{dtype}_projection"] = {g["name"]: g.get("projection") for g in graphs}
+    for figures in data.values():
+        figures["bf16_b1_over_fp32_b1"] = round(
+            figures["bfloat16_b1_ms"] / figures["float32_b1_ms"], 2
+        )
     data["model"] = {**SHAPE, "parameters": "125M"}
-    print(json.dumps({args.label: figures}, indent=2))
-    write_result("batch", {k: v for k, v in data.items() if k != "machine"})
+    data["rounds"] = args.rounds
+    print(json.dumps(data, indent=2))
+    write_result("batch", data)
 
 
 if __name__ == "__main__":

@@ -224,8 +224,10 @@ class GraphRecord(Record):
     hlo_text: str | None = None
     hlo_sha256: str | None = None
     compiler: CompilerRecord | None = None
-    # how the layers' projections were written for the compiler (models/llama.projection_form):
-    # "reduction" (a fused multiply-and-sum, one decode row), "mm" (a library GEMM), "dot" (HLO)
+    # how the layers' projections were written for the compiler (models/projection.py):
+    # "blocked-rows" (cpu decode: per-row reductions sharing each blocked weight tile),
+    # "blocked-bmm" (cpu prefill: bmm over the blocks), "reduction" (one row, plain weights),
+    # "mm" (a library GEMM), "dot" (HLO)
     projection: str | None = None
 
     @property

@@ -135,6 +135,17 @@ def test_nk104_aliased_mutations():
         "%1 = aten.as_strided.default(%0, [2, 4], [4, 1]) : float32[2, 4]",
     ]
     assert rules(text_facts(lines)) == ["NK104"]
+    # an identity as_strided of a computed value (models/projection.materialized) aliases nothing
+    computed = [
+        lines[0],
+        "%1 = aten.mul.Tensor(%0, 2) : float32[4, 4]",
+        "%2 = aten.view.default(%1, [16]) : float32[16]",
+        "%3 = aten.as_strided.default(%2, [16], [1]) : float32[16]",
+    ]
+    assert rules(text_facts(computed)) == []
+    via_view = [lines[0], "%1 = aten.view.default(%0, [16]) : float32[16]",
+                "%2 = aten.as_strided.default(%1, [8], [2]) : float32[8]"]  # fmt: skip
+    assert rules(text_facts(via_view)) == ["NK104"]
     twice = (IoAlias("k_cache.0", 0), IoAlias("k_cache.0", 1))
     assert rules(text_facts(lines[:1], io_alias=twice)) == ["NK104"]
     assert rules(text_facts(lines[:1], io_alias=twice[:1])) == []

@@ -60,9 +60,14 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     assert report["peak_rss_mb"]["main"] > 0
     second = Path(report["bundle"])
     assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
-    # the projection form each graph was written with: one decode row fuses, more rows use mm
+    # the projection form each graph was written with (cpu: blocked weights; decode rows as
+    # register-blocked reductions, prefill as bmm over the blocks)
     forms = {g["name"]: g["projection"] for g in bundle_json(second)["graphs"]}
-    assert forms == {"prefill_t16_c64": "mm", "decode_b1_c64": "reduction", "decode_b4_c64": "mm"}
+    assert forms == {
+        "prefill_t16_c64": "blocked-bmm",
+        "decode_b1_c64": "blocked-rows",
+        "decode_b4_c64": "blocked-rows",
+    }
     for ir in (first / "ir").iterdir():
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
 

@@ -193,3 +193,57 @@ def test_fp8_cache_round_trip_scales_and_clamps(fp8_max: float):
     big = to_cache(torch.tensor([1e4, -1e4]), fp8, fp8_max)
     assert big.float().tolist() == [fp8_max, -fp8_max]  # both exact in e4m3fn
     assert to_cache(x, torch.float32, fp8_max, scale) is x  # other caches store x as it is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
+def test_projection_forms_equal_the_plain_matmul(rows: int, dtype: torch.dtype) -> None:
+    """Every form `project` writes (cpu's blocked rows/bmm, the plain reduction, mm, dot) is
+    x @ W.T, through AOTInductor as well as eagerly (the forms exist for what Inductor makes
+    of them; weights stay graph inputs)."""
+    from neffkit.models.projection import (
+        LANES,
+        PLAIN,
+        ProjectionPolicy,
+        from_blocked,
+        out_features,
+        project,
+        to_blocked,
+    )
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 40, generator=gen).to(dtype)
+    x = torch.randn(rows, 1, 40, generator=gen).to(dtype)
+    blocked = to_blocked(weight, LANES)
+    assert blocked.shape == (3, 40, LANES) and torch.equal(from_blocked(blocked), weight)
+    assert out_features(blocked) == out_features(weight) == 48
+    expected = (x.float() @ weight.float().t()).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    cpu = ProjectionPolicy(max_rows=8, lanes=LANES)
+    for policy, w in ((cpu, blocked), (cpu, weight), (PLAIN, blocked), (PLAIN, weight)):
+        out = project(x, w, policy)
+        assert out.shape == (rows, 1, 48) and out.dtype == dtype
+        torch.testing.assert_close(out, expected, **tol)
+    assert cpu.form(rows, blocked=True) == ("blocked-rows" if rows <= 8 else "blocked-bmm")
+    assert PLAIN.form(rows, blocked=False) == "dot"
+
+
+def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
+    """The blocked-rows form through AOTInductor, the weight a graph input: x @ W.T."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    from neffkit.models.projection import LANES, ProjectionPolicy, project, to_blocked
+
+    policy = ProjectionPolicy(max_rows=8, lanes=LANES)
+
+    class Proj(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return project(x, w, policy)
+
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 96, generator=gen), torch.randn(4, 96, generator=gen)
+    blocked = to_blocked(weight, LANES)
+    program = torch.export.export(Proj(), (x, blocked))
+    package = aoti_compile_and_package(program, package_path=str(tmp_path / "proj.pt2"))
+    out = aoti_load_package(package)(x, blocked)
+    torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)

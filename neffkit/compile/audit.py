@@ -339,13 +339,30 @@ def _aliasing(g: GraphFacts) -> Iterator[Finding]:
     for dup in sorted({n for n in names if names.count(n) > 1}):
         yield _finding("NK104", "error", g, dup, "mutated twice through aliases")
     for node in g.nodes:
-        if node.target.startswith("aten.as_strided"):
+        if node.target.startswith("aten.as_strided") and _view_of_input(g.nodes, node):
             yield _finding("NK104", "error", g, node.text, "as_strided replay of a mutated base")
         if node.target == "input":
             nbytes = node.numel * DTYPE_BYTES.get(node.dtype, 4)
             if node.numel >= LIMIT or nbytes >= LIMIT:
                 sev = "error" if g.target == "neuron" else "warning"
                 yield _finding("NK105", sev, g, node.text, f"{node.name}: {nbytes} bytes")
+
+
+_VIEWS = (
+    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.slice", "aten.select",
+    "aten.expand", "aten.permute", "aten.unsqueeze", "aten.squeeze", "aten.alias",
+    "aten.as_strided", "aten.t.", "aten.transpose",
+)  # fmt: skip
+
+
+def _view_of_input(nodes: list[Node], node: Node) -> bool:
+    """Is `node` (through views only) a view of a graph input? Functionalization replays a
+    mutated aliased input as an as_strided of its base; an as_strided of a computed value (the
+    identity view models/projection.materialized writes) aliases no input."""
+    base = nodes[node.refs[0]] if node.refs else None
+    while base is not None and base.target.startswith(_VIEWS) and base.refs:
+        base = nodes[base.refs[0]]
+    return base is not None and base.target == "input"
 
 
 def _bool_and(g: GraphFacts) -> Iterator[Finding]:

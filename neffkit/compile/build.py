@@ -172,7 +172,7 @@ def _finished(result: BuildResult, units: list[GraphUnit]) -> BuildResult:
 def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
     """The shapes every graph of this manifest is traced from, as its target traces them."""
     backend = backend or get_backend(manifest.target)
-    return model_layout(manifest, backend.device, backend.gemv_max_rows)
+    return model_layout(manifest, backend.device, backend.projection)
 
 
 Planned = list[tuple[GraphSpec, ResolvedOptions]]

@@ -31,6 +31,7 @@ from neffkit.models.llama import (
     metadata_inputs,
 )
 from neffkit.models.parallel import Parallelism
+from neffkit.models.projection import PLAIN, ProjectionPolicy
 from neffkit.models.weights import Storage, has_kv_scales, rank_weight_specs
 from neffkit.targets import E4M3FN_MAX
 
@@ -51,7 +52,7 @@ class ModelLayout:
     prompt_logprobs: bool = False  # prefill graphs also return the prompt's own logprobs
     device: str = "cpu"
     par: Parallelism = Parallelism()
-    gemv_max_rows: int = 0  # projections of at most this many rows as reductions (Inductor)
+    projection: ProjectionPolicy = PLAIN  # the target's projection forms
     mla_decode: str = "absorbed"  # MLA decode graphs: latent-space attention, or expanded K/V
     kv_dtype: str = ""  # the KV cache tensors' dtype ("" = dtype)
     fp8_max: float = E4M3FN_MAX  # the range fp8 values use on the target (targets.fp8_max)
@@ -69,17 +70,21 @@ class Traced:
     sources: list[str]  # per canonical line: the model source line that made the node
 
 
-def weight_storage(manifest: Manifest) -> Storage:
+def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
     """How this manifest's bundle stores the checkpoint: dtype, the trn1/trn2 fp8 rescale
-    (values into ±240), and whether the fp8 KV cache reads the checkpoint's k/v scales."""
+    (values into ±240), whether the fp8 KV cache reads the checkpoint's k/v scales, and the
+    projection weights' blocked layout (the target's ProjectionPolicy.lanes)."""
     return Storage(
         manifest.dtype,
         fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
         kv_scales=manifest.fp8_kv_cache and has_kv_scales(manifest.model),
+        lanes=lanes,
     )
 
 
-def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLayout:
+def model_layout(
+    manifest: Manifest, device: str, projection: ProjectionPolicy = PLAIN
+) -> ModelLayout:
     """Shapes only (safetensors headers): tracing never needs the weight values.
 
     Every rank's shard has the same names and shapes (that is what makes SPMD possible); this is
@@ -87,7 +92,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
     """
     cfg = manifest.model_config
     par = Parallelism(manifest.parallel.tp, manifest.parallel.ep)
-    storage = weight_storage(manifest)
+    storage = weight_storage(manifest, projection.lanes)
     specs = rank_weight_specs(manifest.model, cfg, storage, par, 0)
     for rank in range(1, par.tp):
         if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
@@ -107,7 +112,7 @@ def model_layout(manifest: Manifest, device: str, gemv_max_rows: int) -> ModelLa
         prompt_logprobs=manifest.sampling.prompt_logprobs,
         device=device,
         par=par,
-        gemv_max_rows=gemv_max_rows,
+        projection=projection,
         mla_decode=manifest.mla_decode,
         kv_dtype=manifest.kv_cache.dtype or manifest.dtype,
         fp8_max=manifest.fp8_max,
@@ -189,7 +194,7 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
         len(metadata_inputs(shape)),
         layout.max_top_k,
         layout.par,
-        layout.gemv_max_rows,
+        layout.projection,
         layout.mla_decode,
         layout.fp8_max,
     )

@@ -137,9 +137,11 @@ def representative_inputs(
 
 
 def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
-    # projections as `mm` in the reference: the broadcast form Inductor fuses into a reduction
-    # would materialise a [rows, out, in] product in eager mode (1 GB for a 128k-vocab LM head)
-    module, specs = decoder_module(dataclasses.replace(layout, gemv_max_rows=0), spec)
+    # projections as matmuls in the reference: the broadcast forms Inductor fuses into
+    # reductions would materialise a [rows, out, in] product in eager mode (1 GB for a
+    # 128k-vocab LM head)
+    eager = dataclasses.replace(layout.projection, max_rows=0)
+    module, specs = decoder_module(dataclasses.replace(layout, projection=eager), spec)
     names = [s.name for s in specs]
 
     def run(inputs: list[torch.Tensor]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
@@ -344,7 +346,7 @@ def verify_units(
     reference, full = None, []
     if tp > 1:  # the tp=1 eager model on the whole checkpoint (held in memory for verify)
         one = replace(manifest, parallel=replace(manifest.parallel, tp=1, ep=1))
-        reference = model_layout(one, layout.device, 0)
+        reference = model_layout(one, layout.device)
         whole = dict(iter_rank_weights(one.model, one.model_config, reference.storage,
                                        reference.par, 0))  # fmt: skip
         full = [whole[w.name] for w in reference.weights]

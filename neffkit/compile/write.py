@@ -36,7 +36,7 @@ from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights
 from neffkit.compile.trace import ModelLayout
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
-from neffkit.models.llama import projection_form
+from neffkit.models.projection import is_projection_weight
 from neffkit.models.weights import Storage, iter_rank_weights, rank_weight_specs
 from neffkit.tensor_files import write_tensors
 
@@ -86,7 +86,13 @@ def copy_tokenizer(model_dir: Path, out: Path) -> None:
         shutil.copyfile(model_dir / name, out / name)
 
 
-def graph_record(u: GraphUnit, suffix: str, lower_only: bool, gemv_rows: int) -> GraphRecord:
+def projection_form(layout: ModelLayout, rows: int) -> str:
+    """How a graph of `rows` activation rows writes the layers' projections (recorded)."""
+    blocked = any(len(w.shape) == 3 and is_projection_weight(w.name) for w in layout.weights)
+    return layout.projection.form(rows, blocked)
+
+
+def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayout) -> GraphRecord:
     """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
     spec, t = u.spec, u.trace
     hlo = {}
@@ -115,7 +121,7 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, gemv_rows: int) ->
         ranks="all" if u.rank is None else (u.rank,),
         artifact_metadata=u.metadata,
         verify=u.verify,
-        projection=projection_form(spec.rows * spec.tokens, gemv_rows),
+        projection=projection_form(layout, spec.rows * spec.tokens),
         **hlo,
     )
 
@@ -165,10 +171,7 @@ def write_bundle(
         manifest=ManifestRecord.from_json(manifest.to_json()),
         model=ModelRecord.from_json(model),
         layout=layout_record(manifest, layout),
-        graphs=tuple(
-            graph_record(u, backend.artifact_suffix, lower_only, layout.gemv_max_rows)
-            for u in units
-        ),
+        graphs=tuple(graph_record(u, backend.artifact_suffix, lower_only, layout) for u in units),
         weights=tuple(weights),
         tokenizer="tokenizer" if (stage / "tokenizer").exists() else None,
         audit=AuditRecord(manifest.audit.waive, tuple(findings)),

@@ -23,6 +23,7 @@ from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.moe import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.parallel import Parallelism
+from neffkit.models.projection import PLAIN, ProjectionPolicy, out_features, project
 from neffkit.models.rope_scaling import rope_frequencies, yarn_mscale
 from neffkit.models.sharding import FP8_SCALE as SCALE
 from neffkit.models.sharding import ROPE_INV_FREQ
@@ -117,7 +118,7 @@ class DecoderGraph(torch.nn.Module):
         num_meta: int,
         max_top_k: int,
         par: Parallelism | None = None,
-        gemv_max_rows: int = 0,
+        projection: ProjectionPolicy = PLAIN,
         mla_decode: str = "absorbed",
         fp8_max: float = E4M3FN_MAX,
     ) -> None:
@@ -130,7 +131,7 @@ class DecoderGraph(torch.nn.Module):
         self.max_top_k = max_top_k
         self.par = par or Parallelism()
         self.has_rank = self.par.needs_rank_input(cfg)
-        self.gemv_max_rows = gemv_max_rows
+        self.projection = projection
         self.mla_decode = mla_decode
         self.rope_attention_factor = rope_frequencies(cfg.rope_params, cfg.head_dim)[1]
 
@@ -208,7 +209,7 @@ class DecoderGraph(torch.nn.Module):
         cfg = self.cfg
         rows, tokens, _ = x.shape
         kv_heads = k_cache.shape[2]
-        heads = w[f"{p}.self_attn.q_proj.weight"].shape[0] // cfg.head_dim
+        heads = out_features(w[f"{p}.self_attn.q_proj.weight"]) // cfg.head_dim
         q = self._linear(x, w, f"{p}.self_attn.q_proj").view(rows, tokens, heads, cfg.head_dim)
         k = self._linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         v = self._linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
@@ -327,7 +328,7 @@ class DecoderGraph(torch.nn.Module):
         return self._reduce(spread, None).flatten(-2)[..., : self.cfg.vocab_size]
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return project(x, weight, self.gemv_max_rows)
+        return project(x, weight, self.projection)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -373,7 +374,7 @@ class DecoderGraph(torch.nn.Module):
             first = torch.div(self.rank, self.par.moe_tp, rounding_mode="trunc") * local
         if self._routed(x2.shape[0], local):
             mine = local_slots(routing, local, first)
-            reduce = x2.shape[0] <= self.gemv_max_rows
+            reduce = x2.shape[0] == 1 and self.projection.max_rows >= 1
             h = gather_rows(x2, gate_up, mine.ids, reduce)  # [N, k, 2*I]
             if gate_up_b is not None:
                 h = h + gate_up_b[mine.ids]
@@ -463,25 +464,3 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
         mscale = yarn_mscale(params["factor"], mscale_all_dim)
         scale = scale * mscale * mscale
     return scale
-
-
-def projection_form(rows: int, gemv_max_rows: int) -> str:
-    """What `project` writes for `rows` activation rows: recorded per graph in bundle.json."""
-    if gemv_max_rows == 0:
-        return "dot"  # neuron: the dot the TensorEngine runs
-    return "reduction" if rows <= gemv_max_rows else "mm"
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, gemv_max_rows: int) -> torch.Tensor:
-    """x @ weight.T; with at most `gemv_max_rows` rows, as a broadcast multiply and sum.
-
-    Inductor fuses that form into the graph's one C++ kernel as a vectorised reduction that
-    streams each weight row once, where `mm` is a library call per projection whose fixed cost
-    dominates at decode sizes (demo model, batch 1: 29 calls of ~20 us each). With several rows
-    the reduction streams the weights once per row; `mm` reads them once for all, which is what
-    a bandwidth-bound step needs (the inductor backend's GEMV_MAX_ROWS is 1). Only for Inductor
-    targets: neuronx-cc needs the `dot` to put a projection on the TensorEngine.
-    """
-    if x.numel() // x.shape[-1] <= gemv_max_rows:
-        return (x.unsqueeze(-2) * weight).sum(-1)
-    return x @ weight.t()

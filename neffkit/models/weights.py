@@ -18,6 +18,7 @@ import torch
 from neffkit.errors import ModelError
 from neffkit.kernels.quant import effective_block, expand_scales, scale_grid
 from neffkit.models.config import ModelConfig
+from neffkit.models.projection import blocked_shape, blocks, to_blocked
 from neffkit.models.sharding import (
     FP8_SCALE,
     Parallelism,
@@ -40,6 +41,8 @@ class Storage:
     fp8_rescale: float = 1.0
     # the fp8 KV cache reads the checkpoint's per-layer k_scale / v_scale (graph inputs)
     kv_scales: bool = False
+    # projection weights stored blocked [out/lanes, in, lanes] (models/projection.py); 0: plain
+    lanes: int = 0
 
 
 def _storage(storage: Storage | str) -> Storage:
@@ -123,6 +126,9 @@ def rank_weight_specs(
         if t.dtype == FP8:
             out.append((name, tuple(t.shape), FP8))
             out.append((name + SCALE, scale_grid(tuple(t.shape), cfg.fp8_block), torch.float32))
+        elif blocks(name, tuple(t.shape), storage.lanes):
+            blocked = blocked_shape(tuple(t.shape), storage.lanes)
+            out.append((name, blocked, weight_dtype(name, storage.dtype)))
         else:
             out.append((name, tuple(t.shape), weight_dtype(name, storage.dtype)))
     return out
@@ -186,6 +192,8 @@ def iter_rank_weights(
                 yield name + SCALE, _compact(block_scale)
                 continue
             cast = tensor.to(weight_dtype(name, storage.dtype))
+            if blocks(name, tuple(cast.shape), storage.lanes):
+                cast = to_blocked(cast, storage.lanes)
             yield name, _compact(cast)
             del tensor, cast
     finally:

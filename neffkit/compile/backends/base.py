@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from neffkit.bundle import HostRecord, NeuronRecord
+from neffkit.models.projection import ProjectionPolicy
 
 if TYPE_CHECKING:
     from neffkit.compile.trace import ModelLayout, Traced
@@ -26,8 +27,8 @@ class Backend(Protocol):
     name: str
     device: str  # where graphs are traced
     artifact_suffix: str  # ".pt2", ".neff"
-    # decode graphs of at most this many rows project as fused reductions (models/llama.project)
-    gemv_max_rows: int
+    # how graphs write projections and store their weights (models/projection.py)
+    projection: ProjectionPolicy
 
     @property
     def version(self) -> str: ...

@@ -20,6 +20,7 @@ from neffkit.bundle import ArtifactMetadata, HostRecord, NeuronRecord, OptionVal
 from neffkit.compile.plan import GraphSpec
 from neffkit.compile.units import BuildContext, Compiled, GraphUnit
 from neffkit.errors import BuildError
+from neffkit.models.projection import LANES, ProjectionPolicy
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import CacheFactors
@@ -27,12 +28,12 @@ if TYPE_CHECKING:
     from neffkit.compile.verify import Runner, SpmdRunner
     from neffkit.manifest import Manifest
 
-# Decode graphs up to this many rows project as fused reductions on Inductor targets
-# (models/llama.project). One: the reduction streams the weights once per row, so with several
-# rows `mm` (MKL / oneDNN, bf16 kernels included) reads them once for all (bench/batch.py, a
-# 125M Llama: see the README's batch figures). The demo model, which fits in cache, measured
-# the two forms equal at 8 rows; a bandwidth-bound model does not.
-GEMV_MAX_ROWS = 1
+# cpu: projection weights stored blocked, decode graphs of up to 8 rows as register-blocked
+# reductions that read each weight tile once for all rows, larger ones as bmm over the blocks
+# (models/projection.py; measured with bench/batch.py on a 125M Llama, see the README).
+CPU_PROJECTION = ProjectionPolicy(max_rows=8, lanes=LANES)
+# cuda: plain weights; one decode row as a fused reduction, more rows as `mm` (cuBLAS)
+CUDA_PROJECTION = ProjectionPolicy(max_rows=1, lanes=0)
 
 
 def compile_job(
@@ -75,7 +76,7 @@ class CpuBackend:
     name = "cpu"
     device = "cpu"
     artifact_suffix = ".pt2"
-    gemv_max_rows = GEMV_MAX_ROWS
+    projection = CPU_PROJECTION
 
     @property
     def version(self) -> str:
@@ -135,6 +136,7 @@ class CpuBackend:
 class CudaBackend(CpuBackend):
     name = "cuda"
     device = "cuda"
+    projection = CUDA_PROJECTION
 
     def host_requirements(self) -> HostRecord:
         if not torch.cuda.is_available():

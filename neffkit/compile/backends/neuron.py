@@ -16,6 +16,7 @@ from neffkit.bundle import HostRecord, NeuronRecord, write_zst_text
 from neffkit.compile import neuronx_cc
 from neffkit.compile.lower import lower_program, require_lower_extra
 from neffkit.compile.units import BuildContext, Compiled, GraphUnit, LoweredGraph
+from neffkit.models.projection import PLAIN
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import CacheFactors
@@ -28,7 +29,7 @@ class NeuronBackend:
     name = "neuron"
     device = "cpu"  # where graphs are traced; they run on NeuronCores
     artifact_suffix = ".neff"
-    gemv_max_rows = 0  # neuronx-cc needs the `dot` for the TensorEngine
+    projection = PLAIN  # `dot`, plain weights: the TensorEngine's matmul
 
     def __init__(self) -> None:
         require_lower_extra()

@@ -1,0 +1,123 @@
+"""How a graph writes `x @ weight.T`, and the blocked weight layout the CPU forms read.
+
+A decode step is bandwidth-bound: each projection should stream its weight once, whatever the
+number of rows. On the CPU, Inductor's fused C++ reductions do that at one row; with several rows
+a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) reads it at
+~12 GB/s here. The forms below read a *blocked* weight, stored in the bundle as
+[out/LANES, in, LANES] (still a plain strided graph input, one copy for every graph):
+
+- "blocked-rows" (decode, up to `max_rows` rows): one reduction per row over the same weight
+  tile; Inductor fuses them into one loop whose body loads a LANES-wide weight vector once and
+  feeds every row's accumulator (a register-blocked GEMV: bench/batch.py, LAB.md).
+- "blocked-bmm" (prefill, larger buckets): `matmul` against the blocks, a bmm of
+  [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows here).
+
+Other forms: "reduction" (plain layout, a single row, the original GEMV form), "mm", and "dot"
+(neuron: neuronx-cc needs the `dot` to put a projection on the TensorEngine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LANES = 16  # one AVX-512 float32 vector: the weight tile the row loop shares
+
+
+@dataclass(frozen=True)
+class ProjectionPolicy:
+    """A target's choice of projection forms (compile/backends set it; recorded per graph)."""
+
+    max_rows: int = 0  # rows written as fused reductions; 0 = always `dot` / `mm`
+    lanes: int = 0  # projection weights stored blocked [out/lanes, in, lanes]; 0 = plain
+
+    def form(self, rows: int, blocked: bool) -> str:
+        """The form `project` writes for `rows` activation rows and this weight layout."""
+        if blocked:
+            return "blocked-rows" if rows <= self.max_rows else "blocked-bmm"
+        if self.max_rows == 0:
+            return "dot"
+        return "reduction" if rows <= self.max_rows and rows == 1 else "mm"
+
+
+PLAIN = ProjectionPolicy()  # `dot`/`mm` on plain weights: neuron, eager references
+
+
+def is_projection_weight(name: str) -> bool:
+    """Weights that reach the graph only through `project` (so may be stored blocked).
+
+    DeepSeek's kv_b_proj is viewed per head and absorbed (einsum), so it stays plain; expert
+    weights are gathered per token (models/moe.py)."""
+    if name == "lm_head.weight":
+        return True
+    return (
+        name.endswith("_proj.weight")
+        and not name.endswith("kv_b_proj.weight")
+        and (".experts." not in name)
+    )
+
+
+def blocks(name: str, shape: tuple[int, ...], lanes: int) -> bool:
+    """Is this (bundle-dtype, not fp8) weight stored blocked under `lanes`?"""
+    return lanes > 0 and len(shape) == 2 and shape[0] % lanes == 0 and is_projection_weight(name)
+
+
+def blocked_shape(shape: tuple[int, ...], lanes: int) -> tuple[int, ...]:
+    out_features, in_features = shape
+    return (out_features // lanes, in_features, lanes)
+
+
+def to_blocked(weight: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[out, in] → [out/lanes, in, lanes], contiguous: lane j of block b is output b*lanes + j."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // lanes, lanes, in_features).transpose(1, 2).contiguous()
+
+
+def from_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """The plain [out, in] weight again (tests, tools)."""
+    nb, in_features, lanes = weight.shape
+    return weight.transpose(1, 2).reshape(nb * lanes, in_features)
+
+
+def out_features(weight: torch.Tensor) -> int:
+    """A projection weight's output size, plain or blocked."""
+    return weight.shape[0] * weight.shape[2] if weight.dim() == 3 else weight.shape[0]
+
+
+def materialized(x: torch.Tensor) -> torch.Tensor:
+    """x, stored once in its own buffer by Inductor before the projection reads it.
+
+    Otherwise Inductor inlines the producer (the RMSNorm, SwiGLU) into the reduction's inner
+    loop, recomputing it for every weight tile (the LM head of a 125M model, 8 rows: ~30 ms a
+    step), or realises the whole [tiles, in, lanes] product (bf16: 0.5 GB a step). An identity
+    `as_strided` is the one view Inductor's lowering must realise its input for; eagerly it is
+    a free view."""
+    x = x.contiguous()
+    return torch.as_strided(x, x.shape, x.stride())
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, policy: ProjectionPolicy) -> torch.Tensor:
+    """x @ weight.T for a plain [out, in] or blocked [out/L, in, L] weight (module docstring)."""
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    rows = x.numel() // in_features
+    if weight.dim() == 3:
+        nb, _, lanes = weight.shape
+        x2 = x.reshape(rows, in_features)
+        if rows <= policy.max_rows:
+            # the rows in float32 once (bf16: no conversion per row and weight tile)
+            xf = materialized(x2.float())
+            # one reduction per row over the same tile: Inductor fuses them and loads each
+            # weight vector once for every row; float32 accumulation, one cast per output
+            per_row = [
+                (xf[r][None, :, None] * weight.float()).sum(1).reshape(nb * lanes)
+                for r in range(rows)
+            ]
+            out = torch.stack(per_row).to(x.dtype)
+        else:
+            out = torch.matmul(x2.unsqueeze(0), weight)  # [nb, rows, L]
+            out = out.permute(1, 0, 2).reshape(rows, nb * lanes)
+        return out.reshape(*lead, nb * lanes)
+    if rows == 1 and policy.max_rows >= 1:
+        return (x.unsqueeze(-2) * weight).sum(-1)
+    return x @ weight.t()
