@@ -59,6 +59,11 @@ def decode(d: dict[str, Any]) -> str:
     )
 
 
+def _bundle_name(path: str) -> str:
+    """A repository-relative bundle path as written; an absolute one by its directory name."""
+    return Path(path).name if Path(path).is_absolute() else path
+
+
 def serve(d: dict[str, Any]) -> str:
     rows = []
     for lv in d["levels"]:
@@ -76,8 +81,10 @@ def serve(d: dict[str, Any]) -> str:
             ]
         )
     return (
-        "**Serving** (`bench/serve.py`): concurrent streaming clients against `neffkit run` "
-        f"({d['input_len']}-token prompts, {d['output_len']} output tokens, ignore_eos), vLLM "
+        f"**Serving** (`bench/serve.py`, bundle `{_bundle_name(d['bundle'])}`): concurrent "
+        f"streaming clients against `neffkit run` ({d['input_len']}-token prompts, "
+        f"{d['output_len']} output "
+        "tokens, ignore_eos), vLLM "
         "bench-serve definitions; *engine alone* is `LLM.generate` on the same work with no "
         "HTTP, in the same run.\n\n"
         + _table(
@@ -219,8 +226,8 @@ def _peer_ratios(systems: dict[str, Any]) -> str:
                 )
     behind = any(v < 1 for r in systems.values() for k, v in r.items() if "speedup" in k)
     verdict = (
-        " Below 1×, neffkit is slower: at batch 8 it is behind (fp32 `mm` at 8 rows, prefill "
-        "one prompt per step; see Notes)."
+        " Below 1×, neffkit is slower (at batch 8: decode projections bound by float32 "
+        "multiply-adds, prefill one prompt per step; see Notes)."
         if behind
         else ""
     )
@@ -287,9 +294,11 @@ def batch(d: dict[str, Any]) -> str:
             ])  # fmt: skip
     return (
         "**Decode batch scaling** (`bench/batch.py`, a 125M Llama: hidden 1024, 6 layers, vocab "
-        "32000; ms per step). Before: projections of up to 8 rows were fused reductions, which "
-        "stream the weights once per row; after: one row keeps the reduction, more rows use "
-        "`mm`, which reads them once for all rows.\n\n"
+        f"32000; ms per step, {d.get('rounds', 3)} alternating rounds, before and after in the "
+        "same run). Before: plain weights; one row a fused reduction, more rows `mm` "
+        "(MKL/oneDNN). After: projection weights stored blocked [out/16, in, 16]; every decode "
+        "bucket a register-blocked reduction that loads each 16-wide weight vector once for all "
+        "rows (`models/projection.py`).\n\n"
         + _table(
             ["", "dtype", "batch 1", "batch 4", "batch 8", "b8 / b1", "tokens/s b8 / b1"], rows
         )  # fmt: skip
@@ -329,6 +338,7 @@ def lm_eval(d: dict[str, Any]) -> str:
 SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("decode", decode),
     ("serve", serve),
+    ("serve_125m", serve),
     ("overhead", overhead),
     ("startup", startup),
     ("roofline", roofline),

@@ -7,6 +7,8 @@ fixed length, outputs a fixed length with ignore_eos, so every request does the 
 
     python bench/serve.py                         # manifests/demo-serve.yaml, concurrency 1 4 8
     python bench/serve.py --url http://host:8000  # an already running server
+    python bench/serve.py --bundle bench/work/batch/bundle-float32 --name serve_125m
+                                                  # the 125M model of bench/batch.py
 """
 
 from __future__ import annotations
@@ -103,15 +105,14 @@ async def run_level(
 def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab: int) -> float:
     """Output tokens/s of the same work through LLM.generate in this process, no HTTP: the
     ceiling the server is measured against (same intra-op threads as the server's engine core)."""
-    import os
-
     import torch
 
+    from neffkit.runtime.core import engine_threads
     from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
     from neffkit.runtime.protocol import SamplingParams
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(engine_threads())
     engine = LLM(load(bundle))
     rng = random.Random(concurrency)
     prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(concurrency)]
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--name", default="serve", help="result file: bench/results/NAME.json")
     args = ap.parse_args()
 
     proc = None
@@ -177,9 +179,13 @@ def main() -> None:
                     f"{level['engine_only_tokens_per_s']:8.1f} output tok/s"
                 )
         path = write_result(
-            "serve",
+            args.name,
             {
-                "bundle": str(args.bundle),
+                "bundle": str(
+                    args.bundle.relative_to(REPO)
+                    if args.bundle.is_relative_to(REPO)
+                    else args.bundle
+                ),  # fmt: skip
                 "input_len": args.input_len,
                 "output_len": args.output_len,
                 "levels": levels,

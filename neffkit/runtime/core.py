@@ -138,18 +138,22 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
             conn.send((STEP, (outputs, (len(s.running), s.num_waiting, s.kv_usage))))
 
 
-def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: float) -> None:
-    """Entry point of the core process (spawned by the server).
+def engine_threads() -> int:
+    """Intra-op threads of the engine core: every core (`NEFFKIT_ENGINE_THREADS` overrides).
 
-    The core leaves one core to the HTTP process (`NEFFKIT_ENGINE_THREADS` overrides): on a
-    2-core host that measured 1.4x the single-stream throughput of two intra-op threads
-    competing with the server (bench/serve.py).
-    """
+    Leaving one core to the HTTP process paid when decode steps were microseconds (demo model);
+    with batched decode compute-bound, two threads serve more on a 2-core host at 1 stream and
+    at 8 (bench/serve.py on the 125M model: 62 vs 52 and 230 vs 137 tok/s; demo model: 1200
+    vs 1140 and 1253 vs 1193)."""
+    return int(os.environ.get("NEFFKIT_ENGINE_THREADS", 0)) or os.cpu_count() or 1
+
+
+def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: float) -> None:
+    """Entry point of the core process (spawned by the server)."""
     try:
         import torch
 
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(int(os.environ.get("NEFFKIT_ENGINE_THREADS", 0)) or max(1, cores - 1))
+        torch.set_num_threads(engine_threads())
         from neffkit.runtime.distributed import run_on_ranks
 
         run_on_ranks(
