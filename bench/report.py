@@ -125,7 +125,14 @@ def startup(d: dict[str, Any]) -> str:
     split = (
         f" Of that, `import torch` takes {d['neffkit_import_torch_s']:.2f} s and everything "
         f"else (neffkit's imports, bundle checks, mapping the weights, loading the graphs, the "
-        f"first step) {d['neffkit_beyond_torch_and_weights_s']:.3f} s (target ≤ 0.1 s)."
+        f"first step) {d['neffkit_beyond_torch_and_weights_s']:.3f} s (target ≤ 0.1 s)"
+        + (
+            f", of which {d['interpreter_s']:.3f} s is the bare interpreter (`python -c` of "
+            f"this venv): neffkit's own share is "
+            f"{d['neffkit_beyond_interpreter_torch_and_weights_s']:.3f} s."
+            if "interpreter_s" in d
+            else "."
+        )
         if "neffkit_import_torch_s" in d
         else ""
     )

@@ -40,6 +40,10 @@ print(json.dumps({"first_token_at": time.time(), "weights_s": weights_s, "torch_
                   "token": token}))
 """
 
+INTERPRETER = """
+import json, time
+print(json.dumps({"first_token_at": time.time()}))
+"""
 HF = """
 import json, sys, time
 import torch, transformers
@@ -75,8 +79,14 @@ def main() -> None:
     args = ap.parse_args()
     bundle = ensure_bundle(args.manifest, args.bundle)
     model_dir = json.loads((bundle / "bundle.json").read_text())["manifest"]["model"]
-    runs: dict[str, list[dict]] = {"neffkit": [], "hf_eager": [], "hf_compile": []}
+    runs: dict[str, list[dict]] = {
+        "interpreter": [],
+        "neffkit": [],
+        "hf_eager": [],
+        "hf_compile": [],
+    }
     for _ in range(args.repeats):  # interleaved, so drift hits every path alike
+        runs["interpreter"].append(run_child(INTERPRETER))
         runs["neffkit"].append(run_child(NEFFKIT, str(bundle)))
         runs["hf_eager"].append(run_child(HF, model_dir, "eager"))
         runs["hf_compile"].append(run_child(HF, model_dir, "compile"))
@@ -84,12 +94,17 @@ def main() -> None:
     weights = statistics.median(r["weights_s"] for r in runs["neffkit"])
     torch_s = statistics.median(r["torch_s"] for r in runs["neffkit"])
     rest = statistics.median(r["seconds"] - r["weights_s"] - r["torch_s"] for r in runs["neffkit"])
+    interpreter = med.pop("interpreter")
     result = {
         "bundle": str(bundle),
         "median_seconds": med,
         "neffkit_weights_s": weights,
         "neffkit_import_torch_s": torch_s,
         "neffkit_beyond_torch_and_weights_s": rest,
+        # a bare `python -c` of this venv: the interpreter and site (the editable-install
+        # finder included), paid by any Python runtime before its first import
+        "interpreter_s": interpreter,
+        "neffkit_beyond_interpreter_torch_and_weights_s": rest - interpreter,
         "neffkit_beyond_weights_s": med["neffkit"] - weights,
         "hf_compile_vs_neffkit": med["hf_compile"] / med["neffkit"],
         "hf_eager_vs_neffkit": med["hf_eager"] / med["neffkit"],
@@ -97,7 +112,7 @@ def main() -> None:
     for k, v in med.items():
         print(f"{k:>11}: {v:.2f} s to the first token")
     print(f"neffkit: import torch {torch_s:.2f} s, weights {weights:.3f} s, everything else "
-          f"{rest:.3f} s")  # fmt: skip
+          f"{rest:.3f} s, of which the bare interpreter {interpreter:.3f} s")  # fmt: skip
     print(f"neffkit beyond reading the weights: {result['neffkit_beyond_weights_s']:.2f} s; "
           f"HF+torch.compile is {result['hf_compile_vs_neffkit']:.1f}x slower")  # fmt: skip
     print(f"written {write_result('startup', result)}")
