@@ -143,8 +143,8 @@ def engine_threads() -> int:
 
     Leaving one core to the HTTP process paid when decode steps were microseconds (demo model);
     with batched decode compute-bound, two threads serve more on a 2-core host at 1 stream and
-    at 8 (bench/serve.py on the 125M model: 62 vs 52 and 230 vs 137 tok/s; demo model: 1200
-    vs 1140 and 1253 vs 1193)."""
+    at 8 (bench/serve.py on the 125M model: 62 vs 52 and 230 vs 137 tok/s). On the demo model
+    throughput is level within noise and the 1-stream ITL p99 rises from ~1 to ~5 ms."""
     return int(os.environ.get("NEFFKIT_ENGINE_THREADS", 0)) or os.cpu_count() or 1
 
 
