@@ -374,7 +374,7 @@ class DecoderGraph(torch.nn.Module):
             first = torch.div(self.rank, self.par.moe_tp, rounding_mode="trunc") * local
         if self._routed(x2.shape[0], local):
             mine = local_slots(routing, local, first)
-            reduce = x2.shape[0] == 1 and self.projection.max_rows >= 1
+            reduce = self.projection.form(x2.shape[0], blocked=False) == "reduction"
             h = gather_rows(x2, gate_up, mine.ids, reduce)  # [N, k, 2*I]
             if gate_up_b is not None:
                 h = h + gate_up_b[mine.ids]

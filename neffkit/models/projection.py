@@ -38,24 +38,20 @@ class ProjectionPolicy:
             return "blocked-rows" if rows <= self.max_rows else "blocked-bmm"
         if self.max_rows == 0:
             return "dot"
-        return "reduction" if rows <= self.max_rows and rows == 1 else "mm"
+        return "reduction" if rows == 1 else "mm"
 
 
 PLAIN = ProjectionPolicy()  # `dot`/`mm` on plain weights: neuron, eager references
 
 
 def is_projection_weight(name: str) -> bool:
-    """Weights that reach the graph only through `project` (so may be stored blocked).
+    """Graph weights that reach the graph only through `project` (so may be stored blocked).
 
     DeepSeek's kv_b_proj is viewed per head and absorbed (einsum), so it stays plain; expert
-    weights are gathered per token (models/moe.py)."""
+    weights are graph inputs `moe.gate_up` / `moe.down`, gathered per token (models/moe.py)."""
     if name == "lm_head.weight":
         return True
-    return (
-        name.endswith("_proj.weight")
-        and not name.endswith("kv_b_proj.weight")
-        and (".experts." not in name)
-    )
+    return name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight")
 
 
 def blocks(name: str, shape: tuple[int, ...], lanes: int) -> bool:
@@ -101,10 +97,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, policy: ProjectionPolicy) -> 
     """x @ weight.T for a plain [out, in] or blocked [out/L, in, L] weight (module docstring)."""
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = x.numel() // in_features
-    if weight.dim() == 3:
+    form = policy.form(rows, blocked=weight.dim() == 3)  # what bundle.json records
+    if form.startswith("blocked"):
         nb, _, lanes = weight.shape
         x2 = x.reshape(rows, in_features)
-        if rows <= policy.max_rows:
+        if form == "blocked-rows":
             # the rows in float32 once (bf16: no conversion per row and weight tile)
             xf = materialized(x2.float())
             # one reduction per row over the same tile: Inductor fuses them and loads each
@@ -118,6 +115,6 @@ def project(x: torch.Tensor, weight: torch.Tensor, policy: ProjectionPolicy) -> 
             out = torch.matmul(x2.unsqueeze(0), weight)  # [nb, rows, L]
             out = out.permute(1, 0, 2).reshape(rows, nb * lanes)
         return out.reshape(*lead, nb * lanes)
-    if rows == 1 and policy.max_rows >= 1:
+    if form == "reduction":
         return (x.unsqueeze(-2) * weight).sum(-1)
-    return x @ weight.t()
+    return x @ weight.t()  # "mm", "dot"

@@ -126,11 +126,11 @@ def rank_weight_specs(
         if t.dtype == FP8:
             out.append((name, tuple(t.shape), FP8))
             out.append((name + SCALE, scale_grid(tuple(t.shape), cfg.fp8_block), torch.float32))
-        elif blocks(name, tuple(t.shape), storage.lanes):
-            blocked = blocked_shape(tuple(t.shape), storage.lanes)
-            out.append((name, blocked, weight_dtype(name, storage.dtype)))
         else:
-            out.append((name, tuple(t.shape), weight_dtype(name, storage.dtype)))
+            shape = tuple(t.shape)
+            if blocks(name, shape, storage.lanes):
+                shape = blocked_shape(shape, storage.lanes)
+            out.append((name, shape, weight_dtype(name, storage.dtype)))
     return out
 
 
