@@ -17,6 +17,7 @@ import shutil
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 import zstandard
 
@@ -68,13 +69,34 @@ def _safe(name: str) -> str:
     return name
 
 
-def unpack_bundle(pack: Path) -> Path:
-    """The directory holding the pack's bundle, extracted (once) and every file checked."""
+def _open_pack(pack: Path | str) -> BinaryIO:
+    """A local pack, or one at an fsspec URL (s3://…, gs://…, https://…), read as a stream."""
+    if isinstance(pack, Path) or "://" not in pack:
+        return Path(pack).open("rb")
+    if not pack.endswith(PACK_SUFFIX):
+        raise BundleError(f"{pack}: a bundle at a URL must be a pack (BUNDLE{PACK_SUFFIX})")
+    try:
+        import fsspec
+
+        return fsspec.open(pack, "rb").open()
+    except ImportError as exc:
+        raise BundleError(
+            f"{pack}: {exc}", hint="install the protocol's fsspec package (s3fs, gcsfs)"
+        ) from None
+    except FileNotFoundError:
+        raise BundleError(f"{pack}: no such pack") from None
+    except Exception as exc:  # credentials, endpoint, bucket
+        raise BundleError(f"{pack}: cannot read it ({type(exc).__name__}: {exc})") from None
+
+
+def unpack_bundle(pack: Path | str) -> Path:
+    """The directory holding the pack's bundle (a local path or an fsspec URL), extracted
+    (once) and every file checked."""
     cache = bundle_cache()
     cache.mkdir(parents=True, exist_ok=True)
     tmp: Path | None = None
     try:
-        with pack.open("rb") as raw:
+        with _open_pack(pack) as raw:
             reader = zstandard.ZstdDecompressor().stream_reader(raw)
             with tarfile.open(fileobj=reader, mode="r|") as tar:
                 first = tar.next()

@@ -38,11 +38,17 @@ def cli(verbose: bool) -> None:
 @click.option("-j", "--jobs", type=click.IntRange(min=1), help="Worker processes (default: cores).")
 @click.option(
     "--cache",
-    "cache_dir",
-    type=click.Path(path_type=Path),
-    help="Artifact cache directory (default: $NEFFKIT_CACHE or ~/.cache/neffkit).",
+    "cache_location",
+    metavar="DIR|URL",
+    help="Artifact cache: a directory or an fsspec URL such as s3://bucket/prefix "
+    "(default: $NEFFKIT_CACHE or ~/.cache/neffkit).",
 )
 @click.option("--no-cache", is_flag=True, help="Compile everything; read and write no cache.")
+@click.option(
+    "--cache-readonly",
+    is_flag=True,
+    help="Use the cache's entries but write nothing to it (serving hosts, untrusted CI).",
+)
 @click.option("--dry-run", is_flag=True, help="Trace and print the graph table; write nothing.")
 @click.option(
     "--lower-only",
@@ -70,8 +76,9 @@ def build(
     manifest: Path,
     output: Path | None,
     jobs: int | None,
-    cache_dir: Path | None,
+    cache_location: str | None,
     no_cache: bool,
+    cache_readonly: bool,
     dry_run: bool,
     lower_only: bool,
     verify: bool,
@@ -87,7 +94,7 @@ def build(
     from neffkit.compile.cache import default_cache_dir
     from neffkit.compile.progress import Progress
 
-    cache = None if no_cache else (cache_dir or default_cache_dir())
+    cache = None if no_cache else (cache_location or default_cache_dir())
     share = _parse_shard(shard) if shard else None
     result = run_build(
         resolved,
@@ -99,6 +106,7 @@ def build(
         lower_only=lower_only,
         verify=verify,
         shard=share,
+        cache_readonly=cache_readonly,
     )
     packed = None
     if pack and not dry_run and share is None:
@@ -178,7 +186,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 @cli.command()
-@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("bundle", callback=lambda _ctx, _param, value: _local_bundle(value))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids: 1,2,3.")
 @click.option("--max-tokens", default=OFFLINE.max_tokens, type=int, show_default=True)
@@ -273,9 +281,14 @@ def run(
 
 
 @cli.command()
-@click.argument("target", type=click.Path(path_type=Path))
+@click.argument("target", callback=lambda _ctx, _param, value: _local_bundle(value))
 @click.option("--graph", "graph_name", help="Show one graph: inputs, io-alias, flags, ops.")
-@click.option("--diff", "other", type=click.Path(path_type=Path), help="Compare with bundle B.")
+@click.option(
+    "--diff",
+    "other",
+    callback=lambda _ctx, _param, value: _local_bundle(value) if value else None,
+    help="Compare with bundle B.",
+)
 @click.option("--verify", is_flag=True, help="Re-hash every file of the bundle.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema 1).")
 def inspect(
@@ -383,6 +396,16 @@ def _render_diff(d: dict):
     if len(lines) == 2:
         lines.append("no differences")
     return "\n".join(lines)
+
+
+def _local_bundle(value: str) -> Path:
+    """A bundle argument as a local path: a packed bundle at an fsspec URL (s3://…/B.tar.zst)
+    is streamed once into the bundle cache, every file checked, and its directory returned."""
+    if "://" not in value:
+        return Path(value)
+    from neffkit.bundle_pack import unpack_bundle
+
+    return unpack_bundle(value)
 
 
 def main() -> None:

@@ -262,7 +262,7 @@ def build_session_bundle(session_dir: Path, model_dir: Path, name: str, **manife
             load_manifest(path),
             session_dir / "bundles" / name,
             jobs=build_jobs_per_worker(),
-            cache_dir=session_cache(session_dir),
+            cache=session_cache(session_dir),
         )
         report.write_text(json.dumps(result.report()))
         return result

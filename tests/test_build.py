@@ -8,7 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,15 +74,80 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
 
 
-def test_ci_shards_fill_one_cache_and_the_assembly_compiles_nothing(bundle, session_dir, tmp_path):
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """An S3-compatible endpoint for this test: moto's server, started here and stopped here
+    (no real object store is reachable from CI). Yields the environment a client needs."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "NEFFKIT_CACHE_MIRROR": str(tmp_path / "mirror"),
+        "NEFFKIT_BUNDLES": str(tmp_path / "unpacked"),
+    }
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, "moto server did not start"
+                time.sleep(0.2)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _s3fs(env: dict[str, str]) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        use_listings_cache=False,
+    )
+
+
+def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
+    bundle, session_dir, tmp_path, s3
+):
     """`--shard 1/2` and `--shard 2/2` run as separate processes (a CI matrix) into one fresh
-    cache, each tracing and compiling only its share and writing no bundle; the build without a
-    shard then traces and compiles nothing, and its bundle.json and ir/ equal a local build's,
-    except the AOTInductor packages' file hashes: two compiles of one graph do not give the
-    same .pt2 bytes (what is compared instead is everything the graphs are identified by)."""
+    cache on an S3 endpoint, each tracing and compiling only its share and writing no bundle;
+    the build without a shard then traces and compiles nothing, and its bundle.json and ir/
+    equal a local build's, except the AOTInductor packages' file hashes: two compiles of one
+    graph do not give the same .pt2 bytes (what is compared instead is everything the graphs
+    are identified by). Then: an entry whose upload stopped before its key.json is compiled
+    again, `--cache-readonly` writes nothing, and the pack is read back from the bucket."""
     first = bundle("llama_tied")
     manifest = session_dir / "llama_tied.yaml"
-    cache = tmp_path / "shared-cache"
+    fs = _s3fs(s3)
+    fs.mkdir("neffkit-ci")
+    cache = "s3://neffkit-ci/cache"
+    env = {**os.environ, **s3}
+
+    def cli_build(out: Path | None, *extra: str) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "--cache", cache]
+        cmd += [*(["-o", str(out)] if out else []), *extra, "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
     procs = [
         subprocess.Popen(
             [
@@ -90,7 +157,7 @@ def test_ci_shards_fill_one_cache_and_the_assembly_compiles_nothing(bundle, sess
                 "build",
                 str(manifest),
                 "--cache",
-                str(cache),
+                cache,
                 "--shard",
                 f"{k}/2",
                 "-j",
@@ -101,6 +168,7 @@ def test_ci_shards_fill_one_cache_and_the_assembly_compiles_nothing(bundle, sess
             stderr=subprocess.PIPE,
             text=True,
             cwd=REPO,
+            env=env,
         )  # fmt: skip
         for k in (1, 2)
     ]
@@ -115,9 +183,7 @@ def test_ci_shards_fill_one_cache_and_the_assembly_compiles_nothing(bundle, sess
     for r, share in zip(reports, shares, strict=True):
         assert r["bundle"] is None and r["counters"]["compiled"] == len(share)
         assert r["counters"]["traced"] == len(share)
-    proc = _cli_build(manifest, tmp_path / "assembled", cache, "--json")
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = cli_build(tmp_path / "assembled", "--pack")
     assert report["counters"]["traced"] == 0 and report["counters"]["compiled"] == 0
     second = Path(report["bundle"])
     local, assembled = (json.loads((b / "bundle.json").read_text()) for b in (first, second))
@@ -126,8 +192,48 @@ def test_ci_shards_fill_one_cache_and_the_assembly_compiles_nothing(bundle, sess
     assert local == assembled
     for ir in (first / "ir").iterdir():
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
-    bad = _cli_build(manifest, tmp_path / "x", cache, "--shard", "3/2")
+
+    # an upload interrupted before its key.json: the object is there, the entry is not
+    graph_entries = [
+        k.rsplit("/", 1)[0]
+        for k in fs.find("neffkit-ci/cache/entries")
+        if k.endswith(KEY_JSON) and "artifact_metadata" in json.loads(fs.cat_file(k))
+    ]
+    assert len(graph_entries) == 3
+    fs.rm_file(f"{graph_entries[0]}/{KEY_JSON}")
+    objects = {k: fs.info(k)["ETag"] for k in fs.find("neffkit-ci")}
+    readonly = cli_build(tmp_path / "ro", "--cache-readonly")
+    assert readonly["counters"]["compiled"] == 1 and readonly["counters"]["cache_hits"] == 2
+    assert {k: fs.info(k)["ETag"] for k in fs.find("neffkit-ci")} == objects  # nothing written
+    again = cli_build(tmp_path / "again")
+    assert again["counters"]["compiled"] == 1 and again["counters"]["traced"] == 0
+    assert fs.exists(f"{graph_entries[0]}/{KEY_JSON}")  # published again
+    bad = _cli_build(manifest, tmp_path / "x", tmp_path / "c", "--shard", "3/2")
     assert bad.returncode == 2 and "expected K/N with 1 <= K <= N" in bad.stderr
+
+    # the pack, uploaded and read back by URL: inspect equals the directory's
+    fs.put_file(report["pack"], "neffkit-ci/bundles/llama_tied.tar.zst")
+    inspected = [
+        subprocess.run(
+            [sys.executable, "-m", "neffkit", "inspect", target, "--verify", "--json"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+        )  # fmt: skip
+        for target in (str(second), "s3://neffkit-ci/bundles/llama_tied.tar.zst")
+    ]
+    assert all(p.returncode == 0 for p in inspected), inspected[1].stderr
+    from_dir, from_url = (json.loads(p.stdout) for p in inspected)
+    from_dir.pop("bundle", None), from_url.pop("bundle", None)
+    assert from_dir == from_url
+    missing = subprocess.run(
+        [sys.executable, "-m", "neffkit", "inspect", "s3://neffkit-ci/bundles/none.tar.zst"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "none.tar.zst: no such pack" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir, tmp_path):

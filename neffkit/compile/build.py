@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neffkit.bundle import (
     FindingRecord,
@@ -33,8 +34,8 @@ from neffkit.compile.audit import audit_units
 from neffkit.compile.backends import get_backend
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache import (
-    ArtifactCache,
     lookup_units,
+    open_cache,
     remember_unit,
     restore_unit,
     store_unit,
@@ -51,6 +52,9 @@ from neffkit.compile.workers import trace_job, worker_pool
 from neffkit.compile.write import write_bundle, write_weights
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
+
+if TYPE_CHECKING:
+    from neffkit.compile.cache import Cache
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +94,17 @@ def build(
     output: Path | None = None,
     jobs: int | None = None,
     progress: Progress | None = None,
-    cache_dir: Path | None = None,
+    cache: str | Path | None = None,
     dry_run: bool = False,
     lower_only: bool = False,
     verify: bool = False,
     shard: tuple[int, int] | None = None,
+    cache_readonly: bool = False,
 ) -> BuildResult:
     """Build `manifest` into a bundle at `output` (or only report the plan with `dry_run`).
 
-    `cache_dir=None` disables the artifact cache. `lower_only` (neuron) stops after lowering: the
+    `cache` (a directory or an fsspec URL; None disables it) is the artifact cache,
+    `cache_readonly` reads it and writes nothing. `lower_only` (neuron) stops after lowering: the
     bundle holds HLO modules for `neffkit compile` to finish on a Neuron host. `verify` runs every
     graph against the eager model and records the result per graph. `shard=(k, n)` (a CI matrix
     job) traces and compiles only the k-th of n shares of the graphs into the cache and writes
@@ -110,12 +116,12 @@ def build(
     backend = get_backend(manifest.target)
     backend.check_ready(lower_only, dry_run)
     # a lowered bundle compiles nothing, so there is nothing to cache
-    cache = ArtifactCache(cache_dir) if cache_dir and not lower_only else None
+    store = open_cache(cache, cache_readonly) if cache and not lower_only else None
     clock = _Clock(result.seconds, result.peak_rss_mb_by_stage)
-    if shard is not None and cache is None:
+    if shard is not None and (store is None or store.readonly):
         raise BuildError(
-            "--shard fills the artifact cache, and this build has none "
-            "(--no-cache or --lower-only)",
+            "--shard fills the artifact cache, and this build has none it may write "
+            "(--no-cache, --cache-readonly or --lower-only)",
             hint="give every shard and the assembling build the same --cache",
         )
     with clock("plan"):  # 1. graphs, their resolved compiler options, the weights' shapes
@@ -127,28 +133,28 @@ def build(
     with worker_pool(jobs or os.cpu_count() or 1) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
         with clock("trace"):  # 2. every graph on every rank, in parallel (unless cached)
-            traces = trace_graphs(ctx, specs, backend, cache, result.counters)
+            traces = trace_graphs(ctx, specs, backend, store, result.counters)
         with clock("check"):  # 3. byte-identical on every rank: one artifact serves all (SPMD)
             units = check_graphs(ctx, specs, traces, result.counters)
         with clock("audit"):  # 4. known neuronx-cc / runtime hazards
             result.findings = audit_units(manifest, units, progress, fail=not dry_run)
         with clock("cache"):  # 5. look each unit up by every factor that changes its artifact
-            lookup_units(cache, units, backend, manifest, progress)
+            lookup_units(store, units, backend, manifest, progress)
         result.counters["cache_hits"] = sum(u.cached is not None for u in units)
         if dry_run:
-            result.graphs = [_dry_run_row(u, cache is not None) for u in units]
+            result.graphs = [_dry_run_row(u, store is not None) for u in units]
             return result
         if shard is not None:  # compile into the cache only: no weights, no bundle
             with tempfile.TemporaryDirectory(prefix="neffkit-shard-") as stage, clock("compile"):
-                result.counters["compiled"] = compile_units(ctx, backend, cache, Path(stage), units)
+                result.counters["compiled"] = compile_units(ctx, backend, store, Path(stage), units)
             result.bundle = None
             return _finished(result, units)
         with staging_dir(dest) as stage:
             with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
-                weights, placed = write_weights(manifest, stage, layout, cache)
+                weights, placed = write_weights(manifest, stage, layout, store)
                 result.counters.update({f"weights_{k}": v for k, v in placed.items() if v})
             with clock("compile"):  # 7. compile the misses (in parallel); copy the hits
-                result.counters["compiled"] = compile_units(ctx, backend, cache, stage, units)
+                result.counters["compiled"] = compile_units(ctx, backend, store, stage, units)
             if verify:  # 8. every graph against the eager model
                 with clock("verify"):
                     verify_units(manifest, layout, backend, stage, units, progress)
@@ -213,7 +219,7 @@ def trace_graphs(
     ctx: BuildContext,
     specs: Planned,
     backend: Backend,
-    cache: ArtifactCache | None,
+    cache: Cache | None,
     counters: dict[str, int],
 ) -> list[list[TraceResult]]:
     """Per graph, one TraceResult per rank (lowered too where the backend compiles that form).
@@ -284,7 +290,7 @@ def _check_spmd(name: str, per_rank: list[TraceResult]) -> None:
 def compile_units(
     ctx: BuildContext,
     backend: Backend,
-    cache: ArtifactCache | None,
+    cache: Cache | None,
     stage: Path,
     units: list[GraphUnit],
 ) -> int:

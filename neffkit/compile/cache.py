@@ -13,6 +13,10 @@ spec and rank) → the trace itself, so a rebuild with nothing changed traces no
 there could only come from a factor left out; it still cannot give a wrong artifact, whose key is
 the traced graph. Trace entries are pickles: the cache is trusted as much as the compiled
 artifacts it holds, which are executable code.
+
+The cache can also live anywhere fsspec reaches (`s3://bucket/prefix`, `gs://…`): see
+`remote_cache.py`; `open_cache` picks. A read-only cache (`--cache-readonly`: serving hosts,
+untrusted CI) is looked up but never written, corrupt entries included.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
     from neffkit.compile.backends.base import Backend
     from neffkit.compile.plan import GraphSpec
     from neffkit.compile.progress import Progress
+    from neffkit.compile.remote_cache import RemoteArtifactCache
     from neffkit.compile.units import GraphUnit, TraceResult
     from neffkit.manifest import Manifest
 
@@ -51,8 +56,23 @@ log = logging.getLogger(__name__)
 KEY_JSON = "key.json"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("NEFFKIT_CACHE") or Path.home() / ".cache" / "neffkit")
+def default_cache_dir() -> str:
+    """$NEFFKIT_CACHE (a directory or an fsspec URL), else ~/.cache/neffkit."""
+    return os.environ.get("NEFFKIT_CACHE") or str(Path.home() / ".cache" / "neffkit")
+
+
+def is_url(location: str | Path) -> bool:
+    return isinstance(location, str) and "://" in location
+
+
+def open_cache(location: str | Path, readonly: bool = False) -> ArtifactCache | RemoteArtifactCache:
+    """The cache at `location`: a local directory (`file://` included), or an fsspec URL."""
+    if is_url(location) and not str(location).startswith("file://"):
+        from neffkit.compile.remote_cache import RemoteArtifactCache
+
+        return RemoteArtifactCache(str(location), readonly)
+    path = str(location).removeprefix("file://")
+    return ArtifactCache(Path(path).expanduser(), readonly)
 
 
 @dataclass(frozen=True)
@@ -98,15 +118,23 @@ def explain_change(old: JsonObject, new: JsonObject) -> str:
 
 
 class ArtifactCache:
-    def __init__(self, root: Path) -> None:
+    """The cache in a local (or shared, POSIX) directory: entries published by rename."""
+
+    def __init__(self, root: Path, readonly: bool = False) -> None:
         self.root = Path(root)
+        self.readonly = readonly
         self.entries = self.root / "entries"
         self.labels = self.root / "labels"
         self.tmp = self.root / "tmp"
         self.traces = self.root / "traces"
+        if readonly:  # touch nothing: the directory may not even be writable
+            return
         for d in (self.entries, self.labels, self.tmp, self.traces):
             d.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_dirs(self.tmp, "")
+
+    def describe(self) -> str:
+        return str(self.root) + (" (read-only)" if self.readonly else "")
 
     def _entry(self, key: CacheKey) -> Path:
         return self.entries / key.digest
@@ -125,7 +153,8 @@ class ArtifactCache:
         except (OSError, ValueError, KeyError):
             pass
         log.warning("cache entry %s is corrupt; recompiling", entry.name)
-        shutil.rmtree(entry, ignore_errors=True)
+        if not self.readonly:
+            shutil.rmtree(entry, ignore_errors=True)
         return None
 
     def store(
@@ -133,7 +162,10 @@ class ArtifactCache:
     ) -> Path:
         """Copy `artifact` into a new entry atomically; return the cached artifact's path.
 
-        `link` (weight shards): reflink or hardlink where the filesystem allows, else copy."""
+        `link` (weight shards): reflink or hardlink where the filesystem allows, else copy.
+        A read-only cache stores nothing and returns `artifact`."""
+        if self.readonly:
+            return artifact
         tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.tmp))
         try:
             if link:
@@ -165,6 +197,8 @@ class ArtifactCache:
 
     def store_trace(self, key: CacheKey, trace: TraceResult) -> None:
         """Write a trace entry atomically: a temp file renamed into place."""
+        if self.readonly:
+            return
         fd, tmp = tempfile.mkstemp(prefix=f"{os.getpid()}-", dir=self.tmp)
         with os.fdopen(fd, "wb") as f:
             pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -181,11 +215,17 @@ class ArtifactCache:
 
     def remember(self, label: str, key: CacheKey) -> None:
         """Record (atomically) the factors `label` (manifest/graph) was last built with."""
+        if self.readonly:
+            return
         path = self._label_path(label)
         fd, tmp = tempfile.mkstemp(prefix=f"{os.getpid()}-", dir=self.tmp)
         with os.fdopen(fd, "w") as f:
             json.dump({"label": label, "factors": key.factors}, f, sort_keys=True)
         os.replace(tmp, path)
+
+
+if TYPE_CHECKING:
+    Cache = ArtifactCache | RemoteArtifactCache  # one interface, two stores
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
@@ -291,7 +331,7 @@ def weights_key(manifest: Manifest, rank: int, storage: JsonObject) -> CacheKey:
 
 
 def lookup_units(
-    cache: ArtifactCache | None,
+    cache: Cache | None,
     units: list[GraphUnit],
     backend: Backend,
     manifest: Manifest,
@@ -330,7 +370,7 @@ def unit_key(u: GraphUnit, backend: Backend, host: JsonObject, manifest: Manifes
     )
 
 
-def store_unit(cache: ArtifactCache, u: GraphUnit, artifact: Path) -> None:
+def store_unit(cache: Cache, u: GraphUnit, artifact: Path) -> None:
     """Cache a freshly compiled artifact with what a hit must restore (metadata, compiler)."""
     assert u.key is not None
     extra: JsonObject = {"artifact_metadata": u.metadata.to_json()}
@@ -348,7 +388,7 @@ def restore_unit(u: GraphUnit) -> None:
     u.compiler = CompilerRecord.from_json(compiler) if compiler else None
 
 
-def remember_unit(cache: ArtifactCache, manifest: Manifest, u: GraphUnit) -> None:
+def remember_unit(cache: Cache, manifest: Manifest, u: GraphUnit) -> None:
     assert u.key is not None
     cache.remember(_label(manifest, u), u.key)
 

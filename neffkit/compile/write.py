@@ -11,6 +11,7 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,13 +33,16 @@ from neffkit.bundle import (
     write_zst_text,
 )
 from neffkit.compile.backends.base import Backend
-from neffkit.compile.cache import KEY_JSON, ArtifactCache, link_or_copy, weights_key
+from neffkit.compile.cache import KEY_JSON, link_or_copy, weights_key
 from neffkit.compile.trace import ModelLayout
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
 from neffkit.models.projection import is_projection_weight
 from neffkit.models.weights import Storage, iter_rank_weights, rank_weight_specs
 from neffkit.tensor_files import write_tensors
+
+if TYPE_CHECKING:
+    from neffkit.compile.cache import Cache
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -50,7 +54,7 @@ TOKENIZER_FILES = (
 
 
 def write_weights(
-    manifest: Manifest, stage: Path, layout: ModelLayout, cache: ArtifactCache | None = None
+    manifest: Manifest, stage: Path, layout: ModelLayout, cache: Cache | None = None
 ) -> tuple[list[WeightsRecord], dict[str, int]]:
     """weights/rank{r}.safetensors: each rank's pre-cut shard; a rank reads only its own file.
 
