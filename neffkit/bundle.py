@@ -258,6 +258,7 @@ class BucketLists(Record):
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
     context: tuple[int, ...]
+    prefill_batch: tuple[int, ...] = (1,)  # rows of the prefill graphs (packed prompts)
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class Buckets:
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
     context: tuple[int, ...]
+    # rows of a prefill graph: several waiting prompts' chunks in one call (packing a burst of
+    # arrivals); 1 always, since a lone prompt runs cheapest alone
+    prefill_batch: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)
@@ -439,7 +442,7 @@ def _sampling(value: Any) -> Sampling:
 
 def _buckets(value: Any) -> Buckets:
     raw = _mapping(value, "buckets")
-    _no_unknown(raw, ("prefill", "decode", "context"), "buckets")
+    _no_unknown(raw, ("prefill", "decode", "context", "prefill_batch"), "buckets")
     for key in ("prefill", "decode", "context"):
         if key not in raw:
             raise ManifestError(f"buckets.{key}: required field is missing")
@@ -447,7 +450,14 @@ def _buckets(value: Any) -> Buckets:
         prefill=_bucket_list(raw["prefill"], "buckets.prefill"),
         decode=_bucket_list(raw["decode"], "buckets.decode"),
         context=_bucket_list(raw["context"], "buckets.context"),
+        prefill_batch=_bucket_list(raw.get("prefill_batch", [1]), "buckets.prefill_batch"),
     )
+    if buckets.prefill_batch[0] != 1:
+        raise ManifestError(
+            f"buckets.prefill_batch[0]: {buckets.prefill_batch[0]}; the list must start with 1 "
+            "(a lone prompt, or one asking for prompt logprobs, prefills in a one-row graph)",
+            hint=f"write [1, {', '.join(map(str, buckets.prefill_batch))}]",
+        )
     if buckets.prefill[0] > buckets.context[-1]:
         raise ManifestError(
             f"buckets.prefill[0]: {buckets.prefill[0]} exceeds the largest context bucket "

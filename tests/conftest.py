@@ -61,7 +61,9 @@ DEEPSEEK: dict[str, Any] = {
                         "rope_theta": 10000.0},
 }  # fmt: skip
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
-    "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [32, 64]}),
+    # prefill_batch [1, 4]: prompts given together prefill packed, one row each
+    "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [32, 64],
+                                  "prefill_batch": [1, 4]}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),

@@ -31,13 +31,16 @@ def oracle(prompt: list[int], n: int, seed: int = 0, sampled: bool = False) -> l
 
 
 def _specs(phase: str, rows: int, tokens: int, context: int, block_size: int) -> tuple:
+    lines = 1 if phase == "prefill" else rows  # prefill: the sequences' tokens in one row
     specs = [
-        ("input_ids", (rows, tokens), "int64"),
-        ("positions", (rows, tokens), "int64"),
-        ("slot_mapping", (rows, tokens), "int64"),
+        ("input_ids", (lines, tokens), "int64"),
+        ("positions", (lines, tokens), "int64"),
+        ("slot_mapping", (lines, tokens), "int64"),
         ("block_tables", (rows, context // block_size), "int64"),
         ("context_lens", (rows,), "int64"),
     ]
+    if phase == "prefill" and rows > 1:
+        specs.append(("seq_ids", (1, tokens), "int64"))
     if phase == "prefill":
         specs.append(("last_token_index", (rows,), "int64"))
     specs += [
@@ -88,9 +91,18 @@ def fake_runner(
     num_blocks: int = 33,
     block_size: int = 8,
     eos: tuple[int, ...] = (EOS,),
+    prefill_batch: tuple[int, ...] = (1,),
 ) -> tuple[ModelRunner, PagedSumModel]:
-    layout = Layout(block_size, num_blocks, prefill, decode, context, eos, VOCAB)
+    layout = Layout(
+        block_size, num_blocks, prefill, decode, context, eos, VOCAB, prefill_batch=prefill_batch
+    )
     model = PagedSumModel(layout)
-    graphs = [model.graph("prefill", 1, t, c) for t in prefill for c in context if t <= c]
+    graphs = [
+        model.graph("prefill", r, t, c)
+        for r in prefill_batch
+        for t in prefill
+        for c in context
+        if t <= c
+    ]
     graphs += [model.graph("decode", b, 1, c) for b in decode for c in context]
     return ModelRunner(graphs, layout), model

@@ -26,6 +26,8 @@ def test_bundle_layout_and_alias_map(bundle):
     assert names == [
         "prefill_t16_c32",
         "prefill_t16_c64",
+        "prefill_b4_t16_c32",
+        "prefill_b4_t16_c64",
         "decode_b1_c32",
         "decode_b1_c64",
         "decode_b4_c32",

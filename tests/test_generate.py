@@ -30,8 +30,11 @@ def test_greedy_matches_hf(kind, bundle, hf_model_dir, hf_greedy):
         out = _run(b, [prompt])["outputs"][0]
         assert out["token_ids"] == hf_greedy(model_dir, prompt, MAX_NEW), (kind, len(prompt))
         assert out["finish_reason"] == "length"
-    together = _run(b, MIXED)["outputs"]
+    report = _run(b, MIXED)
+    together = report["outputs"]
     assert [o["token_ids"] for o in together] == [hf_greedy(model_dir, p, MAX_NEW) for p in MIXED]
+    if "prefill_batch" in MODELS[kind][2]:  # packed: all three in one call, then the 20's rest
+        assert report["timings"]["prefill_calls"] == 2
 
 
 def test_context_bucket_switch_matches_hf(bundle, hf_model_dir, hf_greedy):

@@ -51,6 +51,16 @@ BAD = [
         "buckets.prefill[1]: buckets must be sorted",
     ),
     ("duplicate buckets", _with("buckets.decode", [1, 1]), "buckets.decode[1]"),
+    (
+        "prefill_batch without 1",
+        _with("buckets.prefill_batch", [4, 8]),
+        "buckets.prefill_batch[0]: 4; the list must start with 1",
+    ),
+    (
+        "prefill_batch not ints",
+        _with("buckets.prefill_batch", [1, "x"]),
+        "buckets.prefill_batch[1]: expected a positive int",
+    ),
     ("empty buckets", _with("buckets.context", []), "buckets.context: expected a non-empty list"),
     ("missing buckets", _with("buckets", _DELETE), "buckets: required field is missing"),
     (

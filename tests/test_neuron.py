@@ -33,8 +33,9 @@ LOWERED = {  # kind, tp → buckets
     ("qwen3", 2): {"prefill": [16], "decode": [2], "context": [64]},
     # sinks, sliding + full layers, yarn, biases; decode b1 gathers its routed experts
     ("gpt_oss", 1): {"prefill": [16], "decode": [1], "context": [64]},
-    # MLA: latent cache, expanded prefill, absorbed decode; grouped routing, shared expert
-    ("deepseek", 1): {"prefill": [16], "decode": [1], "context": [64]},
+    # MLA: latent cache, expanded prefill, absorbed decode; grouped routing, shared expert;
+    # packed prefill (two prompts' tokens in one row, per-token sequence ids)
+    ("deepseek", 1): {"prefill": [16], "decode": [1], "context": [64], "prefill_batch": [1, 2]},
     # experts over 2 groups (ep=2), each expert's intermediate dimension whole (tp/ep = 1)
     ("mixtral", 2): {"prefill": [16], "decode": [2], "context": [64]},
 }

@@ -11,6 +11,7 @@ from neffkit.compile.plan import GraphSpec, graph_name
 def test_graph_names():
     assert graph_name("prefill", 128, 1024) == "prefill_t128_c1024"
     assert graph_name("decode", 4, 1024) == "decode_b4_c1024"
+    assert graph_name("prefill", 128, 1024, rows=4) == "prefill_b4_t128_c1024"
 
 
 def test_rule_matching():
@@ -19,6 +20,9 @@ def test_rule_matching():
     assert spec.matches({"batch": [2, 8], "context": 64})
     assert not spec.matches({"tokens": 16})
     assert not spec.matches({"phase": "prefill"})
+    packed = GraphSpec("prefill_b4_t16_c64", "prefill", 4, 16, 64)
+    assert packed.matches({"phase": "prefill", "batch": 4, "tokens": 16})
+    assert not packed.matches({"batch": 1})
 
 
 def test_plan_and_manifest_import_no_torch():

@@ -230,3 +230,55 @@ def test_max_tokens_zero_prefills_and_generates_nothing() -> None:
     assert other.output_ids == oracle([5, 6, 7], 4)
     assert [name.split("_")[0] for name, _ in model.calls].count("prefill") == 3
     assert engine.core.scheduler.allocator.num_free == 32
+
+
+def test_a_burst_of_prompts_prefills_packed() -> None:
+    """buckets.prefill_batch: prompts arriving together prefill in one call, their tokens side
+    by side in one row (per-token sequence ids), not one call per step; a long prompt's first
+    chunk takes what is left of the token bucket and its rest follows; every token still
+    equals the oracle's."""
+    engine, model = llm(prefill_batch=(1, 4, 8), decode=(1, 4, 8), num_blocks=65)
+    prompts = [[i, i + 2, i + 5] for i in range(1, 5)] + [list(range(1, 30))]  # 12 + 29 tokens
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, **GREEDY))
+    assert [s.output_ids for s in outs] == [oracle(p, 6) for p in prompts]
+    prefills = [(n, m) for n, m in model.calls if n.startswith("prefill")]
+    # 4 x 3 tokens + 4 of the long prompt fill the 16-token bucket; then 16, then 9 (bucket 16)
+    assert [n for n, _ in prefills] == ["prefill_8x16_c32", "prefill_1x16_c32", "prefill_1x16_c32"]
+    first = prefills[0][1]
+    assert list(first["seq_ids"][0]) == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3 + [4] * 4
+    assert list(first["positions"][0]) == [0, 1, 2] * 4 + [0, 1, 2, 3]
+    assert list(first["last_token_index"]) == [2, 5, 8, 11, 15, 0, 0, 0]
+    assert list(first["context_lens"]) == [3, 3, 3, 3, 4, 0, 0, 0]
+    assert (first["block_tables"][5:] == -1).all() and (first["temperature"][5:] == 0).all()
+    # the same step decodes the four short prompts; the long one prefills on meanwhile
+    assert [n for n, _ in model.calls[1:3]] == ["decode_4x1_c32", "prefill_1x16_c32"]
+
+
+def test_packed_prefill_picks_the_smallest_buckets() -> None:
+    engine, model = llm(prefill_batch=(1, 4, 8))
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, **GREEDY))
+    assert [s.output_ids for s in outs] == [oracle(p, 3) for p in prompts]
+    name, meta = model.calls[0]
+    assert name == "prefill_4x8_c32"  # 3 sequences, 6 tokens
+    assert list(meta["slot_mapping"][0, 6:]) == [-1, -1] and meta["context_lens"][3] == 0
+
+
+def test_a_prompt_wanting_prompt_logprobs_prefills_alone() -> None:
+    """Packed prefill graphs return no prompt logprobs (they are built for one-sequence
+    graphs): such a prompt is never packed, and the others pack without it."""
+    from neffkit.runtime.scheduler import Layout, Scheduler, SequenceState
+
+    layout = Layout(8, 33, (8, 16), (1, 4), (32, 64), (EOS,), 97, None, 5, True, (1, 4))
+    sched = Scheduler(layout)
+    echo = SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY)
+    plain = SamplingParams(max_tokens=1, **GREEDY)
+    seqs = [SequenceState(i, [1, 2, 3], p, 0) for i, p in enumerate([plain, echo, plain, plain])]
+    for seq in seqs:
+        sched.add(seq)
+    sched.admit()
+    batch = sched.next_prefill()
+    assert [c.seq for c in batch.chunks] == [seqs[0], seqs[2], seqs[3]] and batch.batch == 4
+    sched.prefilling.remove(seqs[0])
+    batch = sched.next_prefill()
+    assert [c.seq for c in batch.chunks] == [seqs[1]] and batch.batch == 1

@@ -1,7 +1,8 @@
 """Manifest → Plan: the ordered list of graphs to build. Pure Python; imports no torch.
 
 One graph per (phase, token-or-batch bucket, context bucket), named `prefill_t128_c1024` and
-`decode_b4_c1024`. A prefill chunk of T tokens needs a context bucket of at least T.
+`decode_b4_c1024`; prefill graphs of several rows (buckets.prefill_batch: packed prompts) are
+`prefill_b4_t128_c1024`. A prefill chunk of T tokens needs a context bucket of at least T.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from neffkit.manifest import Manifest
 class GraphSpec:
     name: str
     phase: str  # "prefill" | "decode"
-    rows: int  # sequences per call (1 for prefill)
+    rows: int  # sequences per call
     tokens: int  # tokens per sequence (1 for decode)
     context: int  # context bucket: tokens attended at most
 
@@ -26,11 +27,9 @@ class GraphSpec:
 
     def matches(self, match: dict) -> bool:
         """Per-graph rule matching on phase and bucket values or [lo, hi] ranges."""
-        values = {
-            "phase": self.phase,
-            "context": self.context,
-            "tokens" if self.phase == "prefill" else "batch": self.bucket,
-        }
+        values = {"phase": self.phase, "context": self.context, "batch": self.rows}
+        if self.phase == "prefill":
+            values["tokens"] = self.tokens
         for key, want in match.items():
             have = values.get(key)
             if have is None:
@@ -50,14 +49,17 @@ class Plan:
     world_size: int
 
 
-def graph_name(phase: str, bucket: int, context: int) -> str:
-    return f"prefill_t{bucket}_c{context}" if phase == "prefill" else f"decode_b{bucket}_c{context}"
+def graph_name(phase: str, bucket: int, context: int, rows: int = 1) -> str:
+    if phase == "decode":
+        return f"decode_b{bucket}_c{context}"
+    return f"prefill_t{bucket}_c{context}" if rows == 1 else f"prefill_b{rows}_t{bucket}_c{context}"
 
 
 def make_plan(manifest: Manifest) -> Plan:
     b = manifest.buckets
     graphs = [
-        GraphSpec(graph_name("prefill", t, c), "prefill", 1, t, c)
+        GraphSpec(graph_name("prefill", t, c, r), "prefill", r, t, c)
+        for r in b.prefill_batch
         for t in b.prefill
         for c in b.context
         if t <= c

@@ -129,7 +129,7 @@ def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list
         layout.block_size,
         layout.num_blocks,
         layout.max_logprobs,
-        layout.prompt_logprobs,
+        layout.prompt_logprobs and spec.rows == 1,  # a prompt wanting them prefills alone
     )
     specs = metadata_inputs(shape)
     if layout.par.needs_rank_input(layout.config):

@@ -99,27 +99,33 @@ def representative_inputs(
     vocab = layout.config.vocab_size
     meta: dict[str, np.ndarray] = {"block_tables": tables}
     t = spec.tokens
-    if spec.phase == "prefill":
-        valid = max(1, min(t - t // 4, capacity))  # a quarter of the tokens are padding
-        positions = np.where(np.arange(t) < valid, np.arange(t), 0)[None, :]
-        lens = np.array([valid])
-        meta["last_token_index"] = np.array([valid - 1])
-        live = np.arange(t)[None, :] < valid
+    lines = 1 if spec.phase == "prefill" else spec.rows  # prefill: one (packed) row
+    if spec.phase == "prefill" and spec.rows > 1:
+        meta |= _packed_prefill(spec.rows, t, tables, bs)
     else:
-        lens = np.array([max(1, capacity - 1 - 3 * r) for r in range(spec.rows)])
-        positions = (lens - 1)[:, None]
-        live = np.ones((spec.rows, 1), dtype=bool)
-    slots = np.take_along_axis(tables, positions // bs, axis=1) * bs + positions % bs
+        if spec.phase == "prefill":
+            valid = max(1, min(t - t // 4, capacity))  # a quarter of the tokens are padding
+            positions = np.where(np.arange(t) < valid, np.arange(t), 0)[None, :]
+            lens = np.array([valid])
+            meta["last_token_index"] = np.array([valid - 1])
+            live = np.arange(t)[None, :] < valid
+        else:
+            lens = np.array([max(1, capacity - 1 - 3 * r) for r in range(spec.rows)])
+            positions = (lens - 1)[:, None]
+            live = np.ones((spec.rows, 1), dtype=bool)
+        slots = np.take_along_axis(tables, positions // bs, axis=1) * bs + positions % bs
+        meta |= {
+            "positions": positions.astype(np.int64),
+            "slot_mapping": np.where(live, slots, -1).astype(np.int64),
+            "context_lens": lens.astype(np.int64),
+        }
     meta |= {
-        "input_ids": torch.randint(0, vocab, (spec.rows, t), generator=gen).numpy(),
-        "positions": positions.astype(np.int64),
-        "slot_mapping": np.where(live, slots, -1).astype(np.int64),
-        "context_lens": lens.astype(np.int64),
+        "input_ids": torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
         "temperature": np.zeros(spec.rows, np.float32),
         "top_k": np.zeros(spec.rows, np.int64),
         "top_p": np.ones(spec.rows, np.float32),
         "seed": np.zeros(spec.rows, np.int64),
-        "target_ids": torch.randint(0, vocab, (spec.rows, t), generator=gen).numpy(),
+        "target_ids": torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
     }
     by_name = {w.name: i for i, w in enumerate(layout.weights)}
     out = []
@@ -134,6 +140,36 @@ def representative_inputs(
         else:
             out.append(weights[by_name[s.name]])
     return out
+
+
+def _packed_prefill(seqs: int, tokens: int, tables: np.ndarray, bs: int) -> dict[str, np.ndarray]:
+    """A packed prefill row: three quarters of the tokens split among the sequences (the last
+    may get none: a padding sequence), each after some context already in its cache."""
+    capacity = int((tables[0] >= 0).sum()) * bs
+    valid = tokens - tokens // 4
+    counts = [min(valid // seqs + (s < valid % seqs), capacity) for s in range(seqs)]
+    counts[-1] = 0 if seqs > 2 else counts[-1]  # a padding sequence, where there is room
+    positions = np.zeros((1, tokens), np.int64)
+    seq_ids = np.zeros((1, tokens), np.int64)
+    slots = np.full((1, tokens), -1, np.int64)
+    lens, last = np.zeros(seqs, np.int64), np.zeros(seqs, np.int64)
+    at = 0
+    for s, n in enumerate(counts):
+        if n == 0:
+            continue
+        start = max(0, min(3 * s, capacity - n))  # earlier chunks of this prompt in the cache
+        pos = start + np.arange(n)
+        positions[0, at : at + n], seq_ids[0, at : at + n] = pos, s
+        slots[0, at : at + n] = tables[s, pos // bs] * bs + pos % bs
+        lens[s], last[s] = start + n, at + n - 1
+        at += n
+    return {
+        "positions": positions,
+        "seq_ids": seq_ids,
+        "slot_mapping": slots,
+        "context_lens": lens,
+        "last_token_index": last,
+    }
 
 
 def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:

@@ -143,7 +143,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         head_dim=layout.config.kv_width,
         block_size=layout.block_size,
         num_blocks=layout.num_blocks,
-        buckets=BucketLists(b.prefill, b.decode, b.context),
+        buckets=BucketLists(b.prefill, b.decode, b.context, b.prefill_batch),
         max_top_k=layout.max_top_k,
         max_logprobs=layout.max_logprobs,
         prompt_logprobs=layout.prompt_logprobs,

@@ -29,6 +29,29 @@ def context_mask(
     return (2 * keys - centre).abs() <= radius
 
 
+def packed_context_mask(
+    positions: torch.Tensor,  # [1, T] int64: each token's position in its own sequence
+    seq_ids: torch.Tensor,  # [1, T] int64: each token's sequence, in [0, S)
+    context_lens: torch.Tensor,  # [S] int64, 0 for padding sequences
+    context: int,
+    window: int | None,
+) -> torch.Tensor:  # [1, T, S * C] bool
+    """context_mask for a packed prefill row: the S sequences' contexts lie side by side
+    (sequence s's key j at s * C + j), and a token sees keys lo..hi of its own sequence only.
+
+    The same single comparison as context_mask, shifted by the token's sequence offset: the
+    visible interval lies inside that sequence's C keys, so no second (AND) mask is needed."""
+    seqs = context_lens.shape[0]
+    own = seq_ids.clamp(0, seqs - 1)  # host-given index: clamped (audit NK303)
+    hi = torch.minimum(positions, context_lens.index_select(0, own[0]).unsqueeze(0) - 1)
+    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+    offset = own * context
+    keys = torch.arange(seqs * context, device=positions.device)  # [S*C]
+    centre = (lo + hi + 2 * offset).unsqueeze(-1)  # [1, T, 1]
+    radius = (hi - lo).unsqueeze(-1)
+    return (2 * keys - centre).abs() <= radius
+
+
 def paged_attention(
     q: torch.Tensor,  # [B, T, H, D]
     keys: torch.Tensor,  # [B, C, KV, D]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from neffkit.kernels.attention import context_mask, paged_attention
+from neffkit.kernels.attention import context_mask, packed_context_mask, paged_attention
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_cache, write_kv
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.quant import dequantize_blocks
@@ -41,7 +41,10 @@ SAMPLING_INPUTS = (
 class GraphShape:
     """Static shape of one graph: B rows of T tokens attending to at most C context tokens."""
 
-    phase: str  # "prefill" (one row, T tokens) or "decode" (B rows, one token each)
+    # "prefill": T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence
+    # ids; each sequence has its own block table, length, last token and sampling values), or
+    # "decode": `rows` sequences, one token each
+    phase: str
     rows: int
     tokens: int
     context: int
@@ -49,6 +52,11 @@ class GraphShape:
     num_blocks: int
     logprobs: int = 5  # top logprobs per sampled token (the manifest's sampling.max_logprobs)
     prompt_logprobs: bool = False  # prefill also returns each prompt token's logprobs
+
+    @property
+    def packed(self) -> bool:
+        """A prefill of several sequences' tokens in one row."""
+        return self.phase == "prefill" and self.rows > 1
 
 
 @dataclass(frozen=True)
@@ -60,15 +68,18 @@ class TensorSpec:
 
 def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     b, t = shape.rows, shape.tokens
+    lines = 1 if shape.phase == "prefill" else b  # prefill: every sequence's tokens in one row
     specs = [
-        TensorSpec("input_ids", (b, t), "int64"),
-        TensorSpec("positions", (b, t), "int64"),
-        TensorSpec("slot_mapping", (b, t), "int64"),
+        TensorSpec("input_ids", (lines, t), "int64"),
+        TensorSpec("positions", (lines, t), "int64"),
+        TensorSpec("slot_mapping", (lines, t), "int64"),
         TensorSpec("block_tables", (b, shape.context // shape.block_size), "int64"),
         TensorSpec("context_lens", (b,), "int64"),
     ]
+    if shape.packed:
+        specs.append(TensorSpec("seq_ids", (1, t), "int64"))  # each token's sequence
     if shape.phase == "prefill":
-        specs.append(TensorSpec("last_token_index", (b,), "int64"))
+        specs.append(TensorSpec("last_token_index", (b,), "int64"))  # in the packed row
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
     if shape.phase == "prefill" and shape.prompt_logprobs:
         specs.append(TensorSpec("target_ids", (b, t), "int64"))  # the token after each position
@@ -147,7 +158,9 @@ class DecoderGraph(torch.nn.Module):
         if cfg.fp8_block:  # block fp8 weights: widened right before use (kernels/quant.py)
             w = self._dequantized(w)
         input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
-        sampling_at = 6 if shape.phase == "prefill" else 5
+        seq_ids = meta[5] if shape.packed else None
+        last_at = 6 if shape.packed else 5  # prefill's last_token_index
+        sampling_at = last_at + 1 if shape.phase == "prefill" else 5
         temperature, top_k, top_p, seed = meta[sampling_at : sampling_at + 4]
         rows, tokens = input_ids.shape
 
@@ -158,10 +171,17 @@ class DecoderGraph(torch.nn.Module):
         cos, sin = rope_cos_sin(
             positions, w[ROPE_INV_FREQ], self.rope_attention_factor, h.dtype
         )  # [B, T, 1, D]
-        masks = {
-            window: context_mask(positions, context_lens, shape.context, window)
-            for window in set(cfg.sliding_windows)
-        }  # [B, T, C] per distinct window
+        if seq_ids is not None:  # packed: one row attending to every sequence's context
+            masks = {
+                window: packed_context_mask(positions, seq_ids, context_lens, shape.context, window)
+                for window in set(cfg.sliding_windows)
+            }  # [1, T, S*C] per distinct window
+            block_tables = block_tables.reshape(1, -1)  # [1, S*C/bs]: the contexts side by side
+        else:
+            masks = {
+                window: context_mask(positions, context_lens, shape.context, window)
+                for window in set(cfg.sliding_windows)
+            }  # [B, T, C] per distinct window
         slots = slot_mapping.reshape(-1)  # [B*T]
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}"
@@ -183,10 +203,10 @@ class DecoderGraph(torch.nn.Module):
         head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         prompt: tuple[torch.Tensor, ...] = ()
         if shape.phase == "prefill":
-            # [1]; clamped like every index from the host (audit NK303: a gather past the
-            # chunk would be an out-of-bounds DMA on Neuron)
-            last = meta[5].clamp(0, tokens - 1)
-            last_pos = positions[0].index_select(0, last)  # [1]
+            # [S]: each sequence's last token in the row; clamped like every index from the
+            # host (audit NK303: a gather past the chunk would be an out-of-bounds DMA on Neuron)
+            last = meta[last_at].clamp(0, tokens - 1)
+            last_pos = positions[0].index_select(0, last)  # [S]
             if shape.prompt_logprobs:  # the LM head on every position (TRT-LLM's context logits)
                 h_all = self._norm(h[0], w["model.norm.weight"])
                 all_logits = self._head(h_all, head)  # [T, vocab]

@@ -73,12 +73,13 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[SequenceState]:
-        """Admit what fits, run one prefill chunk and one decode step; return touched sequences."""
+        """Admit what fits, run one prefill call (packed chunks) and one decode step; return the
+        touched sequences."""
         sched, touched = self.scheduler, []
         sched.admit()
-        chunk = sched.next_prefill()
-        if chunk is not None:
-            touched += sched.prefilled(chunk, self.runner.prefill(chunk))
+        prefill = sched.next_prefill()
+        if prefill is not None:
+            touched += sched.prefilled(prefill, self.runner.prefill(prefill))
         batch = sched.next_decode()
         if batch is not None:
             touched += sched.decoded(batch, self.runner.decode(batch))

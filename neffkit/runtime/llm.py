@@ -94,6 +94,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
         "timings": {
             "load_s": round(loaded.load_seconds, 4),
             "prefill_s": round(t.prefill_s, 4),
+            "prefill_calls": t.prefill_chunks,  # packed: one call prefills several prompts
             "decode_s": round(t.decode_s, 4),
             "decode_tokens": t.decode_tokens,
             "decode_ms_per_token": round(1000 * t.decode_s / max(t.decode_steps, 1), 4),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neffkit.runtime.scheduler import DecodeBatch, Layout, PrefillChunk, SequenceState, StepOutput
+from neffkit.runtime.scheduler import DecodeBatch, Layout, PrefillBatch, SequenceState, StepOutput
 
 # metadata arrays in the graph's input order → its user outputs in order (next tokens first);
 # the executor binds the rest
@@ -41,9 +41,9 @@ class GraphEntry:
         return tuple(name for name, _, _ in self.meta_specs)
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        """(phase, the phase's own bucket, context): how the scheduler's choice finds it."""
-        return (self.phase, self.tokens if self.phase == "prefill" else self.rows, self.context)
+    def key(self) -> tuple[str, int, int, int]:
+        """(phase, rows, tokens, context): how the scheduler's choice finds it."""
+        return (self.phase, self.rows, self.tokens, self.context)
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Timings:
     decode_s: float = 0.0
     decode_steps: int = 0
     decode_tokens: int = 0
-    prefill_chunks: int = 0
+    prefill_chunks: int = 0  # prefill graph calls (each packs one chunk per row)
 
 
 class DecodeBuffers:
@@ -135,37 +135,45 @@ class ModelRunner:
             self.on_run(self._index[graph.name], meta)
         return self.execute(graph, meta)
 
-    def prefill(self, chunk: PrefillChunk) -> StepOutput:
-        """Write the chunk's K/V; the sampled token counts only after a prompt's last chunk."""
-        graph = self.graphs[("prefill", chunk.tokens, chunk.context)]
-        seq, start, n, tokens = chunk.seq, chunk.start, chunk.length, chunk.tokens
-        bs = self.layout.block_size
-        positions = np.zeros((1, tokens), dtype=np.int64)
-        positions[0, :n] = np.arange(start, start + n)
-        blocks = np.asarray(seq.blocks, dtype=np.int64)
-        slots = np.full((1, tokens), -1, dtype=np.int64)
-        slots[0, :n] = blocks[positions[0, :n] // bs] * bs + positions[0, :n] % bs
-        input_ids = np.zeros((1, tokens), dtype=np.int64)
-        input_ids[0, :n] = seq.prompt_ids[start : start + n]
-        table = np.full((1, chunk.context // bs), -1, dtype=np.int64)
-        used = self.layout.blocks_for(start + n)
-        table[0, :used] = seq.blocks[:used]
+    def prefill(self, batch: PrefillBatch) -> StepOutput:
+        """Write the chunks' K/V; a sequence's sampled token counts only after its prompt's
+        last chunk. The chunks lie side by side in one row of tokens (a one-sequence graph has
+        no `seq_ids`); sequences past them pad (no tokens, nothing visible)."""
+        graph = self.graphs[("prefill", batch.batch, batch.tokens, batch.context)]
+        seqs, tokens, bs = batch.batch, batch.tokens, self.layout.block_size
         meta = {
-            "input_ids": input_ids,
-            "positions": positions,
-            "slot_mapping": slots,
-            "block_tables": table,
-            "context_lens": np.array([start + n], dtype=np.int64),
-            "last_token_index": np.array([n - 1], dtype=np.int64),
-            "temperature": np.zeros(1, dtype=np.float32),
-            "top_k": np.zeros(1, dtype=np.int64),
-            "top_p": np.ones(1, dtype=np.float32),
-            "seed": np.zeros(1, dtype=np.int64),
+            "input_ids": np.zeros((1, tokens), dtype=np.int64),
+            "positions": np.zeros((1, tokens), dtype=np.int64),
+            "slot_mapping": np.full((1, tokens), -1, dtype=np.int64),
+            "block_tables": np.full((seqs, batch.context // bs), -1, dtype=np.int64),
+            "context_lens": np.zeros(seqs, dtype=np.int64),
+            "seq_ids": np.zeros((1, tokens), dtype=np.int64),
+            "last_token_index": np.zeros(seqs, dtype=np.int64),
+            "temperature": np.zeros(seqs, dtype=np.float32),
+            "top_k": np.zeros(seqs, dtype=np.int64),
+            "top_p": np.ones(seqs, dtype=np.float32),
+            "seed": np.zeros(seqs, dtype=np.int64),
         }
-        write_sampling(meta, 0, seq)
+        at = 0
+        for i, chunk in enumerate(batch.chunks):
+            seq, start, n = chunk.seq, chunk.start, chunk.length
+            positions = np.arange(start, start + n)
+            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            span = slice(at, at + n)
+            meta["positions"][0, span] = positions
+            meta["slot_mapping"][0, span] = blocks[positions // bs] * bs + positions % bs
+            meta["input_ids"][0, span] = seq.prompt_ids[start : start + n]
+            meta["seq_ids"][0, span] = i
+            used = self.layout.blocks_for(start + n)
+            meta["block_tables"][i, :used] = seq.blocks[:used]
+            meta["context_lens"][i] = start + n
+            meta["last_token_index"][i] = at + n - 1
+            write_sampling(meta, i, seq)
+            at += n
         if "target_ids" in graph.meta_inputs:  # each position's next prompt token (0 past the end)
+            (chunk,) = batch.chunks  # prompt logprobs prefill alone (Scheduler.next_prefill)
             targets = np.zeros((1, tokens), dtype=np.int64)
-            following = seq.prompt_ids[start + 1 : start + n + 1]
+            following = chunk.seq.prompt_ids[chunk.start + 1 : chunk.start + chunk.length + 1]
             targets[0, : len(following)] = following
             meta["target_ids"] = targets
         t0 = time.perf_counter()
@@ -175,7 +183,7 @@ class ModelRunner:
         return StepOutput(outputs)
 
     def decode(self, batch: DecodeBatch) -> StepOutput:
-        graph = self.graphs[("decode", batch.batch, batch.context)]
+        graph = self.graphs[("decode", batch.batch, 1, batch.context)]
         buffers = self._decode_buffers.get(graph.name)
         if buffers is None:
             buffers = self._decode_buffers[graph.name] = DecodeBuffers(

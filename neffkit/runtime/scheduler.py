@@ -1,7 +1,10 @@
 """Scheduling over fixed-shape graphs: admission, KV blocks, bucket choice, continuous batching.
 
-Each step runs at most one prefill chunk (the smallest prefill bucket that fits; prompts longer
-than the largest bucket run as several chunks) and then one decode step over the running
+Each step runs at most one prefill call and then one decode step. The prefill call packs the
+next chunks of up to `prefill_batch` waiting prompts into one row of tokens (per-token sequence
+ids; the smallest sequence, token and context buckets that fit; prompts longer than the largest
+token bucket run as several chunks), so a burst of arrivals does not queue one prompt per step;
+then one decode step over the running
 sequences (the smallest batch and context buckets that fit, rows padded). KV blocks for a
 request's whole budget (prompt + max_tokens) are reserved when it is admitted, so a running
 request never runs out of cache and nothing is ever preempted. Block 0 is the null block: padding
@@ -39,6 +42,7 @@ class Layout:
     max_top_k: int | None = None  # the bundle's candidates for top-k / top-p (None: no limit)
     max_logprobs: int = 0  # top logprobs the graphs return per token
     prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs
+    prefill_batch: tuple[int, ...] = (1,)  # rows per prefill call (packed prompts)
 
     @classmethod
     def of(cls, record: BundleRecord) -> Layout:
@@ -54,6 +58,7 @@ class Layout:
             max_top_k=lay.max_top_k,
             max_logprobs=lay.max_logprobs,
             prompt_logprobs=lay.prompt_logprobs,
+            prefill_batch=lay.buckets.prefill_batch,
         )
 
     @property
@@ -127,11 +132,20 @@ class SequenceState:
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """`length` prompt tokens of `seq` from `start`, in the (tokens, context) prefill graph."""
+    """`length` prompt tokens of `seq` from `start`: one sequence of a prefill call."""
 
     seq: SequenceState
     start: int
     length: int
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Chunks of distinct prompts packed into the one row of the (batch, tokens, context)
+    prefill graph: `batch` sequences (those past the chunks pad), `tokens` tokens in all."""
+
+    chunks: list[PrefillChunk]
+    batch: int
     tokens: int
     context: int
 
@@ -281,36 +295,55 @@ class Scheduler:
             seq.blocks = self.allocator.allocate(need)
             self.prefilling.append(seq)
 
-    def next_prefill(self) -> PrefillChunk | None:
+    def next_prefill(self) -> PrefillBatch | None:
+        """The prefilling prompts' next chunks, packed into one call: the first prompt's chunk
+        (up to the largest token bucket), then the prompts behind it while tokens remain in that
+        bucket and rows in the largest prefill_batch bucket. A prompt asking for prompt logprobs
+        prefills alone (only one-sequence graphs return them)."""
         if not self.prefilling:
             return None
-        seq = self.prefilling[0]
         lay = self.layout
-        start = seq.num_prefilled
-        n = min(len(seq.prompt_ids) - start, lay.prefill_buckets[-1])
-        tokens = smallest_fitting(lay.prefill_buckets, n)
-        context = smallest_fitting(lay.context_buckets, max(start + n, tokens or 0))
-        assert tokens is not None and context is not None  # check_fits bounded the prompt
-        return PrefillChunk(seq, start, n, tokens, context)
+        budget = lay.prefill_buckets[-1]
+        head = self.prefilling[0]
+        seqs = [head]
+        if head.params.prompt_logprobs is None:
+            seqs += [s for s in list(self.prefilling)[1:] if s.params.prompt_logprobs is None]
+        chunks: list[PrefillChunk] = []
+        for seq in seqs[: lay.prefill_batch[-1]]:
+            n = min(len(seq.prompt_ids) - seq.num_prefilled, budget)
+            if n == 0:
+                break
+            chunks.append(PrefillChunk(seq, seq.num_prefilled, n))
+            budget -= n
+        tokens = smallest_fitting(lay.prefill_buckets, sum(c.length for c in chunks))
+        batch = smallest_fitting(lay.prefill_batch, len(chunks))
+        assert tokens is not None and batch is not None
+        need = max(max(c.start + c.length for c in chunks), tokens)
+        context = smallest_fitting(lay.context_buckets, need)
+        assert context is not None  # check_fits bounded the prompts
+        return PrefillBatch(chunks, batch, tokens, context)
 
-    def prefilled(self, chunk: PrefillChunk, out: StepOutput) -> list[SequenceState]:
-        """After a chunk ran: the sequence decodes once its whole prompt is in the cache."""
-        seq = chunk.seq
-        top = seq.params.prompt_logprobs
-        if top is not None:  # position p scores prompt token p + 1
-            last = min(chunk.length, len(seq.prompt_ids) - 1 - chunk.start)
-            seq.prompt_logprobs += out.prompt_logprobs(range(0, last), top)
-        seq.num_prefilled += chunk.length
-        if seq.num_prefilled < len(seq.prompt_ids):
-            return []
-        self.prefilling.popleft()
-        if seq.params.max_tokens == 0:  # echo / prompt logprobs only: nothing is generated
-            seq.finish_reason = "length"
-            self._release(seq)
-            return [seq]
-        self.running.append(seq)
-        self._append(seq, out, 0)
-        return [seq]
+    def prefilled(self, batch: PrefillBatch, out: StepOutput) -> list[SequenceState]:
+        """After a prefill call: each sequence decodes once its whole prompt is in the cache."""
+        done = []
+        for row, chunk in enumerate(batch.chunks):
+            seq = chunk.seq
+            top = seq.params.prompt_logprobs
+            if top is not None:  # position p scores prompt token p + 1 (a one-row call)
+                last = min(chunk.length, len(seq.prompt_ids) - 1 - chunk.start)
+                seq.prompt_logprobs += out.prompt_logprobs(range(0, last), top)
+            seq.num_prefilled += chunk.length
+            if seq.num_prefilled < len(seq.prompt_ids):
+                continue
+            self.prefilling.remove(seq)
+            done.append(seq)
+            if seq.params.max_tokens == 0:  # echo / prompt logprobs only: nothing generated
+                seq.finish_reason = "length"
+                self._release(seq)
+                continue
+            self.running.append(seq)
+            self._append(seq, out, row)
+        return done
 
     def next_decode(self) -> DecodeBatch | None:
         if not self.running:
