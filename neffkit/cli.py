@@ -71,6 +71,12 @@ def cli(verbose: bool) -> None:
     is_flag=True,
     help="Also write the bundle as one file, BUNDLE.tar.zst (run and inspect accept it).",
 )
+@click.option(
+    "--cluster",
+    metavar="ADDRESS",
+    help="Run trace and compile jobs as Ray tasks on this cluster (auto, HOST:PORT or "
+    "ray://HOST:PORT; pip install 'neffkit[cluster]'). Default: local processes.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
 def build(
     manifest: Path,
@@ -84,6 +90,7 @@ def build(
     verify: bool,
     shard: str | None,
     pack: bool,
+    cluster: str | None,
     as_json: bool,
 ) -> None:
     """Build MANIFEST into a bundle; prints the bundle path (and the pack's, with --pack)."""
@@ -107,6 +114,7 @@ def build(
         verify=verify,
         shard=share,
         cache_readonly=cache_readonly,
+        cluster=cluster,
     )
     packed = None
     if pack and not dry_run and share is None:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import resource
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,7 +48,7 @@ from neffkit.compile.plan import GraphSpec, make_plan
 from neffkit.compile.progress import Progress
 from neffkit.compile.spmd import RankTrace, SPMDMismatchError, check_spmd
 from neffkit.compile.trace import ModelLayout, model_layout
-from neffkit.compile.units import BuildContext, GraphUnit, TraceResult
+from neffkit.compile.units import BuildContext, GraphUnit, RunParallel, TraceResult
 from neffkit.compile.verify import verify_units
 from neffkit.compile.workers import trace_job, worker_pool
 from neffkit.compile.write import write_bundle, write_weights
@@ -71,9 +73,12 @@ class BuildResult:
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     peak_rss_mb_by_stage: dict[str, float] = field(default_factory=dict)  # main, after each
     findings: list[FindingRecord] = field(default_factory=list)
+    cluster_tasks: Counter[str] = field(default_factory=Counter)  # per Ray node (--cluster)
 
     def report(self) -> JsonObject:
+        cluster = {"cluster_tasks_by_node": dict(self.cluster_tasks)} if self.cluster_tasks else {}
         return {
+            **cluster,
             "bundle": str(self.bundle) if self.bundle else None,
             "counters": self.counters,
             "seconds": self.seconds,
@@ -100,6 +105,7 @@ def build(
     verify: bool = False,
     shard: tuple[int, int] | None = None,
     cache_readonly: bool = False,
+    cluster: str | None = None,
 ) -> BuildResult:
     """Build `manifest` into a bundle at `output` (or only report the plan with `dry_run`).
 
@@ -108,7 +114,8 @@ def build(
     bundle holds HLO modules for `neffkit compile` to finish on a Neuron host. `verify` runs every
     graph against the eager model and records the result per graph. `shard=(k, n)` (a CI matrix
     job) traces and compiles only the k-th of n shares of the graphs into the cache and writes
-    no bundle; a build without a shard then assembles the bundle from the cache.
+    no bundle; a build without a shard then assembles the bundle from the cache. `cluster` (a
+    Ray address) runs the trace and compile jobs as Ray tasks instead of local processes.
     """
     progress = progress or Progress(enabled=False)
     dest = Path(output) if output else default_output(manifest)
@@ -130,7 +137,7 @@ def build(
             specs = shard_share(specs, *shard)
             result.counters["shard_graphs"] = len(specs)
         layout = target_layout(manifest, backend)
-    with worker_pool(jobs or os.cpu_count() or 1) as run_parallel:
+    with _pool(cluster, jobs, layout, result) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
         with clock("trace"):  # 2. every graph on every rank, in parallel (unless cached)
             traces = trace_graphs(ctx, specs, backend, store, result.counters)
@@ -315,6 +322,20 @@ def compile_units(
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _pool(
+    cluster: str | None, jobs: int | None, layout: ModelLayout, result: BuildResult
+) -> AbstractContextManager[RunParallel]:
+    """The build's workers: local processes, or Ray tasks on `cluster`."""
+    if cluster is None:
+        return worker_pool(jobs or os.cpu_count() or 1)
+    import torch
+
+    from neffkit.compile.cluster import ray_pool, task_memory
+
+    sizes = [math.prod(w.shape) * getattr(torch, w.dtype).itemsize for w in layout.weights]
+    return ray_pool(cluster, task_memory(sum(sizes)), result.cluster_tasks)
 
 
 class _Clock:

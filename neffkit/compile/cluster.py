@@ -1,0 +1,121 @@
+"""Trace and compile jobs as Ray tasks (`neffkit build --cluster ADDRESS`): the build's worker
+pool spread over a Ray cluster instead of this host's processes.
+
+Same contract as workers.worker_pool: run(fn, arg tuples, names, progress) → results in order.
+Each job is a task that declares its CPU and memory (one CPU; 1 GiB plus twice one rank's weight
+bytes), so Ray never starts more of them on a node than its resources hold. A task whose worker
+or node dies is retried elsewhere (Ray's `max_retries`); an error raised by the job itself (a
+trace or compile failure) is not retried and ends the build as a local one would. What a job
+writes (an AOTInductor package, a NEFF) is read on the worker and sent back with its result, so
+worker nodes need no shared staging directory; they do need the model directory at the same path
+(a shared filesystem), as every rank of a build reads the checkpoint. Results and the shared
+artifact cache then work as in a local build.
+
+Ray is an optional dependency (`pip install 'neffkit[cluster]'`), imported only here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from neffkit.compile.progress import Progress
+from neffkit.errors import BuildError
+
+GIB = 1 << 30
+RETRIES = 3  # per task, on a lost worker or node
+
+
+def _remote_call(fn: Callable[..., Any], args: tuple) -> tuple[Any, bytes | None, str]:
+    """Run one job on a Ray worker: (its result, the file it wrote, "node-ip node-id")."""
+    import ray
+
+    from neffkit.compile.workers import quiet_warnings
+
+    quiet_warnings()
+    made = []  # the staging directories a job writes under exist only on the driver's host
+    for arg in args:
+        if isinstance(arg, Path) and arg.suffix and not arg.parent.exists():
+            missing = arg.parent
+            while not missing.parent.exists():
+                missing = missing.parent
+            arg.parent.mkdir(parents=True)
+            made.append(missing)
+    try:
+        value = fn(*args)
+        artifact = getattr(value, "artifact", None)
+        data = Path(artifact).read_bytes() if isinstance(artifact, Path) else None
+    finally:
+        for path in made:  # another host's staging path: leave nothing of it here
+            shutil.rmtree(path, ignore_errors=True)
+    node = f"{ray.util.get_node_ip_address()} {ray.get_runtime_context().get_node_id()[:12]}"
+    return value, data, node
+
+
+@contextmanager
+def ray_pool(
+    address: str, task_memory: int, nodes: Counter[str] | None = None
+) -> Iterator[Callable[..., list[Any]]]:
+    """Connect to the Ray cluster at `address` ("auto", "HOST:PORT", "ray://HOST:PORT") and
+    yield run(); `nodes` counts finished tasks per node address (the build report's)."""
+    try:
+        import ray
+    except ImportError:
+        raise BuildError(
+            "--cluster needs Ray, which is not installed",
+            hint="pip install 'neffkit[cluster]'",
+        ) from None
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except Exception as exc:  # no cluster there, or a version mismatch: say which
+        raise BuildError(
+            f"--cluster {address}: cannot connect ({type(exc).__name__}: {exc})"
+        ) from None
+    remote = ray.remote(_remote_call).options(
+        num_cpus=1, memory=task_memory, max_retries=RETRIES, retry_exceptions=False
+    )
+    counts = nodes if nodes is not None else Counter()
+
+    def run(
+        fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress
+    ) -> list:
+        refs = {remote.remote(fn, args): i for i, args in enumerate(arg_list)}
+        results: list[Any] = [None] * len(arg_list)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            index = refs[done[0]]
+            try:
+                value, data, node = ray.get(done[0])
+            except ray.exceptions.RayTaskError as exc:  # the job's own error: as if local
+                raise exc.as_instanceof_cause() from None
+            except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as exc:
+                raise BuildError(
+                    f"{names[index]}: lost its Ray worker {RETRIES + 1} times "
+                    f"({type(exc).__name__}: {exc})",
+                    hint="check the cluster's nodes (ray status)",
+                ) from None
+            if data is not None:  # the job's file, back at the path the build expects
+                path = Path(value.artifact)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if not path.exists() or path.read_bytes() != data:
+                    path.write_bytes(data)
+            results[index] = value
+            counts[node] += 1
+            progress.done(names[index], getattr(value, "seconds", None))
+        return results
+
+    try:
+        yield run
+    finally:
+        ray.shutdown()
+
+
+def task_memory(weight_bytes_per_rank: int) -> int:
+    """Memory one trace or compile task declares: 1 GiB plus twice one rank's weights (the
+    traced program holds them, and AOTInductor reads them while compiling)."""
+    return GIB + 2 * weight_bytes_per_rank
