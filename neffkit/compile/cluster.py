@@ -7,16 +7,17 @@ bytes), so Ray never starts more of them on a node than its resources hold. A ta
 or node dies is retried elsewhere (Ray's `max_retries`); an error raised by the job itself (a
 trace or compile failure) is not retried and ends the build as a local one would. What a job
 writes (an AOTInductor package, a NEFF) is read on the worker and sent back with its result, so
-worker nodes need no shared staging directory; they do need the model directory at the same path
-(a shared filesystem), as every rank of a build reads the checkpoint. Results and the shared
-artifact cache then work as in a local build.
+worker nodes need no shared staging directory for cpu/cuda packages; they do need the model
+directory at the same path (a shared filesystem), as every rank of a build reads the checkpoint,
+and a neuron build's compile jobs read the lowered HLO from the staging directory (shared too).
+Results and the shared artifact cache then work as in a local build.
 
 Ray is an optional dependency (`pip install 'neffkit[cluster]'`), imported only here.
 """
 
 from __future__ import annotations
 
-import shutil
+import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,28 +31,49 @@ GIB = 1 << 30
 RETRIES = 3  # per task, on a lost worker or node
 
 
-def _remote_call(fn: Callable[..., Any], args: tuple) -> tuple[Any, bytes | None, str]:
-    """Run one job on a Ray worker: (its result, the file it wrote, "node-ip node-id")."""
+def host_id() -> str:
+    """This machine: its hostname and, where there is one, its systemd machine id."""
+    machine = Path("/etc/machine-id")
+    return socket.gethostname() + (":" + machine.read_text().strip() if machine.exists() else "")
+
+
+def _remote_call(
+    fn: Callable[..., Any], args: tuple, threads: int, driver_host: str
+) -> tuple[Any, bytes | None, str]:
+    """Run one job on a Ray worker: (its result, the file it wrote, "node-ip node-id").
+
+    `threads` is the driver's intra-op thread count: Ray gives a one-CPU task one thread, and
+    Inductor writes the thread count into the kernels it generates (their OpenMP regions), so
+    without it a cluster build would differ from a local one and run single-threaded. On
+    another machine than the driver's, the staging directories a job writes under are made
+    for it and removed after its file has been read."""
     import ray
+    import torch
 
     from neffkit.compile.workers import quiet_warnings
 
     quiet_warnings()
-    made = []  # the staging directories a job writes under exist only on the driver's host
-    for arg in args:
-        if isinstance(arg, Path) and arg.suffix and not arg.parent.exists():
-            missing = arg.parent
-            while not missing.parent.exists():
-                missing = missing.parent
-            arg.parent.mkdir(parents=True)
-            made.append(missing)
+    torch.set_num_threads(threads)
+    made: list[Path] = []
+    if host_id() != driver_host:
+        for arg in args:
+            if isinstance(arg, Path) and arg.suffix:
+                made += [p for p in reversed(arg.parents) if not p.exists()]
+                arg.parent.mkdir(parents=True, exist_ok=True)
     try:
         value = fn(*args)
         artifact = getattr(value, "artifact", None)
         data = Path(artifact).read_bytes() if isinstance(artifact, Path) else None
     finally:
-        for path in made:  # another host's staging path: leave nothing of it here
-            shutil.rmtree(path, ignore_errors=True)
+        if made:  # another machine's staging path: leave nothing of it here
+            for arg in args:
+                if isinstance(arg, Path) and arg.suffix:
+                    arg.unlink(missing_ok=True)
+            for path in reversed(made):  # deepest first; a directory still in use stays
+                try:
+                    path.rmdir()
+                except OSError:
+                    pass
     node = f"{ray.util.get_node_ip_address()} {ray.get_runtime_context().get_node_id()[:12]}"
     return value, data, node
 
@@ -79,11 +101,14 @@ def ray_pool(
         num_cpus=1, memory=task_memory, max_retries=RETRIES, retry_exceptions=False
     )
     counts = nodes if nodes is not None else Counter()
+    import torch
+
+    threads, driver = torch.get_num_threads(), host_id()
 
     def run(
         fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress
     ) -> list:
-        refs = {remote.remote(fn, args): i for i, args in enumerate(arg_list)}
+        refs = {remote.remote(fn, args, threads, driver): i for i, args in enumerate(arg_list)}
         results: list[Any] = [None] * len(arg_list)
         pending = list(refs)
         while pending:

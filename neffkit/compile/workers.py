@@ -87,6 +87,7 @@ def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
         nonlocal pool
         results: list[Any] = [None] * len(arg_list)
         if jobs <= 1 or len(arg_list) <= 1:
+            quiet_warnings()  # the jobs run here, in the main process
             for i, args in enumerate(arg_list):
                 results[i] = fn(*args)
                 progress.done(names[i], _seconds(results[i]))

@@ -69,7 +69,49 @@ def aoti_compile(program: object, out: Path, options: dict[str, OptionValue]) ->
         aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
     except Exception as exc:
         raise BuildError(f"AOTInductor failed for {out.stem}: {exc}") from exc
+    make_reproducible(out)
     return dict(load_package(out).get_metadata())
+
+
+COMPILE_COMMENT = b"\n\n// Compile cmd\n"  # what Inductor appends to a source it compiled
+
+
+def make_reproducible(package: Path) -> None:
+    """Rewrite an AOTInductor package so that two compiles of one graph give the same bytes.
+
+    The compiled libraries already agree; what differs is bookkeeping: `.data/serialization_id`
+    is random, and a .cpp whose build came from Inductor's local cache carries the g++ command
+    lines (with precompiled-header paths) appended as comments, while a fresh build's does not.
+    The comments go, and the id becomes a digest of the package's other contents. Members keep
+    their order, names, dates and storage, each 64-byte aligned as PyTorch's writer aligns them.
+    """
+    import hashlib
+    import os
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(package) as z:
+        members = [(info, z.read(info)) for info in z.infolist()]
+    cleaned = []
+    for info, data in members:
+        if info.filename.endswith(".cpp") and COMPILE_COMMENT in data:
+            data = data[: data.index(COMPILE_COMMENT)] + b"\n"
+        cleaned.append((info, data))
+    digest = hashlib.sha256()
+    for info, data in cleaned:
+        if not info.filename.endswith("serialization_id"):
+            digest.update(info.filename.encode() + b"\0" + data + b"\0")
+    ident = str(int(digest.hexdigest(), 16))[:40].encode()  # 40 digits, as torch writes it
+    tmp = package.with_name(package.name + ".tmp")
+    with tmp.open("wb") as raw, zipfile.ZipFile(raw, "w") as z:
+        for info, data in cleaned:
+            member = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            member.compress_type, member.external_attr = info.compress_type, info.external_attr
+            header_end = raw.tell() + 30 + len(info.filename.encode()) + 4  # + the extra's head
+            pad = -header_end % 64
+            member.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+            z.writestr(member, ident if info.filename.endswith("serialization_id") else data)
+    os.replace(tmp, package)
 
 
 class CpuBackend:
