@@ -1,4 +1,5 @@
-"""Build times: cold with --jobs 1 vs --jobs 2 (parallel efficiency), warm rebuild vs cold; with
+"""Build times: cold with --jobs 1 vs --jobs 2 (parallel efficiency), warm rebuild vs cold, two
+CI-matrix shards + assembly, and a Ray two-node cluster (its overhead, on one machine); with
 `--large`, build memory and per-rank shard sizes on a 1.24B-parameter checkpoint.
 
 Each cold build gets an empty cache directory; the warm rebuild reuses the --jobs 2 cache. Runs the
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, write_result  # noqa: E402
@@ -107,6 +109,54 @@ def large() -> None:
     print(f"wrote {write_result('build_large', rows)}")
 
 
+def sharded_build(manifest: Path, root: Path) -> dict[str, float | int]:
+    """Two CI-matrix shards (`--shard k/2 -j 1`, run at once) into one fresh cache, then the
+    assembling build: what a 2-job matrix costs on this one machine."""
+    cache = root / "shard-cache"
+    cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "--cache", str(cache),
+           "-j", "1", "--json"]  # fmt: skip
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen([*cmd, "--shard", f"{k}/2"], stdout=subprocess.PIPE, cwd=REPO, text=True)
+        for k in (1, 2)
+    ]
+    compiled = [json.loads(p.communicate()[0])["counters"]["compiled"] for p in procs]
+    wall = time.perf_counter() - t0
+    assembly, report = timed_build(manifest, root / "assembled", cache, jobs=2)
+    return {
+        "shards_wall_s": round(wall, 2),
+        "shards_compiled": compiled,
+        "assembly_s": round(assembly, 2),
+        "assembly_compiled": report["counters"]["compiled"],
+        "shards_total_s": round(wall + assembly, 2),
+    }
+
+
+def cluster_build(manifest: Path, root: Path) -> dict[str, Any]:
+    """The cold build through Ray's two-node test cluster (one CPU a node, on this machine):
+    on one host it can only show Ray's overhead against the local process pool."""
+    from ray.cluster_utils import Cluster
+
+    started = time.perf_counter()
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        up = time.perf_counter() - started
+        cold, report = timed_build(
+            manifest, root / "clustered", None, 2, "--cluster", cluster.address
+        )
+    finally:
+        cluster.shutdown()
+    return {
+        "cluster_start_s": round(up, 2),
+        "cluster_cold_s": round(cold, 2),
+        "cluster_tasks_by_node": report.get("cluster_tasks_by_node", {}),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "demo.yaml")
@@ -120,6 +170,8 @@ def main() -> None:
         cold1, r1 = timed_build(args.manifest, root / "b1", root / "cache1", jobs=1)
         cold2, r2 = timed_build(args.manifest, root / "b2", root / "cache2", jobs=2)
         warm, r3 = timed_build(args.manifest, root / "b3", root / "cache2", jobs=2)
+        shards = sharded_build(args.manifest, root)
+        cluster = cluster_build(args.manifest, root)
     graphs = r1["counters"]["graphs"]
     rows = {
         "graphs": graphs,
@@ -131,6 +183,10 @@ def main() -> None:
         "warm_fraction_of_cold_jobs2": round(warm / cold2, 3),
         "warm_compiled": r3["counters"]["compiled"],
         "warm_traced": r3["counters"]["traced"],
+        **shards,
+        "shards_fraction_of_cold_jobs2": round(shards["shards_total_s"] / cold2, 3),
+        **cluster,
+        "cluster_over_cold_jobs2": round(cluster["cluster_cold_s"] / cold2, 3),
         "stage_seconds": {
             "cold_jobs1": r1["seconds"],
             "cold_jobs2": r2["seconds"],
@@ -146,6 +202,14 @@ def main() -> None:
     print(
         f"warm rebuild   : {warm:7.1f} s   {warm / cold2:.1%} of cold (--jobs 2), "
         f"{r3['counters']['compiled']} compiled"
+    )
+    print(
+        f"2 shards (-j 1 each, parallel) {shards['shards_wall_s']:.1f} s + assembly "
+        f"{shards['assembly_s']:.1f} s ({shards['assembly_compiled']} compiled)"
+    )
+    print(
+        f"Ray, 2 nodes x 1 CPU: {cluster['cluster_cold_s']:.1f} s "
+        f"({cluster['cluster_cold_s'] / cold2:.2f}x the local -j 2 build)"
     )
     print(f"wrote {write_result('build', {'manifest': str(args.manifest), **rows})}")
 

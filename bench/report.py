@@ -172,6 +172,23 @@ def build(d: dict[str, Any]) -> str:
         f"({d['warm_fraction_of_cold_jobs2']:.1%} of cold, {d['warm_compiled']} compiled"
         + (f", {d['warm_traced']} traced" if "warm_traced" in d else "")
         + ")."
+        + (
+            f" Two CI-matrix shards (`--shard k/2 -j 1`, run at once into one cache) take "
+            f"{d['shards_wall_s']:.1f} s, and the assembling build {d['assembly_s']:.1f} s "
+            f"({d['assembly_compiled']} compiled): {d['shards_fraction_of_cold_jobs2']:.2f}× "
+            "the local `-j 2` build."
+            if "shards_wall_s" in d
+            else ""
+        )
+        + (
+            f" Through a two-node Ray cluster on this machine (one CPU a node; started in "
+            f"{d['cluster_start_s']:.1f} s, not counted) the cold build takes "
+            f"{d['cluster_cold_s']:.1f} s, {d['cluster_over_cold_jobs2']:.2f}× the local pool "
+            "(one machine has no more cores to offer: what this shows is that Ray's overhead is "
+            "small against compiles of tens of seconds)."
+            if "cluster_cold_s" in d
+            else ""
+        )
     )
 
 
@@ -312,6 +329,31 @@ def batch(d: dict[str, Any]) -> str:
     )
 
 
+def burst(d: dict[str, Any]) -> str:
+    by = {(r["variant"], r["arrivals"], r["prompt_len"]): r for r in d["rows"]}
+    rows = []
+    for (variant, n, length), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        if variant != "packed":
+            continue
+        one = by.get(("one_per_step", n, length))
+        rows.append([
+            f"{n} × {length} tokens", f"{one['ttft_p50_ms']:.0f}" if one else "",
+            f"{one['ttft_p99_ms']:.0f}" if one else "", f"{r['ttft_p50_ms']:.0f}",
+            f"{r['ttft_p99_ms']:.0f}",
+        ])  # fmt: skip
+    return (
+        "**Time to first token under a burst** (`bench/burst.py`, the 125M Llama, float32, "
+        f"engine-level, medians of {d['rounds']} alternating rounds): N prompts queued at the "
+        "same instant; one prompt prefilled per step (`prefill_batch: [1]`) against packed "
+        "prefill (`prefill_batch: [1, 8]`: one call, the prompts' tokens side by side). "
+        "ms.\n\n"
+        + _table(
+            ["arrivals", "one per step p50", "one per step p99", "packed p50", "packed p99"],
+            rows,
+        )
+    )
+
+
 def mla(d: dict[str, Any]) -> str:
     rows = [
         [r["context_tokens"], f"{r['absorbed_ms']:.1f}", f"{r['expanded_ms']:.1f}",
@@ -346,6 +388,9 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("decode", decode),
     ("serve", serve),
     ("serve_125m", serve),
+    ("serve_125m_one_per_step", serve),
+    ("serve_125m_packed", serve),
+    ("burst", burst),
     ("overhead", overhead),
     ("startup", startup),
     ("roofline", roofline),
