@@ -335,9 +335,12 @@ def test_killed_build_leaves_nothing_half_written(sig, hf_model_dir, tmp_path):
     out = tmp_path / "bundles" / "kill"
     log = tmp_path / "log.txt"
     cmd = _build_cmd(manifest, out, cache, "-j", "2")
+    # Inductor's own cache in a directory of this test's: a graph another test (or the other
+    # signal's run) compiled would otherwise come back in a second, before the signal lands
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     with log.open("w") as f:
         proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env=env
         )
     deadline = time.time() + 300
     while "compile:" not in log.read_text() and time.time() < deadline and proc.poll() is None:
