@@ -334,7 +334,14 @@ def test_killed_build_leaves_nothing_half_written(sig, hf_model_dir, tmp_path):
     )
     out = tmp_path / "bundles" / "kill"
     log = tmp_path / "log.txt"
-    cmd = _build_cmd(manifest, out, cache, "-j", "2")
+    # SIGINT handled as Python does by default, whatever the test process inherited: a
+    # process started while SIGINT is ignored keeps ignoring it (here: after the Ray cluster
+    # test ran in the same worker), and the build would run to the end
+    restore = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'neffkit'; runpy.run_module('neffkit', run_name='__main__')"
+    )
+    cmd = [sys.executable, "-c", restore, *_build_cmd(manifest, out, cache, "-j", "2")[3:]]
     # Inductor's own cache in a directory of this test's: a graph another test (or the other
     # signal's run) compiled would otherwise come back in a second, before the signal lands
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
