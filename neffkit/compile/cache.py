@@ -133,9 +133,6 @@ class ArtifactCache:
             d.mkdir(parents=True, exist_ok=True)
         remove_stale_temp_dirs(self.tmp, "")
 
-    def describe(self) -> str:
-        return str(self.root) + (" (read-only)" if self.readonly else "")
-
     def _entry(self, key: CacheKey) -> Path:
         return self.entries / key.digest
 

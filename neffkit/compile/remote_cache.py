@@ -70,9 +70,6 @@ class RemoteArtifactCache:
             raise BuildError(f"--cache {url}: cannot read it ({reason})") from None
         self.mirror = ArtifactCache(mirror or mirror_dir(self.url))
 
-    def describe(self) -> str:
-        return self.url + (" (read-only)" if self.readonly else "")
-
     def _path(self, *parts: str) -> str:
         return "/".join([self.base.rstrip("/"), *parts])
 
