@@ -285,6 +285,14 @@ class LayoutRecord(Record):
     kv_kind: str = "mha"
     # the cache tensors' dtype: the model dtype, or float8_e4m3fn (kv_cache.dtype); "" = dtype
     kv_dtype: str = ""
+    # "device": graphs take the aliased `last_tokens` state after the caches (decode reads its
+    # tokens there; the host sends `seq_slots`); "host": decode takes `input_ids`
+    decode_state: str = "host"
+
+    @property
+    def state_names(self) -> list[str]:
+        """The device-resident state tensors' graph input names (after the caches)."""
+        return ["last_tokens"] if self.decode_state == "device" else []
 
     @property
     def cache_dtype(self) -> str:

@@ -132,6 +132,10 @@ class Manifest:
     # MLA decode (DeepSeek): "absorbed" attends in the latent space (reads the latent cache);
     # "expanded" up-projects the context to per-head K/V every step (HF's form; for comparison)
     mla_decode: str = "absorbed"
+    # where decode graphs get each row's input token: "host" sends it as `input_ids`; "device"
+    # reads it from the aliased `last_tokens` state the previous step wrote, the host sending
+    # only which sequence each row holds (`seq_slots`). Default: device on neuron, else host
+    decode_state: str = "host"
 
     @property
     def max_model_len(self) -> int:
@@ -299,7 +303,9 @@ TOP_LEVEL = (
     "compiler",
     "audit",
     "mla",
+    "decode_state",
 )
+DECODE_STATES = ("host", "device")
 
 
 def _model_dir(value: Any, base: Path) -> tuple[Path, ModelConfig]:
@@ -386,6 +392,11 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         model_config=model_config,
         audit=audit,
         mla_decode=mla_decode,
+        decode_state=_choice(
+            data.get("decode_state", "device" if target == "neuron" else "host"),
+            DECODE_STATES,
+            "decode_state",
+        ),
     )
 
 

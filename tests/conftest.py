@@ -111,6 +111,10 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "deepseek": ("DeepseekV3Config", DEEPSEEK, TWO_DECODE),
     "deepseek_noq": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None}, SMALL),
 }  # fmt: skip
+# kind → manifest fields beyond buckets. llama_tied runs the runtime tests whose rows move
+# between sequences and buckets: there, decode reads its tokens from the device state
+# (decode_state: device); the other cpu bundles send them from the host (the cpu default).
+EXTRA: dict[str, dict[str, Any]] = {"llama_tied": {"decode_state": "device"}}
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "llama": ({"tp": 2}, {"prefill": [16], "decode": [4], "context": [256]}),
@@ -286,8 +290,9 @@ def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[
     def get(kind: str) -> Path:
         if kind not in built:
             result = build_session_bundle(
-                session_dir, hf_model_dir(kind), kind, buckets=MODELS[kind][2]
-            )
+                session_dir, hf_model_dir(kind), kind, buckets=MODELS[kind][2],
+                **EXTRA.get(kind, {}),
+            )  # fmt: skip
             built[kind] = result.bundle
         return built[kind]
 

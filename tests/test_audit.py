@@ -296,9 +296,10 @@ def test_inspect_json_schema_and_ci_gate(bundle, tmp_path):
     # ship a graph with a hazard in it: inspect reports it and exits 1 so CI can gate
     ir = copy / "ir" / "decode_b1_c64.txt.zst"
     text = read_zst_text(ir)
-    # the first clamp of the KV slots (the graph clamps input_ids before the embedding first)
-    ids = re.search(r"^(%\d+) = input input_ids ", text, re.M).group(1)
-    clamp = next(m for m in re.finditer(r"aten\.clamp\.default\((%\d+),", text) if m[1] != ids)
+    # the clamp of the KV slots (slot_mapping, flattened, then clamped for every layer's writes)
+    slots = re.search(r"^(%\d+) = input slot_mapping ", text, re.M).group(1)
+    flat = re.search(rf"^(%\d+) = aten\.view\.default\({slots},", text, re.M).group(1)
+    clamp = re.search(rf"aten\.clamp\.default\({flat},", text)
     text = text[: clamp.start()] + text[clamp.start() :].replace("aten.clamp", "aten.abs", 1)
     write_zst_text(ir, text)
     proc = run_cli("inspect", str(copy), "--json")
@@ -309,7 +310,8 @@ def test_inspect_json_schema_and_ci_gate(bundle, tmp_path):
     assert [f["rule"] for f in bad["findings"]] == ["NK101", "NK101"]
     assert {f["graph"] for f in bad["findings"]} == {"decode_b1_c64"}
     detail = json.loads(run_cli("inspect", str(copy), "--graph", "decode_b1_c64", "--json").stdout)
-    assert detail["op_histogram"]["aten.index_put.default"] == 4
+    # K and V of 2 layers, and (decode_state: device) the sampled token into last_tokens
+    assert detail["op_histogram"]["aten.index_put.default"] == 5
     assert [f["rule"] for f in detail["findings"]] == ["NK101", "NK101"]
     # --verify notices the edited file
     verified = run_cli("inspect", str(copy), "--verify")

@@ -86,7 +86,10 @@ def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: 
         params = _alias_params(read_zst_text(bundle.path(g["hlo_text"])))
         aliased = sorted(names[p] for p in params)
         # every layer's cache tensors: K and V, or (MLA) the one latent tensor
-        assert aliased == sorted(bundle.record.layout.kv_names), g["name"]
+        # and the decode state (neuron's default decode_state: device)
+        layout = bundle.record.layout
+        assert layout.state_names == ["last_tokens"]
+        assert aliased == sorted(layout.kv_names + layout.state_names), g["name"]
         assert bundle.path(g["hlo"]).read_bytes()  # the proto neuronx-cc reads
         # index math stays in integers: no float64 (Trainium has none) anywhere in the module
         assert not re.search(r"\bf64\[", read_zst_text(bundle.path(g["hlo_text"])))
@@ -353,8 +356,25 @@ def test_neuron_executor_runs_a_compiled_bundle_through_spike(
     assert all(c["call"] != "from_numpy" for c in calls[first_run:])  # nothing allocated later
     record = read_bundle(out).record
     resident = [c["name"] for c in calls if c["call"] == "from_numpy"]
-    statics = record.layout.kv_names + list(record.weights_of(0).names)
+    lay = record.layout
+    statics = lay.kv_names + lay.state_names + list(record.weights_of(0).names)
     assert all(resident.count(name) == 1 for name in statics)  # uploaded once, shared by graphs
+    # decode takes no input_ids (its tokens come from the resident last_tokens), and a decode
+    # step after one of the same graph whose rows kept their sequences sends only what moved:
+    # positions, slots and lengths (block tables, sampling values and seq_slots stay)
+    inputs = {g.name: [i.name for i in g.inputs] for g in record.graphs}
+    previous, written, steady = None, set(), 0
+    for c in calls[first_run:]:
+        if c["call"] == "write_from_numpy":
+            written.add(int(c["name"].removeprefix("input")))
+        elif c["call"] == "execute":
+            names = {inputs[c["name"]][i] for i in written}
+            if c["name"].startswith("decode_"):
+                assert "input_ids" not in inputs[c["name"]]
+                steady += c["name"] == previous and names == {
+                    "positions", "slot_mapping", "context_lens"}  # fmt: skip
+            previous, written = c["name"], set()
+    assert steady >= 5
     runs = sum(c["call"] == "execute" for c in calls)
     reads = [c for c in calls if c["call"] == "numpy"]
     assert len(reads) == 4 * runs  # tokens, token logprobs, top ids, top logprobs: nothing else

@@ -29,6 +29,7 @@ from neffkit.models.llama import (
     graph_outputs,
     kv_inputs,
     metadata_inputs,
+    state_inputs,
 )
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import PLAIN, ProjectionPolicy
@@ -56,6 +57,7 @@ class ModelLayout:
     mla_decode: str = "absorbed"  # MLA decode graphs: latent-space attention, or expanded K/V
     kv_dtype: str = ""  # the KV cache tensors' dtype ("" = dtype)
     fp8_max: float = E4M3FN_MAX  # the range fp8 values use on the target (targets.fp8_max)
+    decode_state: str = "host"  # "device": decode tokens come from the aliased last_tokens
 
 
 @dataclass
@@ -117,6 +119,7 @@ def model_layout(
         kv_dtype=manifest.kv_cache.dtype or manifest.dtype,
         fp8_max=manifest.fp8_max,
         storage=storage,
+        decode_state=manifest.decode_state,
     )
 
 
@@ -130,11 +133,13 @@ def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list
         layout.num_blocks,
         layout.max_logprobs,
         layout.prompt_logprobs and spec.rows == 1,  # a prompt wanting them prefills alone
+        layout.decode_state == "device",
     )
     specs = metadata_inputs(shape)
     if layout.par.needs_rank_input(layout.config):
         specs.append(TensorSpec("rank", (1,), "int64"))
     specs += kv_inputs(layout.config, shape, layout.kv_heads, layout.kv_dtype or layout.dtype)
+    specs += state_inputs(shape)
     return shape, specs + list(layout.weights)
 
 

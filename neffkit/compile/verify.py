@@ -126,6 +126,8 @@ def representative_inputs(
         "top_p": np.ones(spec.rows, np.float32),
         "seed": np.zeros(spec.rows, np.int64),
         "target_ids": torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
+        "seq_slots": tables[:, 0].copy(),  # device state: each sequence's first block
+        "last_tokens": torch.randint(0, vocab, (nb,), generator=gen).numpy(),
     }
     by_name = {w.name: i for i, w in enumerate(layout.weights)}
     out = []

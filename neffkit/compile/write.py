@@ -149,6 +149,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         prompt_logprobs=layout.prompt_logprobs,
         kv_kind="mla" if layout.config.is_mla else "mha",
         kv_dtype=layout.kv_dtype if layout.kv_dtype != layout.dtype else "",
+        decode_state=layout.decode_state,
     )
 
 

@@ -52,6 +52,8 @@ class GraphShape:
     num_blocks: int
     logprobs: int = 5  # top logprobs per sampled token (the manifest's sampling.max_logprobs)
     prompt_logprobs: bool = False  # prefill also returns each prompt token's logprobs
+    # decode reads each row's token from the `last_tokens` state (manifest decode_state: device)
+    device_state: bool = False
 
     @property
     def packed(self) -> bool:
@@ -67,10 +69,14 @@ class TensorSpec:
 
 
 def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
+    """The host-built inputs, in order. With device state a decode graph takes no input_ids:
+    `seq_slots` (each row's sequence's slot in `last_tokens`; 0 pads) says where its token is,
+    and prefill takes `seq_slots` too, to store each sequence's sampled token there."""
     b, t = shape.rows, shape.tokens
     lines = 1 if shape.phase == "prefill" else b  # prefill: every sequence's tokens in one row
-    specs = [
-        TensorSpec("input_ids", (lines, t), "int64"),
+    host_ids = shape.phase == "prefill" or not shape.device_state
+    specs = [TensorSpec("input_ids", (lines, t), "int64")] if host_ids else []
+    specs += [
         TensorSpec("positions", (lines, t), "int64"),
         TensorSpec("slot_mapping", (lines, t), "int64"),
         TensorSpec("block_tables", (b, shape.context // shape.block_size), "int64"),
@@ -80,6 +86,8 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
         specs.append(TensorSpec("seq_ids", (1, t), "int64"))  # each token's sequence
     if shape.phase == "prefill":
         specs.append(TensorSpec("last_token_index", (b,), "int64"))  # in the packed row
+    if shape.device_state:
+        specs.append(TensorSpec("seq_slots", (b,), "int64"))
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
     if shape.phase == "prefill" and shape.prompt_logprobs:
         specs.append(TensorSpec("target_ids", (b, t), "int64"))  # the token after each position
@@ -117,6 +125,13 @@ def kv_inputs(cfg: ModelConfig, shape: GraphShape, kv_heads: int, dtype: str) ->
     ]
 
 
+def state_inputs(shape: GraphShape) -> list[TensorSpec]:
+    """Device-resident decode state (decode_state: device): `last_tokens[slot]`, the last token
+    sampled for the sequence in that slot, aliased like the K/V caches. A sequence's slot is its
+    first KV block (unique among live sequences; block 0, the null block, is the padding slot)."""
+    return [TensorSpec("last_tokens", (shape.num_blocks,), "int64")] if shape.device_state else []
+
+
 class DecoderGraph(torch.nn.Module):
     """forward(*flat_inputs) → the tensors `graph_outputs` lists (next tokens and logprobs);
     K/V caches are mutated in place (io-aliased)."""
@@ -138,7 +153,9 @@ class DecoderGraph(torch.nn.Module):
         self.cfg = cfg
         self.shape = shape
         self.weight_names = weight_names
+        self.meta_names = [spec.name for spec in metadata_inputs(shape)]
         self.num_meta = num_meta
+        assert num_meta == len(self.meta_names)
         self.max_top_k = max_top_k
         self.par = par or Parallelism()
         self.has_rank = self.par.needs_rank_input(cfg)
@@ -148,21 +165,31 @@ class DecoderGraph(torch.nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, shape = self.cfg, self.shape
-        meta = flat[: self.num_meta]
+        m = dict(zip(self.meta_names, flat[: self.num_meta], strict=True))
         rest = flat[self.num_meta :]
         self.rank = rest[0] if self.has_rank else None  # [1] int64: this graph's rank, as data
         rest = rest[1:] if self.has_rank else rest
         per_layer = 1 if cfg.is_mla else 2  # MLA: one latent cache tensor per layer
         kv = rest[: per_layer * cfg.num_layers]
-        w = dict(zip(self.weight_names, rest[per_layer * cfg.num_layers :], strict=True))
+        rest = rest[per_layer * cfg.num_layers :]
+        last_tokens = rest[0] if shape.device_state else None  # [num_blocks] int64, aliased
+        rest = rest[1:] if shape.device_state else rest
+        w = dict(zip(self.weight_names, rest, strict=True))
         if cfg.fp8_block:  # block fp8 weights: widened right before use (kernels/quant.py)
             w = self._dequantized(w)
-        input_ids, positions, slot_mapping, block_tables, context_lens = meta[:5]
-        seq_ids = meta[5] if shape.packed else None
-        last_at = 6 if shape.packed else 5  # prefill's last_token_index
-        sampling_at = last_at + 1 if shape.phase == "prefill" else 5
-        temperature, top_k, top_p, seed = meta[sampling_at : sampling_at + 4]
-        rows, tokens = input_ids.shape
+        positions, slot_mapping = m["positions"], m["slot_mapping"]
+        block_tables, context_lens = m["block_tables"], m["context_lens"]
+        seq_ids = m.get("seq_ids")
+        temperature, top_k, top_p, seed = (m[name] for name, _ in SAMPLING_INPUTS)
+        rows, tokens = positions.shape
+        state_slots = None
+        if last_tokens is not None:  # clamped like every index from the host (audit NK303)
+            state_slots = m["seq_slots"].clamp(0, last_tokens.shape[0] - 1)
+        if "input_ids" in m:
+            input_ids = m["input_ids"]
+        else:  # device state: each row's token is the one the last step stored for its sequence
+            assert last_tokens is not None and state_slots is not None
+            input_ids = last_tokens.index_select(0, state_slots).unsqueeze(1)  # [B, 1]
 
         # Ids are validated on the host; the clamp is defence in depth: an out-of-range gather is
         # an out-of-bounds DMA on Neuron and a crash on CPU (audit rule NK109).
@@ -205,12 +232,12 @@ class DecoderGraph(torch.nn.Module):
         if shape.phase == "prefill":
             # [S]: each sequence's last token in the row; clamped like every index from the
             # host (audit NK303: a gather past the chunk would be an out-of-bounds DMA on Neuron)
-            last = meta[last_at].clamp(0, tokens - 1)
+            last = m["last_token_index"].clamp(0, tokens - 1)
             last_pos = positions[0].index_select(0, last)  # [S]
             if shape.prompt_logprobs:  # the LM head on every position (TRT-LLM's context logits)
                 h_all = self._norm(h[0], w["model.norm.weight"])
                 all_logits = self._head(h_all, head)  # [T, vocab]
-                targets = meta[-1][0].clamp(0, cfg.vocab_size - 1)  # [T]
+                targets = m["target_ids"][0].clamp(0, cfg.vocab_size - 1)  # [T]
                 prompt = target_logprobs(all_logits, targets, shape.logprobs)
                 logits = all_logits.index_select(0, last)  # [1, vocab]
             else:
@@ -223,6 +250,9 @@ class DecoderGraph(torch.nn.Module):
         sampled = sample(
             logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
         )
+        if last_tokens is not None:  # the next decode step's input, stored on the device
+            # padding rows all write the padding slot 0, which no sequence reads
+            last_tokens.index_put_((state_slots,), sampled[0])
         return (*sampled, *prompt)
 
     def _attention(self, x, w, p, cos, sin, k_cache, v_cache, slots, block_tables, mask):

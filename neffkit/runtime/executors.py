@@ -156,14 +156,14 @@ class NeuronExecutor:
     rank_id, world_size)`, `model(inputs={name: SpikeTensor}, outputs={name: SpikeTensor})`,
     `SpikeTensor.from_numpy / write_from_numpy / numpy`).
 
-    Weights and K/V caches are uploaded once and stay resident; each aliased K/V output is
-    bound to its input's device tensor, so the cache is updated in place; a graph's metadata
-    tensors are allocated once and rewritten each call; only the user outputs (sampled tokens
-    and their logprobs) are read back. The NEFF's tensors are matched to the graph's by
-    position: the number its names end in (`input5` is HLO parameter 5, `output2` result 2), in
-    the HLO parameter order recorded at lowering. Collectives get this process's rank and the
-    world size at load. Verified against a stand-in with spike's signatures
-    (tests/tools/spike), never on a NeuronCore.
+    Weights, K/V caches and the decode state (`last_tokens`) are uploaded once and stay
+    resident; each aliased output is bound to its input's device tensor, so they are updated in
+    place; a graph's metadata tensors are allocated once and rewritten when their values change;
+    only the user outputs (sampled tokens and their logprobs) are read back. The NEFF's tensors
+    are matched to the graph's by position: the number its names end in (`input5` is HLO
+    parameter 5, `output2` result 2), in the HLO parameter order recorded at lowering.
+    Collectives get this process's rank and the world size at load. Verified against a stand-in
+    with spike's signatures (tests/tools/spike), never on a NeuronCore.
     """
 
     name = "neuron"
@@ -221,9 +221,15 @@ class NeuronExecutor:
             outputs[name] = tensor
             user.append(tensor)
 
+        sent: list[np.ndarray | None] = [None] * len(meta)  # what each device tensor holds
+
         def run(values: list[np.ndarray]) -> list[np.ndarray]:
-            for tensor, value in zip(meta, values, strict=True):
-                tensor.write_from_numpy(value)
+            # only what changed since this graph's last call goes to the device: in steady
+            # decode the block tables, sampling values and (device state) seq_slots stay
+            for i, (tensor, value) in enumerate(zip(meta, values, strict=True)):
+                if sent[i] is None or not np.array_equal(sent[i], value):
+                    tensor.write_from_numpy(value)
+                    sent[i] = value.copy()
             model(inputs=inputs, outputs=outputs)
             return [tensor.numpy() for tensor in user]
 

@@ -98,6 +98,8 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
             "decode_s": round(t.decode_s, 4),
             "decode_tokens": t.decode_tokens,
             "decode_ms_per_token": round(1000 * t.decode_s / max(t.decode_steps, 1), 4),
+            # metadata a decode step rewrote (what a device executor uploads), bytes per step
+            "decode_meta_bytes_per_step": round(t.decode_meta_bytes / max(t.decode_steps, 1), 1),
             "wall_s": round(wall, 4),
         },
     }

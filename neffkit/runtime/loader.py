@@ -120,7 +120,8 @@ def _executor(
 
 def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Tensor], list[str]]:
     """One rank's static graph inputs, in graph order: its rank (where graphs take it), fresh
-    K/V caches, its weight shard (mapped, not read: the first step pages the weights in)."""
+    K/V caches, the decode state (decode_state: device), its weight shard (mapped, not read: the
+    first step pages the weights in)."""
     lay = bundle.record.layout
     shard = bundle.record.weights_of(rank)
     tensors = map_tensors(bundle.path(shard.file))
@@ -128,8 +129,9 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     kv_names = lay.kv_names
     kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.cache_dtype), device)
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
-    names = ["rank"] * len(rank_input) + kv_names + list(shard.names)
-    return rank_input + kv + weights, names
+    state = [torch.zeros(lay.num_blocks, dtype=torch.int64, device=device) for _ in lay.state_names]
+    names = ["rank"] * len(rank_input) + kv_names + lay.state_names + list(shard.names)
+    return rank_input + kv + state + weights, names
 
 
 def load(

@@ -53,34 +53,49 @@ class Timings:
     decode_steps: int = 0
     decode_tokens: int = 0
     prefill_chunks: int = 0  # prefill graph calls (each packs one chunk per row)
+    # bytes of the decode metadata arrays a step rewrote: what an executor that keeps the
+    # metadata on the device must send it (the arrays a step leaves alone stay there)
+    decode_meta_bytes: int = 0
 
 
 class DecodeBuffers:
     """One decode graph's metadata arrays, allocated once and updated in place every step.
 
     A decode step changes few values per row (token, position, slot, length); the block table
-    row changes when a sequence enters a new block and the sampling values when a row gets
-    another sequence. Passing the same arrays every step also lets the executor bind them to
-    the graph once (it compares the arrays it is given with the last call's). Keeps the host's
-    share of a demo-model decode step small.
+    row changes when a sequence enters a new block and the sampling values (and, with device
+    state, `seq_slots`) when a row gets another sequence. Passing the same arrays every step also
+    lets the executor bind them to the graph once (it compares the arrays it is given with the
+    last call's). Keeps the host's share of a demo-model decode step small. `fill` returns the
+    bytes of the arrays it rewrote (Timings.decode_meta_bytes).
     """
+
+    PER_STEP = ("positions", "slot_mapping", "context_lens")  # rewritten every step
+    PER_ROW = ("block_tables", "seq_slots", "temperature", "top_k", "top_p", "seed")
 
     def __init__(self, graph: GraphEntry, block_size: int) -> None:
         self.block_size = block_size
         self.meta = {name: np.empty(shape, dtype) for name, shape, dtype in graph.meta_specs}
         m = self.meta
-        self.ids, self.pos, self.slots = m["input_ids"], m["positions"], m["slot_mapping"]
+        # host state: the last sampled token is sent; device state: the graph reads it from
+        # `last_tokens[seq_slots[row]]`
+        self.ids, self.seq_slots = m.get("input_ids"), m.get("seq_slots")
+        self.pos, self.slots = m["positions"], m["slot_mapping"]
         self.tables, self.lens = m["block_tables"], m["context_lens"]
         self.rows: list[tuple[int, int] | None] = [None] * graph.rows  # (request, blocks) per row
+        every = (*self.PER_STEP, "input_ids")
+        self._step_bytes = sum(m[n].nbytes for n in every if n in m)
+        self._row_bytes = sum(m[n].nbytes for n in self.PER_ROW if n in m)
         for i in range(graph.rows):
             self._pad(i)
 
-    def fill(self, seqs: list[SequenceState]) -> None:
+    def fill(self, seqs: list[SequenceState]) -> int:
         bs = self.block_size
+        rows_changed = False
         for i, seq in enumerate(seqs):
             pos = seq.length - 1  # the last sampled token enters the cache at this position
             used = pos // bs + 1
-            self.ids[i, 0] = seq.output_ids[-1]
+            if self.ids is not None:
+                self.ids[i, 0] = seq.output_ids[-1]
             self.pos[i, 0] = pos
             self.slots[i, 0] = seq.blocks[used - 1] * bs + pos % bs
             self.lens[i] = pos + 1
@@ -88,19 +103,35 @@ class DecodeBuffers:
                 row = self.rows[i]
                 if row is None or row[0] != seq.request_id:
                     write_sampling(self.meta, i, seq)
+                    if self.seq_slots is not None:
+                        self.seq_slots[i] = state_slot(seq)
                 self.tables[i, :used] = seq.blocks[:used]
                 self.tables[i, used:] = -1
                 self.rows[i] = (seq.request_id, used)
+                rows_changed = True
         for i in range(len(seqs), len(self.rows)):
             if self.rows[i] is not None:
                 self._pad(i)
+                rows_changed = True
+        return self._step_bytes + (self._row_bytes if rows_changed else 0)
 
     def _pad(self, i: int) -> None:
-        """A padding row: nothing visible, its K/V write goes to the null slot."""
-        self.ids[i], self.pos[i], self.slots[i], self.tables[i], self.lens[i] = 0, 0, -1, -1, 0
+        """A padding row: nothing visible, its K/V write goes to the null slot (and its token
+        to the padding slot 0 of the decode state)."""
+        if self.ids is not None:
+            self.ids[i] = 0
+        if self.seq_slots is not None:
+            self.seq_slots[i] = 0
+        self.pos[i], self.slots[i], self.tables[i], self.lens[i] = 0, -1, -1, 0
         m = self.meta
         m["temperature"][i], m["top_k"][i], m["top_p"][i], m["seed"][i] = 0, 0, 1, 0
         self.rows[i] = None
+
+
+def state_slot(seq: SequenceState) -> int:
+    """The sequence's slot in the device decode state: its first KV block, which no other live
+    sequence holds (block 0, the null block, is never handed out: it is the padding slot)."""
+    return seq.blocks[0]
 
 
 def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) -> None:
@@ -149,6 +180,7 @@ class ModelRunner:
             "context_lens": np.zeros(seqs, dtype=np.int64),
             "seq_ids": np.zeros((1, tokens), dtype=np.int64),
             "last_token_index": np.zeros(seqs, dtype=np.int64),
+            "seq_slots": np.zeros(seqs, dtype=np.int64),  # device state: where tokens go
             "temperature": np.zeros(seqs, dtype=np.float32),
             "top_k": np.zeros(seqs, dtype=np.int64),
             "top_p": np.ones(seqs, dtype=np.float32),
@@ -168,6 +200,7 @@ class ModelRunner:
             meta["block_tables"][i, :used] = seq.blocks[:used]
             meta["context_lens"][i] = start + n
             meta["last_token_index"][i] = at + n - 1
+            meta["seq_slots"][i] = state_slot(seq)
             write_sampling(meta, i, seq)
             at += n
         if "target_ids" in graph.meta_inputs:  # each position's next prompt token (0 past the end)
@@ -189,7 +222,7 @@ class ModelRunner:
             buffers = self._decode_buffers[graph.name] = DecodeBuffers(
                 graph, self.layout.block_size
             )
-        buffers.fill(batch.rows)
+        self.timings.decode_meta_bytes += buffers.fill(batch.rows)
         t0 = time.perf_counter()
         outputs = self._run(graph, buffers.meta)
         self.timings.decode_s += time.perf_counter() - t0
