@@ -306,7 +306,7 @@ def moe(d: dict[str, Any]) -> str:
 
 def batch(d: dict[str, Any]) -> str:
     rows = []
-    for label in ("before", "after"):
+    for label in ("inductor", "kernel"):
         f = d.get(label)
         if not f:
             continue
@@ -318,14 +318,34 @@ def batch(d: dict[str, Any]) -> str:
             ])  # fmt: skip
     return (
         "**Decode batch scaling** (`bench/batch.py`, a 125M Llama: hidden 1024, 6 layers, vocab "
-        f"32000; ms per step, {d.get('rounds', 3)} alternating rounds, before and after in the "
-        "same run). Before: plain weights; one row a fused reduction, more rows `mm` "
-        "(MKL/oneDNN). After: projection weights stored blocked [out/16, in, 16]; every decode "
-        "bucket a register-blocked reduction that loads each 16-wide weight vector once for all "
-        "rows (`models/projection.py`).\n\n"
+        f"32000; ms per step, {d.get('rounds', 3)} alternating rounds, both forms in the same "
+        "run). Projection weights stored blocked [out/16, in, 16]. *inductor* "
+        "(`compiler.cpu_kernel: off`): every decode bucket a register-blocked reduction that "
+        "Inductor fuses (`models/projection.py`). *kernel* (the default): neffkit's C++ kernel "
+        "(`neffkit/csrc/blocked_rows.cpp`), R x U accumulators in registers fed by each weight "
+        "vector once (bf16 widened in-register), weight lines prefetched ahead.\n\n"
         + _table(
             ["", "dtype", "batch 1", "batch 4", "batch 8", "b8 / b1", "tokens/s b8 / b1"], rows
         )  # fmt: skip
+        + _compute_floor(d)
+    )
+
+
+def _compute_floor(d: dict[str, Any]) -> str:
+    c, k = d.get("compute"), d.get("kernel")
+    if not c or not k:
+        return ""
+    parts = [
+        f"{dtype} {c[f'{dtype}_b8_gmac_per_s']:.0f} GMAC/s, a batch-8 floor of "
+        f"{c[f'{dtype}_b8_floor_ms']:.1f} ms = "
+        f"{c[f'{dtype}_b8_floor_ms'] / k[f'{dtype}_b1_ms']:.2f}x the batch-1 step"
+        for dtype in ("float32", "bfloat16")
+    ]
+    return (
+        "\n\nCompute ceiling of the kernel on this machine (8 rows on an L2-resident weight, "
+        f"all threads; {c['projection_parameters'] / 1e6:.0f}M projection parameters x 8 rows "
+        f"per step): {'; '.join(parts)}. Where that floor is above 1.6x the batch-1 step, batch "
+        "8 is bound by the CPU's multiply-adds, not by streaming the weights."
     )
 
 

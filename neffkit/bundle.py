@@ -438,6 +438,8 @@ class BundleRecord(Record):
     fp8: Fp8Record | None = None  # only bundles with fp8 weights or an fp8 KV cache
     files: dict[str, str] = field(default_factory=dict)  # path → sha256, bundle.json excluded
     format: int = FORMAT_VERSION
+    # cpu: kernel libraries the graphs call (neffkit/cpu_kernels.py), loaded before the graphs
+    kernels: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -506,7 +508,7 @@ def rank_files(record: BundleRecord, rank: int) -> list[str]:
     graphs = [g.artifact or g.hlo or "" for g in record.graphs if g.serves(rank)]
     prefix = f"{record.tokenizer}/" if record.tokenizer else None
     tokenizer = [f for f in record.files if prefix and f.startswith(prefix)]
-    return [*graphs, record.weights_of(rank).file, *tokenizer]
+    return [*graphs, *record.kernels, record.weights_of(rank).file, *tokenizer]
 
 
 def read_bundle(path: str | Path, verify: bool = True) -> Bundle:

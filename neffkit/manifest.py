@@ -107,6 +107,9 @@ class Compiler:
     flags: tuple[str, ...] = ()
     inductor: dict[str, Any] = field(default_factory=dict)
     per_graph: tuple[GraphRule, ...] = ()
+    # cpu: decode projections through neffkit's C++ kernel (neffkit/cpu_kernels.py): "auto"
+    # (weights of 1 MiB or more, where the host has AVX-512), "on" (every one), "off"
+    cpu_kernel: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,7 @@ def _match(value: Any, path: str) -> dict[str, Any]:
 
 def _compiler(value: Any, path: str) -> Compiler:
     data = _mapping(value, path)
-    _no_unknown(data, ("flags", "inductor", "per_graph"), path)
+    _no_unknown(data, ("flags", "inductor", "per_graph", "cpu_kernel"), path)
     rules = []
     raw_rules = data.get("per_graph", [])
     if not isinstance(raw_rules, list):
@@ -284,7 +287,17 @@ def _compiler(value: Any, path: str) -> Compiler:
         flags=_string_list(data.get("flags", []), f"{path}.flags"),
         inductor=_inductor_options(data.get("inductor", {}), f"{path}.inductor"),
         per_graph=tuple(rules),
+        cpu_kernel=_cpu_kernel(data.get("cpu_kernel", "auto"), f"{path}.cpu_kernel"),
     )
+
+
+CPU_KERNEL = ("auto", "on", "off")
+
+
+def _cpu_kernel(value: Any, path: str) -> str:
+    if isinstance(value, bool):  # YAML 1.1 reads a bare on/off as a boolean
+        value = "on" if value else "off"
+    return _choice(value, CPU_KERNEL, path)
 
 
 # ---------------------------------------------------------------- the manifest

@@ -113,8 +113,12 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
 }  # fmt: skip
 # kind → manifest fields beyond buckets. llama_tied runs the runtime tests whose rows move
 # between sequences and buckets: there, decode reads its tokens from the device state
-# (decode_state: device); the other cpu bundles send them from the host (the cpu default).
-EXTRA: dict[str, dict[str, Any]] = {"llama_tied": {"decode_state": "device"}}
+# (decode_state: device; the other cpu bundles send them from the host, the cpu default), and
+# every decode projection goes through neffkit's C++ kernel (cpu_kernel: on; auto leaves the
+# test models' small weights to Inductor).
+EXTRA: dict[str, dict[str, Any]] = {
+    "llama_tied": {"decode_state": "device", "compiler": {"cpu_kernel": "on"}},
+}
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "llama": ({"tp": 2}, {"prefill": [16], "decode": [4], "context": [256]}),

@@ -47,6 +47,8 @@ RULES = [
     ("kernels/*.py", ("neffkit.compile", "neffkit.runtime", "neffkit.models")),
     ("compile/plan.py", ("torch",)),
     ("neff.py", ("torch", "neffkit.compile", "neffkit.runtime")),
+    # builds and the runtime both load the kernel library: a leaf (torch and host facts only)
+    ("cpu_kernels.py", ("neffkit.compile", "neffkit.runtime", "neffkit.models")),
 ]
 
 

@@ -118,6 +118,12 @@ BAD = [
         "compiler.per_graph[0].match.phase: unknown value 'both'",
     ),
     (
+        "cpu kernel mode",
+        _with("compiler", {"cpu_kernel": "yes"}),
+        "compiler.cpu_kernel: unknown value 'yes'; available: auto, on, off",
+    ),
+    ("decode state", _with("decode_state", "gpu"), "decode_state: unknown value 'gpu'"),
+    (
         "flags not strings",
         _with("compiler", {"flags": ["-O2", 3]}),
         "compiler.flags[1]: expected a string, got 3",
@@ -257,3 +263,16 @@ def test_mla_options_only_for_latent_attention(tmp_path, model_dir):
     path = _write(tmp_path, {**VALID, "mla": {"decode": "expanded"}}, model_dir)
     proc = run_cli("build", str(path))
     assert proc.returncode == 2 and "mla: the model" in proc.stderr, proc.stderr
+
+
+def test_bare_on_off_are_read_as_cpu_kernel_modes(tmp_path, model_dir):
+    """YAML 1.1 reads `cpu_kernel: off` as a boolean; it means the mode a user wrote."""
+    from neffkit.manifest import load_manifest
+
+    for text, mode in (("off", "off"), ("on", "on"), ("auto", "auto")):
+        path = tmp_path / "m.yaml"
+        path.write_text(
+            f"neffkit: 1\nmodel: {model_dir}\nbuckets: {{prefill: [16], decode: [1], "
+            f"context: [32]}}\ncompiler: {{cpu_kernel: {text}}}\n"
+        )
+        assert load_manifest(path).compiler.cpu_kernel == mode

@@ -47,13 +47,14 @@ from neffkit.compile.flags import ResolvedOptions, resolve_options
 from neffkit.compile.plan import GraphSpec, make_plan
 from neffkit.compile.progress import Progress
 from neffkit.compile.spmd import RankTrace, SPMDMismatchError, check_spmd
-from neffkit.compile.trace import ModelLayout, model_layout
+from neffkit.compile.trace import ModelLayout, ensure_kernels, model_layout, uses_kernel
 from neffkit.compile.units import BuildContext, GraphUnit, RunParallel, TraceResult
 from neffkit.compile.verify import verify_units
 from neffkit.compile.workers import trace_job, worker_pool
 from neffkit.compile.write import write_bundle, write_weights
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
+from neffkit.models.projection import ProjectionPolicy
 
 if TYPE_CHECKING:
     from neffkit.compile.cache import Cache
@@ -137,6 +138,8 @@ def build(
             specs = shard_share(specs, *shard)
             result.counters["shard_graphs"] = len(specs)
         layout = target_layout(manifest, backend)
+        if uses_kernel(layout) and not dry_run:  # graphs call it: verify runs them here
+            ensure_kernels()
     with _pool(cluster, jobs, layout, result) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
         with clock("trace"):  # 2. every graph on every rank, in parallel (unless cached)
@@ -185,7 +188,27 @@ def _finished(result: BuildResult, units: list[GraphUnit]) -> BuildResult:
 def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
     """The shapes every graph of this manifest is traced from, as its target traces them."""
     backend = backend or get_backend(manifest.target)
-    return model_layout(manifest, backend.device, backend.projection)
+    return model_layout(manifest, backend.device, projection_policy(manifest, backend))
+
+
+def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
+    """The backend's projection forms, with the cpu kernel as the manifest and host allow
+    (`compiler.cpu_kernel: on` on a host without AVX-512 is an error; `auto` goes without)."""
+    policy = backend.projection
+    mode = manifest.compiler.cpu_kernel
+    if backend.name != "cpu" or policy.lanes == 0 or mode == "off":
+        return policy
+    from neffkit import cpu_kernels
+
+    if not cpu_kernels.supported():
+        if mode == "on":
+            raise BuildError(
+                "compiler.cpu_kernel: on needs a CPU with "
+                f"{', '.join(sorted(cpu_kernels.REQUIRED_FLAGS))}, which this host lacks",
+                hint="use cpu_kernel: auto (or off)",
+            )
+        return policy
+    return dataclasses.replace(policy, kernel=mode)
 
 
 Planned = list[tuple[GraphSpec, ResolvedOptions]]

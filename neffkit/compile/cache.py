@@ -298,11 +298,19 @@ def trace_key(manifest: Manifest, backend: Backend, spec: GraphSpec, rank: int) 
             "python": list(sys.version_info[:2]),
             "lowering": _installed(LOWERING_PACKAGES) if backend.name == "neuron" else {},
             "backend": f"{backend.name} {backend.version}",
+            # cpu_kernel: auto takes the kernel only where the CPU runs it
+            "cpu_kernel": _cpu_kernel_runs() if backend.name == "cpu" else None,
             "graph": asdict(spec),
             "rank": rank,
             "format": FORMAT_VERSION,
         }
     )
+
+
+def _cpu_kernel_runs() -> bool:
+    from neffkit import cpu_kernels
+
+    return cpu_kernels.supported()
 
 
 def weights_key(manifest: Manifest, rank: int, storage: JsonObject) -> CacheKey:

@@ -9,6 +9,7 @@ the graphs are; its sha256 is the graph's identity (SPMD check, cache key, bundl
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from neffkit.models.llama import (
     state_inputs,
 )
 from neffkit.models.parallel import Parallelism
-from neffkit.models.projection import PLAIN, ProjectionPolicy
+from neffkit.models.projection import PLAIN, ProjectionPolicy, is_projection_weight
 from neffkit.models.weights import Storage, has_kv_scales, rank_weight_specs
 from neffkit.targets import E4M3FN_MAX
 
@@ -206,10 +207,36 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
     return module, specs
 
 
+def uses_kernel(layout: ModelLayout) -> bool:
+    """Do this layout's decode graphs call neffkit's CPU kernel (some blocked weight takes the
+    kernel form)?"""
+    policy = layout.projection
+    if policy.kernel == "off" or policy.max_rows == 0:
+        return False
+    blocked = [w for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)]
+    sizes = [math.prod(w.shape) * getattr(torch, w.dtype).itemsize for w in blocked]
+    return any(policy.form(1, True, size) == "kernel-rows" for size in sizes)
+
+
+def ensure_kernels() -> None:
+    """neffkit's CPU kernel library, built (once) and loaded in this process, for tracing and
+    for running what calls it (`build --verify`)."""
+    from neffkit import cpu_kernels
+
+    try:
+        cpu_kernels.ensure_for_tracing()
+    except cpu_kernels.KernelBuildError as exc:
+        raise BuildError(
+            f"compiler.cpu_kernel: {exc}", hint="install g++, or set compiler.cpu_kernel: off"
+        ) from None
+
+
 def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
     """Export one graph as rank `rank` sees it (tp > 1: under the fake process group)."""
     if layout.par.tp > 1:
         ensure_fake_process_group(rank, layout.par.tp)
+    if uses_kernel(layout):
+        ensure_kernels()
     _anchor_model_source()
     module, specs = decoder_module(layout, spec)
     try:

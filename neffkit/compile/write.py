@@ -8,6 +8,7 @@ so a rebuild with nothing changed writes a byte-identical bundle.json.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -91,9 +92,17 @@ def copy_tokenizer(model_dir: Path, out: Path) -> None:
 
 
 def projection_form(layout: ModelLayout, rows: int) -> str:
-    """How a graph of `rows` activation rows writes the layers' projections (recorded)."""
-    blocked = any(len(w.shape) == 3 and is_projection_weight(w.name) for w in layout.weights)
-    return layout.projection.form(rows, blocked)
+    """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
+    that differ by weight size are joined with "+", the largest weights' form first)."""
+    sizes = sorted(
+        (math.prod(w.shape) * getattr(torch, w.dtype).itemsize
+         for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)),
+        reverse=True,
+    )  # fmt: skip
+    if not sizes:
+        return layout.projection.form(rows, False)
+    forms = dict.fromkeys(layout.projection.form(rows, True, size) for size in sizes)
+    return "+".join(forms)
 
 
 def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayout) -> GraphRecord:
@@ -168,6 +177,7 @@ def write_bundle(
         write_zst_text(stage / "ir" / f"{u.stem}.txt.zst", u.trace.canonical_text)
     copy_tokenizer(manifest.model, stage / "tokenizer")
     neuron, bundle_stage = backend.target_record(manifest, lower_only)
+    graphs = tuple(graph_record(u, backend.artifact_suffix, lower_only, layout) for u in units)
     model = manifest.model_config.to_json()
     record = BundleRecord(
         versions=Versions(neffkit.__version__, torch.__version__, backend.version),
@@ -176,15 +186,29 @@ def write_bundle(
         manifest=ManifestRecord.from_json(manifest.to_json()),
         model=ModelRecord.from_json(model),
         layout=layout_record(manifest, layout),
-        graphs=tuple(graph_record(u, backend.artifact_suffix, lower_only, layout) for u in units),
+        graphs=graphs,
         weights=tuple(weights),
         tokenizer="tokenizer" if (stage / "tokenizer").exists() else None,
         audit=AuditRecord(manifest.audit.waive, tuple(findings)),
         neuron=neuron,
         stage=bundle_stage,
         fp8=fp8_record(manifest, layout.storage),
+        kernels=copy_kernels(stage, graphs),
     )
     return write_bundle_json(stage, record)
+
+
+def copy_kernels(stage: Path, graphs: tuple[GraphRecord, ...]) -> tuple[str, ...]:
+    """The kernel library, into kernels/ when a graph calls it (the runtime loads it from
+    there: no compiler on the serving host)."""
+    if not any("kernel-rows" in (g.projection or "") for g in graphs):
+        return ()
+    from neffkit import cpu_kernels
+
+    relative = f"kernels/{cpu_kernels.LIBRARY_NAME}"
+    (stage / "kernels").mkdir(exist_ok=True)
+    shutil.copyfile(cpu_kernels.build_library(), stage / relative)
+    return (relative,)
 
 
 def fp8_record(manifest: Manifest, storage: Storage) -> Fp8Record | None:

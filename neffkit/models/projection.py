@@ -12,6 +12,13 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
 - "blocked-bmm" (prefill, larger buckets): `matmul` against the blocks, a bmm of
   [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows here).
 
+- "kernel-rows" (decode, cpu with AVX-512): neffkit's own C++ kernel on the same blocked
+  weights (neffkit/csrc/blocked_rows.cpp): each weight vector, loaded once (bf16 widened in
+  register), feeds every row's accumulator held in registers, with the weight lines prefetched
+  ahead; Inductor's reductions keep neither the rows nor the stream that way. Called through
+  the dispatcher (~3 us a call), so "auto" takes it only for weights of at least
+  `kernel_min_bytes`; the manifest's `compiler.cpu_kernel` says on/off/auto.
+
 Other forms: "reduction" (plain layout, a single row, the original GEMV form), "mm", and "dot"
 (neuron: neuronx-cc needs the `dot` to put a projection on the TensorEngine).
 """
@@ -31,11 +38,21 @@ class ProjectionPolicy:
 
     max_rows: int = 0  # rows written as fused reductions; 0 = always `dot` / `mm`
     lanes: int = 0  # projection weights stored blocked [out/lanes, in, lanes]; 0 = plain
+    # decode rows on blocked weights through neffkit::blocked_rows: "off", "on" (every weight)
+    # or "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's reductions)
+    kernel: str = "off"
+    kernel_min_bytes: int = 1 << 20
 
-    def form(self, rows: int, blocked: bool) -> str:
-        """The form `project` writes for `rows` activation rows and this weight layout."""
+    def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
+        """The form `project` writes for `rows` activation rows and this weight layout
+        (`weight_bytes` None: the form of the largest weights)."""
         if blocked:
-            return "blocked-rows" if rows <= self.max_rows else "blocked-bmm"
+            if rows > self.max_rows:
+                return "blocked-bmm"
+            big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
+            if self.kernel == "on" or (self.kernel == "auto" and big):
+                return "kernel-rows"
+            return "blocked-rows"
         if self.max_rows == 0:
             return "dot"
         return "reduction" if rows == 1 else "mm"
@@ -97,7 +114,13 @@ def project(x: torch.Tensor, weight: torch.Tensor, policy: ProjectionPolicy) -> 
     """x @ weight.T for a plain [out, in] or blocked [out/L, in, L] weight (module docstring)."""
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = x.numel() // in_features
-    form = policy.form(rows, blocked=weight.dim() == 3)  # what bundle.json records
+    nbytes = weight.numel() * weight.element_size()
+    form = policy.form(rows, weight.dim() == 3, nbytes)  # bundle.json records the forms
+    if form == "kernel-rows":
+        # the rows in float32 once; float32 accumulation, one cast per output
+        x2 = materialized(x.reshape(rows, in_features).float())
+        out = torch.ops.neffkit.blocked_rows(x2, weight)  # float32 [rows, out]
+        return out.to(x.dtype).reshape(*lead, out.shape[-1])
     if form.startswith("blocked"):
         nb, _, lanes = weight.shape
         x2 = x.reshape(rows, in_features)

@@ -18,6 +18,7 @@ import torch
 
 from neffkit import host
 from neffkit.bundle import Bundle, rank_files, read_bundle, verify_files
+from neffkit.cpu_kernels import load_library
 from neffkit.errors import BundleError
 from neffkit.runtime.executors import (
     AotiExecutor,
@@ -163,6 +164,8 @@ def load(
     if chosen == "neuron":
         for g in bundle.graphs:
             check_neff(bundle, g, runtime_lnc(bundle))
+    for library in record.kernels:  # ops the graphs call (neffkit/cpu_kernels.py)
+        load_library(bundle.path(library))
     device = "cuda" if record.target == "cuda" else "cpu"
     statics_list, names = _rank_statics(bundle, rank, device)
     run_with: Executor
