@@ -49,7 +49,11 @@ def main() -> None:
     from neffkit.runtime.loader import load
     from neffkit.runtime.protocol import SamplingParams
 
-    paths = {"float32": bundle("float32"), "bfloat16": bundle("bfloat16"), "fp8": fp8_bundle()}
+    paths = {
+        "float32": bundle("float32", "kernel"),
+        "bfloat16": bundle("bfloat16", "kernel"),
+        "fp8": fp8_bundle(),
+    }
     llms = {k: LLM(load(p)) for k, p in paths.items()}
     times: dict[str, list[float]] = {k: [] for k in llms}
     for _ in range(args.rounds):  # alternate: the machine's noise hits every case alike

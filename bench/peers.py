@@ -67,8 +67,8 @@ def hf_greedy(prompt: list[int]) -> list[int]:
 
 
 def neffkit_build_seconds(dtype: str) -> float:
-    manifest = (WORK.parent / "batch" / f"batch-{dtype}.yaml").resolve()
-    bundle(dtype)  # writes the manifest
+    manifest = (WORK.parent / "batch" / f"batch-{dtype}-kernel.yaml").resolve()
+    bundle(dtype, "kernel")  # writes the manifest (neffkit's defaults: cpu_kernel auto)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", f"{tmp}/b",
@@ -82,7 +82,7 @@ def neffkit_runs(dtype: str, repeats: int) -> dict:
     from neffkit.runtime.loader import load
     from neffkit.runtime.protocol import SamplingParams
 
-    llm = LLM(load(bundle(dtype)))
+    llm = LLM(load(bundle(dtype, "kernel")))
     step = median(decode_step_times(llm.core, PROMPTS[:1], NEW_TOKENS))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     rates, tokens = [], []

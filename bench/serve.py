@@ -7,7 +7,8 @@ fixed length, outputs a fixed length with ignore_eos, so every request does the 
 
     python bench/serve.py                         # manifests/demo-serve.yaml, concurrency 1 4 8
     python bench/serve.py --url http://host:8000  # an already running server
-    python bench/serve.py --bundle bench/work/batch/bundle-float32 --name serve_125m
+    python bench/serve.py --bundle bench/work/batch/bundle-float32-kernel --name serve_125m \
+                                                  --concurrency 1 8 --requests-per-client 4
                                                   # the 125M model of bench/batch.py
 """
 

@@ -105,6 +105,7 @@ def build_library() -> Path:
         proc = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
         if proc.returncode != 0:
             raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from neffkit.compile.cache import KEY_JSON, ArtifactCache, CacheKey
-from tests.conftest import MODELS, REPO, bundle_json, session_cache, write_manifest
+from tests.conftest import EXTRA, MODELS, REPO, bundle_json, session_cache, write_manifest
 
 
 def _build_cmd(manifest: Path, out: Path, cache: Path, *extra: str) -> list[str]:
@@ -62,14 +62,17 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     assert report["peak_rss_mb"]["main"] > 0
     second = Path(report["bundle"])
     assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
-    # the projection form each graph was written with (cpu: blocked weights; decode rows as
-    # register-blocked reductions, prefill as bmm over the blocks)
+    # the projection form each graph was written with (cpu: blocked weights; llama_tied's
+    # decode rows through neffkit's kernel, cpu_kernel: on; prefill as bmm over the blocks)
     forms = {g["name"]: g["projection"] for g in bundle_json(second)["graphs"]}
+    kernel = EXTRA["llama_tied"]["compiler"]["cpu_kernel"] == "on"
+    decode = "kernel-rows" if kernel else "blocked-rows"
     assert forms == {
         "prefill_t16_c64": "blocked-bmm",
-        "decode_b1_c64": "blocked-rows",
-        "decode_b4_c64": "blocked-rows",
+        "decode_b1_c64": decode,
+        "decode_b4_c64": decode,
     }
+    assert (first / "kernels").exists() == kernel
     for ir in (first / "ir").iterdir():
         assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
 
@@ -240,7 +243,9 @@ def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir,
     bundle("llama_tied")  # the cache holds this model's artifacts
     model = tmp_path / "model"
     shutil.copytree(hf_model_dir("llama_tied"), model)
-    manifest = write_manifest(tmp_path / "m.yaml", model, buckets=MODELS["llama_tied"][2])
+    manifest = write_manifest(
+        tmp_path / "m.yaml", model, buckets=MODELS["llama_tied"][2], **EXTRA["llama_tied"]
+    )
     cache = session_cache(session_dir)
     first = json.loads(_cli_build(manifest, tmp_path / "a", cache, "--json").stdout)
     weights = model / "model.safetensors"
@@ -255,11 +260,12 @@ def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir,
 def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_model_dir, tmp_path):
     bundle("llama_tied")  # the cache holds this manifest's graphs
     rule = {"match": {"phase": "decode", "batch": 4}, "inductor": {"epilogue_fusion": False}}
+    extra = EXTRA["llama_tied"]  # the session bundle's fields, the rule added
     manifest = write_manifest(
         tmp_path / "llama_tied.yaml",
         hf_model_dir("llama_tied"),
         buckets=MODELS["llama_tied"][2],
-        compiler={"per_graph": [rule]},
+        **{**extra, "compiler": {**extra["compiler"], "per_graph": [rule]}},
     )
     proc = _cli_build(manifest, tmp_path / "out", session_cache(session_dir), "--json")
     assert proc.returncode == 0, proc.stderr

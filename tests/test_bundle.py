@@ -116,7 +116,8 @@ def test_inspect_lists_graphs(bundle):
         "decode_b1_c64",
         "decode_b4_c64",
     ]
-    assert all(len(g["io_alias"]) == 4 for g in summary["graphs"])
+    # K and V of 2 layers, and llama_tied's decode state (decode_state: device)
+    assert all(len(g["io_alias"]) == 5 for g in summary["graphs"])
     text = run_cli("inspect", str(bundle("llama_tied")), check=True).stdout
     assert "decode_b4_c64" in text and "tp=1" in text
 
