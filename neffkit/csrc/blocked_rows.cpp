@@ -24,7 +24,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -40,47 +39,29 @@ constexpr int tile_blocks(int rows) { return rows >= 5 ? 2 : (rows >= 3 ? 4 : 8)
 // batch 8 ran at 5 GB/s a core, batch 1 at 15.
 constexpr int64_t kAhead = 32;
 
-template <int R, int U>
-void fp32_tile(const float* x, int64_t K, const float* w, float* out, int64_t ldo, int64_t b0) {
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  const float* wb = w + b0 * K * kLanes;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[U];
-    for (int u = 0; u < U; ++u) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (u * K + k + kAhead) * kLanes),
-                   _MM_HINT_T0);
-      wv[u] = _mm512_loadu_ps(wb + (u * K + k) * kLanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_fmadd_ps(xv, wv[u], acc[r][u]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
-}
-
-inline __m512 widen_bf16(const uint16_t* p) {
+// One K step of a block's 16 lanes as float32: loaded, or (bf16) widened in-register.
+inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_lanes(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-template <int R, int U>
-void bf16_widen_tile(const float* x, int64_t K, const uint16_t* w, float* out, int64_t ldo,
-                     int64_t b0) {
+// Output blocks b0..b0+U-1 for R rows: R x U accumulators, each weight vector loaded once.
+template <int R, int U, typename W>
+void tile(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t b0) {
+  constexpr int64_t kStepsPerLine = 64 / (kLanes * sizeof(W));  // 1 float32, 2 bf16
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  const uint16_t* wb = w + b0 * K * kLanes;
+  const W* wb = w + b0 * K * kLanes;
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[U];
     for (int u = 0; u < U; ++u) {
-      if (k % 2 == 0)  // a line holds two K steps of bf16
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (u * K + k + 2 * kAhead) * kLanes),
+      if (k % kStepsPerLine == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(
+                         wb + (u * K + k + kStepsPerLine * kAhead) * kLanes),
                      _MM_HINT_T0);
-      wv[u] = widen_bf16(wb + (u * K + k) * kLanes);
+      wv[u] = load_lanes(wb + (u * K + k) * kLanes);
     }
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * K + k]);
@@ -91,53 +72,38 @@ void bf16_widen_tile(const float* x, int64_t K, const uint16_t* w, float* out, i
     for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
 }
 
-
-// Runs TILE<R, U> over blocks [begin, end) of one row group, then TILE<R, 1> on the remainder.
-template <int R, typename X, typename W, template <int, int> class Tile>
-void run_rows(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t begin,
+// Tiles of U blocks over blocks [begin, end) of one row group, then single blocks.
+template <int R, typename W>
+void run_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t begin,
               int64_t end) {
   constexpr int U = tile_blocks(R);
   int64_t b = begin;
-  for (; b + U <= end; b += U) Tile<R, U>::run(x, K, w, out, ldo, b);
-  for (; b < end; ++b) Tile<R, 1>::run(x, K, w, out, ldo, b);
+  for (; b + U <= end; b += U) tile<R, U>(x, K, w, out, ldo, b);
+  for (; b < end; ++b) tile<R, 1>(x, K, w, out, ldo, b);
 }
 
-template <int R, int U>
-struct Fp32Tile {
-  static void run(const float* x, int64_t K, const float* w, float* o, int64_t ldo, int64_t b) {
-    fp32_tile<R, U>(x, K, w, o, ldo, b);
-  }
-};
-template <int R, int U>
-struct Bf16WidenTile {
-  static void run(const float* x, int64_t K, const uint16_t* w, float* o, int64_t ldo,
-                  int64_t b) {
-    bf16_widen_tile<R, U>(x, K, w, o, ldo, b);
-  }
-};
-
-template <typename X, typename W, template <int, int> class Tile>
-void run_group(int64_t rows, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
+template <typename W>
+void run_group(int64_t rows, const float* x, int64_t K, const W* w, float* out, int64_t ldo,
                int64_t begin, int64_t end) {
   switch (rows) {
-    case 1: return run_rows<1, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    case 2: return run_rows<2, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    case 3: return run_rows<3, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    case 4: return run_rows<4, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    case 5: return run_rows<5, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    case 6: return run_rows<6, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    case 7: return run_rows<7, X, W, Tile>(x, K, w, out, ldo, begin, end);
-    default: return run_rows<8, X, W, Tile>(x, K, w, out, ldo, begin, end);
+    case 1: return run_rows<1>(x, K, w, out, ldo, begin, end);
+    case 2: return run_rows<2>(x, K, w, out, ldo, begin, end);
+    case 3: return run_rows<3>(x, K, w, out, ldo, begin, end);
+    case 4: return run_rows<4>(x, K, w, out, ldo, begin, end);
+    case 5: return run_rows<5>(x, K, w, out, ldo, begin, end);
+    case 6: return run_rows<6>(x, K, w, out, ldo, begin, end);
+    case 7: return run_rows<7>(x, K, w, out, ldo, begin, end);
+    default: return run_rows<8>(x, K, w, out, ldo, begin, end);
   }
 }
 
 // Every row group (8 rows at most) over blocks [begin, end).
-template <typename X, typename W, template <int, int> class Tile>
-void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
+template <typename W>
+void run_blocks(int64_t R, const float* x, int64_t K, const W* w, float* out, int64_t ldo,
                 int64_t begin, int64_t end) {
   for (int64_t r0 = 0; r0 < R; r0 += 8) {
     const int64_t rows = R - r0 < 8 ? R - r0 : 8;
-    run_group<X, W, Tile>(rows, x + r0 * K, K, w, out + r0 * ldo, ldo, begin, end);
+    run_group(rows, x + r0 * K, K, w, out + r0 * ldo, ldo, begin, end);
   }
 }
 
@@ -157,7 +123,7 @@ at::Tensor blocked_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
     const float* xp = x.data_ptr<float>();
     const float* wp = w.data_ptr<float>();
     at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-      run_blocks<float, float, Fp32Tile>(R, xp, K, wp, o, N, b0, b1);
+      run_blocks(R, xp, K, wp, o, N, b0, b1);
     });
     return out;
   }
@@ -166,7 +132,7 @@ at::Tensor blocked_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
   const at::Tensor xf = x.to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    run_blocks<float, uint16_t, Bf16WidenTile>(R, xp, K, wp, o, N, b0, b1);
+    run_blocks(R, xp, K, wp, o, N, b0, b1);
   });
   return out;
 }
