@@ -207,14 +207,20 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
     return module, specs
 
 
+def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
+    """The bytes of each projection weight stored blocked (what picks its form), largest first."""
+    blocked = [w for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)]
+    sizes = [math.prod(w.shape) * getattr(torch, w.dtype).itemsize for w in blocked]
+    return sorted(sizes, reverse=True)
+
+
 def uses_kernel(layout: ModelLayout) -> bool:
     """Do this layout's decode graphs call neffkit's CPU kernel (some blocked weight takes the
     kernel form)?"""
     policy = layout.projection
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
-    blocked = [w for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)]
-    sizes = [math.prod(w.shape) * getattr(torch, w.dtype).itemsize for w in blocked]
+    sizes = blocked_weight_bytes(layout)
     return any(policy.form(1, True, size) == "kernel-rows" for size in sizes)
 
 

@@ -8,7 +8,6 @@ so a rebuild with nothing changed writes a byte-identical bundle.json.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -35,10 +34,9 @@ from neffkit.bundle import (
 )
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache import KEY_JSON, link_or_copy, weights_key
-from neffkit.compile.trace import ModelLayout
+from neffkit.compile.trace import ModelLayout, blocked_weight_bytes
 from neffkit.compile.units import GraphUnit
 from neffkit.manifest import Manifest
-from neffkit.models.projection import is_projection_weight
 from neffkit.models.weights import Storage, iter_rank_weights, rank_weight_specs
 from neffkit.tensor_files import write_tensors
 
@@ -94,11 +92,7 @@ def copy_tokenizer(model_dir: Path, out: Path) -> None:
 def projection_form(layout: ModelLayout, rows: int) -> str:
     """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
     that differ by weight size are joined with "+", the largest weights' form first)."""
-    sizes = sorted(
-        (math.prod(w.shape) * getattr(torch, w.dtype).itemsize
-         for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)),
-        reverse=True,
-    )  # fmt: skip
+    sizes = blocked_weight_bytes(layout)
     if not sizes:
         return layout.projection.form(rows, False)
     forms = dict.fromkeys(layout.projection.form(rows, True, size) for size in sizes)
