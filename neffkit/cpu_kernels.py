@@ -11,6 +11,7 @@ is looked for only when building.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -93,9 +94,15 @@ def cache_dir() -> Path:
 
 def build_library() -> Path:
     """The library for this host, compiled once and kept (written whole, then renamed: two
-    builds at once each compile, and one rename wins)."""
+    builds at once each compile, and one rename wins). Found once per process and cache
+    directory: a build asks for it at every graph's trace."""
+    return _library_in(cache_dir())
+
+
+@functools.cache
+def _library_in(cache: Path) -> Path:
     cxx = _compiler()
-    out = cache_dir() / library_key(cxx) / LIBRARY_NAME
+    out = cache / library_key(cxx) / LIBRARY_NAME
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,10 +123,13 @@ def ensure_for_tracing() -> Path:
     """Build (once) and load the library, with the op's shape function for torch.export."""
     path = build_library()
     load_library(path)
-    if "fake" not in _loaded:
-        torch.library.register_fake(f"neffkit::{OP}")(_blocked_rows_fake)
-        _loaded.add("fake")
+    _register_fake()
     return path
+
+
+@functools.cache
+def _register_fake() -> None:
+    torch.library.register_fake(f"neffkit::{OP}")(_blocked_rows_fake)
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
