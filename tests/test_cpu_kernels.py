@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from neffkit import cpu_kernels
+from neffkit import cpu_kernels, host
 from neffkit.models.projection import to_blocked
 from tests.conftest import REPO, bundle_json
 
@@ -37,6 +37,30 @@ def test_blocked_rows_equals_matmul(op, dtype, rows):
     want = x.float() @ weight.float().t()
     assert got.dtype == torch.float32 and got.shape == (rows, 13 * 16)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "fma"])
+def amx(request, op):
+    """Both paths of bf16 rows: AMX tiles (where the host has them) and the FMA fallback."""
+    yield torch.ops.neffkit.set_amx(request.param)
+    torch.ops.neffkit.set_amx(True)
+
+
+def test_amx_is_used_where_the_cpu_has_it(op):
+    assert torch.ops.neffkit.set_amx(True) == ({"amx_tile", "amx_bf16"} <= host.cpu_flags())
+    assert torch.ops.neffkit.set_amx(False) is False
+    torch.ops.neffkit.set_amx(True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17])
+def test_bf16_rows_on_bf16_weights(op, amx, rows):
+    """bf16 x bf16 products are exact in float32 on either path; only the summation order
+    differs. 17 rows: two tile row groups; K = 160: five 32-wide chunks, odd and even tiles."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(5 * 16, 160, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
+    want = x.float() @ weight.float().t()
+    torch.testing.assert_close(op(x, to_blocked(weight, 16)), want, rtol=1e-5, atol=1e-4)
 
 
 def test_blocked_rows_odd_width_and_bf16_rows(op):

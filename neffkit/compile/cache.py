@@ -256,10 +256,11 @@ LOWERING_PACKAGES = ("torch-mlir", "jax", "jaxlib")
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 over neffkit's own Python source: any code change invalidates every trace entry."""
+    """sha256 over neffkit's own source (Python, and the C++ kernels the graphs call): any code
+    change invalidates every trace entry."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.glob("csrc/*")]):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 

@@ -15,8 +15,9 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
 - "kernel-rows" (decode, cpu with AVX-512): neffkit's own C++ kernel on the same blocked
   weights (neffkit/csrc/blocked_rows.cpp): each weight vector, loaded once (bf16 widened in
   register), feeds every row's accumulator held in registers, with the weight lines prefetched
-  ahead; Inductor's reductions keep neither the rows nor the stream that way. Called through
-  the dispatcher (~3 us a call), so "auto" takes it only for weights of at least
+  ahead; Inductor's reductions keep neither the rows nor the stream that way. bf16 rows on bf16
+  weights use AMX tiles where the CPU has them (the FMA path is compute-bound at 8 bf16 rows).
+  Called through the dispatcher (~3 us a call), so "auto" takes it only for weights of at least
   `kernel_min_bytes`; the manifest's `compiler.cpu_kernel` says on/off/auto.
 
 Other forms: "reduction" (plain layout, a single row, the original GEMV form), "mm", and "dot"
@@ -42,6 +43,10 @@ class ProjectionPolicy:
     # or "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's reductions)
     kernel: str = "off"
     kernel_min_bytes: int = 1 << 20
+    # Inductor targets: attention's queries stored once, after RoPE, before the score reduction
+    # (see `materialized`: otherwise Inductor inlines RoPE into that reduction and recomputes
+    # it for every key; 125M bf16 model, 8 rows: ~0.9 ms of a layer's attention, bench/batch.py)
+    buffer_queries: bool = False
 
     def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
         """The form `project` writes for `rows` activation rows and this weight layout
@@ -117,8 +122,10 @@ def project(x: torch.Tensor, weight: torch.Tensor, policy: ProjectionPolicy) -> 
     nbytes = weight.numel() * weight.element_size()
     form = policy.form(rows, weight.dim() == 3, nbytes)  # bundle.json records the forms
     if form == "kernel-rows":
-        # the rows in float32 once; float32 accumulation, one cast per output
-        x2 = materialized(x.reshape(rows, in_features).float())
+        # float32 accumulation, one cast per output; bf16 rows stay bf16 on bf16 weights
+        # (the kernel's AMX path reads them as they are), others go to float32 once
+        x2 = x.reshape(rows, in_features)
+        x2 = materialized(x2 if x.dtype == weight.dtype == torch.bfloat16 else x2.float())
         out = torch.ops.neffkit.blocked_rows(x2, weight)  # float32 [rows, out]
         return out.to(x.dtype).reshape(*lead, out.shape[-1])
     if form.startswith("blocked"):
