@@ -23,7 +23,13 @@ from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.moe import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.parallel import Parallelism
-from neffkit.models.projection import PLAIN, ProjectionPolicy, out_features, project
+from neffkit.models.projection import (
+    PLAIN,
+    ProjectionPolicy,
+    materialized,
+    out_features,
+    project,
+)
 from neffkit.models.rope_scaling import rope_frequencies, yarn_mscale
 from neffkit.models.sharding import FP8_SCALE as SCALE
 from neffkit.models.sharding import ROPE_INV_FREQ
@@ -279,6 +285,8 @@ class DecoderGraph(torch.nn.Module):
         keys = from_cache(gather_context(k_cache, block_tables), q.dtype, k_scale)  # [B,C,KV,D]
         values = from_cache(gather_context(v_cache, block_tables), q.dtype, v_scale)
         sinks = w.get(f"{p}.self_attn.sinks")  # GPT-OSS
+        if self.projection.buffer_queries:
+            q = materialized(q)
         out = paged_attention(q, keys, values, mask, 1.0 / math.sqrt(cfg.head_dim), sinks)
         partial = self._project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel: partial sum
         return self._reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
