@@ -80,6 +80,7 @@ def kernel_ceiling() -> dict[str, float]:
     for dtype in DTYPES:
         out[f"{dtype}_b8_floor_ms"] = round(8 * model / (out[f"{dtype}_b8_gmac_per_s"] * 1e6), 2)
     out["projection_parameters"] = model
+    out["bfloat16_rows"] = "AMX tiles" if torch.ops.neffkit.set_amx(True) else "FMA"
     return out
 
 

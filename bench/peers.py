@@ -4,7 +4,8 @@ ONNX Runtime GenAI (`onnxruntime_genai.models.builder`, fp32, cpu) and OpenVINO 
 export openvino`, fp32 weights; inference precision hint f32 or bf16) on bench/batch.py's random
 125M-parameter Llama (hidden 1024, 6 layers, vocab 32000), with the demo tokenizer so the
 exporters convert one. The peers run in `.venv-peers` (optimum-intel pins its own transformers:
-`make peers-venv`) through bench/peers_worker.py; neffkit runs here on bench/batch.py's bundles.
+`make peers-venv`) through bench/peers_worker.py; neffkit runs here on bench/batch.py's manifest
+with packed prefill (`prefill_batch: [1, 8]`).
 
 Reported: build time; batch 1: per-token decode (median step, prefill excluded); batch 8: eight
 4-token prompts, 48 new tokens each, end to end (prefill included), aggregate tokens/s (OpenVINO:
@@ -29,8 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch import bundle, checkpoint  # noqa: E402
-from common import REPO, decode_step_times, median, write_result  # noqa: E402
+from batch import MANIFEST, checkpoint  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "peers"
 PEERS_PY = REPO / ".venv-peers" / "bin" / "python"
@@ -66,9 +67,25 @@ def hf_greedy(prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+# bench/batch.py's manifest (neffkit's defaults: cpu_kernel auto) with packed prefill, as a
+# deployment serving bursts would set it: the 8 prompts arrive at once, and OpenVINO's
+# continuous batching prefills them together too
+SERVING = MANIFEST.replace("prefill: [32],", "prefill: [32], prefill_batch: [1, 8],")
+
+
+def neffkit_manifest(dtype: str) -> Path:
+    manifest = WORK / f"neffkit-{dtype}.yaml"
+    WORK.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(SERVING.format(dtype=dtype, model=checkpoint(), kernel="auto"))
+    return manifest
+
+
+def bundle(dtype: str) -> Path:
+    return ensure_bundle(neffkit_manifest(dtype), WORK / f"bundle-{dtype}")
+
+
 def neffkit_build_seconds(dtype: str) -> float:
-    manifest = (WORK.parent / "batch" / f"batch-{dtype}-kernel.yaml").resolve()
-    bundle(dtype, "kernel")  # writes the manifest (neffkit's defaults: cpu_kernel auto)
+    manifest = neffkit_manifest(dtype)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", f"{tmp}/b",
@@ -82,7 +99,7 @@ def neffkit_runs(dtype: str, repeats: int) -> dict:
     from neffkit.runtime.loader import load
     from neffkit.runtime.protocol import SamplingParams
 
-    llm = LLM(load(bundle(dtype, "kernel")))
+    llm = LLM(load(bundle(dtype)))
     step = median(decode_step_times(llm.core, PROMPTS[:1], NEW_TOKENS))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     rates, tokens = [], []

@@ -227,7 +227,8 @@ def peers(d: dict[str, Any]) -> str:
         "**Against the ahead-of-time CPU peers** (`bench/peers.py`, same 125M checkpoint, same "
         f"run, {d['rounds']} alternating rounds): batch 1 is the median decode step; batch 8 is "
         f"{d['prompts']} prompts × {d['new_tokens']} new tokens end to end (prefill included; "
-        "OpenVINO through its ContinuousBatchingPipeline). Greedy tokens against HF transformers "
+        "OpenVINO through its ContinuousBatchingPipeline, neffkit with packed prefill, "
+        "`prefill_batch: [1, 8]`). Greedy tokens against HF transformers "
         f"(fp32 reference; bf16 rounding flips some). Builds: {builds}."
         + (f" Not run: {notes}" if notes else "")
         + "\n\n"
@@ -249,12 +250,7 @@ def _peer_ratios(systems: dict[str, Any]) -> str:
                     f"batch 8 {ours[f'b8_speedup_vs_{peer}']:.2f}×"
                 )
     behind = any(v < 1 for r in systems.values() for k, v in r.items() if "speedup" in k)
-    verdict = (
-        " Below 1×, neffkit is slower (at batch 8: decode projections bound by float32 "
-        "multiply-adds, prefill one prompt per step; see Notes)."
-        if behind
-        else ""
-    )
+    verdict = " Below 1×, neffkit is slower (see Notes)." if behind else ""
     return (
         "neffkit's speed relative to each peer (> 1× is faster): "
         + "; ".join(parts)
@@ -323,7 +319,14 @@ def batch(d: dict[str, Any]) -> str:
         "(`compiler.cpu_kernel: off`): every decode bucket a register-blocked reduction that "
         "Inductor fuses (`models/projection.py`). *kernel* (the default): neffkit's C++ kernel "
         "(`neffkit/csrc/blocked_rows.cpp`), R x U accumulators in registers fed by each weight "
-        "vector once (bf16 widened in-register), weight lines prefetched ahead.\n\n"
+        "vector once (bf16 widened in-register), weight lines prefetched ahead; bf16 rows on bf16 "
+        "weights through AMX tiles where the CPU has them"
+        + (
+            f" ({d['compute']['bfloat16_rows']} here)"
+            if "bfloat16_rows" in d.get("compute", {})
+            else ""
+        )
+        + ".\n\n"
         + _table(
             ["", "dtype", "batch 1", "batch 4", "batch 8", "b8 / b1", "tokens/s b8 / b1"], rows
         )  # fmt: skip
