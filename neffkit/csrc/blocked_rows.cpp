@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -51,9 +52,18 @@ inline __m512 load_lanes(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// One row value as float32: read, or (bf16) widened, so bf16 rows need no converted copy.
+inline float load_row(const float* p) { return *p; }
+inline float load_row(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
 // Output blocks b0..b0+U-1 for R rows: R x U accumulators, each weight vector loaded once.
-template <int R, int U, typename W>
-void tile(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t b0) {
+template <int R, int U, typename X, typename W>
+void tile(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t b0) {
   constexpr int64_t kStepsPerLine = 64 / (kLanes * sizeof(W));  // 1 float32, 2 bf16
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
@@ -69,7 +79,7 @@ void tile(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_
       wv[u] = load_lanes(wb + (u * K + k) * kLanes);
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      const __m512 xv = _mm512_set1_ps(load_row(x + r * K + k));
       for (int u = 0; u < U; ++u) acc[r][u] = _mm512_fmadd_ps(xv, wv[u], acc[r][u]);
     }
   }
@@ -78,8 +88,8 @@ void tile(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_
 }
 
 // Tiles of U blocks over blocks [begin, end) of one row group, then single blocks.
-template <int R, typename W>
-void run_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t begin,
+template <int R, typename X, typename W>
+void run_rows(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t begin,
               int64_t end) {
   constexpr int U = tile_blocks(R);
   int64_t b = begin;
@@ -87,8 +97,8 @@ void run_rows(const float* x, int64_t K, const W* w, float* out, int64_t ldo, in
   for (; b < end; ++b) tile<R, 1>(x, K, w, out, ldo, b);
 }
 
-template <typename W>
-void run_group(int64_t rows, const float* x, int64_t K, const W* w, float* out, int64_t ldo,
+template <typename X, typename W>
+void run_group(int64_t rows, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
                int64_t begin, int64_t end) {
   switch (rows) {
     case 1: return run_rows<1>(x, K, w, out, ldo, begin, end);
@@ -103,8 +113,8 @@ void run_group(int64_t rows, const float* x, int64_t K, const W* w, float* out, 
 }
 
 // Every row group (8 rows at most) over blocks [begin, end).
-template <typename W>
-void run_blocks(int64_t R, const float* x, int64_t K, const W* w, float* out, int64_t ldo,
+template <typename X, typename W>
+void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
                 int64_t begin, int64_t end) {
   for (int64_t r0 = 0; r0 < R; r0 += 8) {
     const int64_t rows = R - r0 < 8 ? R - r0 : 8;
@@ -207,6 +217,22 @@ AMX_TARGET void amx_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16
   _tile_release();
 }
 
+// Blocks split over torch's intra-op threads: enough per task to amortise the task, few enough
+// to share 2..N threads evenly.
+int64_t grain(int64_t blocks) { return blocks >= 64 ? 8 : 1; }
+
+// The FMA path over every block and row group.
+template <typename X, typename W>
+void fma_rows(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_t NB) {
+  at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
+    run_blocks(R, x, K, w, out, NB * kLanes, b0, b1);
+  });
+}
+
+const uint16_t* bf16_data(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
 at::Tensor blocked_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
   TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 3 && w_in.size(2) == kLanes,
               "blocked_rows: expects x [R, K] and w [NB, K, 16]");
@@ -216,34 +242,27 @@ at::Tensor blocked_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
   const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), N = NB * kLanes;
   at::Tensor out = at::empty({R, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  // enough blocks per task to amortise the task, few enough to share 2..N threads evenly
-  const int64_t grain = NB >= 64 ? 8 : 1;
   if (w.scalar_type() == at::kFloat) {
     TORCH_CHECK(x.scalar_type() == at::kFloat, "blocked_rows: float32 weights need float32 x");
-    const float* xp = x.data_ptr<float>();
-    const float* wp = w.data_ptr<float>();
-    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-      run_blocks(R, xp, K, wp, o, N, b0, b1);
-    });
+    fma_rows(R, x.data_ptr<float>(), K, w.data_ptr<float>(), o, NB);
     return out;
   }
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "blocked_rows: weights must be float32 or bf16");
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  if (x.scalar_type() == at::kBFloat16 && K % kChunk == 0 && R >= kAmxMinRows && use_amx()) {
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  const uint16_t* wp = bf16_data(w);
+  if (x.scalar_type() != at::kBFloat16) {
+    const at::Tensor xf = x.to(at::kFloat);
+    fma_rows(R, xf.data_ptr<float>(), K, wp, o, NB);
+  } else if (K % kChunk == 0 && R >= kAmxMinRows && use_amx()) {
+    const uint16_t* xp = bf16_data(x);
+    at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
       for (int64_t r0 = 0; r0 < R; r0 += 16) {
         const int64_t rows = R - r0 < 16 ? R - r0 : 16;
         amx_blocks(xp + r0 * K, rows, K, wp, o + r0 * N, N, b0, b1);
       }
     });
-    return out;
+  } else {
+    fma_rows(R, bf16_data(x), K, wp, o, NB);  // bf16 rows widened as they are read
   }
-  const at::Tensor xf = x.to(at::kFloat);
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    run_blocks(R, xp, K, wp, o, N, b0, b1);
-  });
   return out;
 }
 
