@@ -1,40 +1,54 @@
-# make demo: set up and build + run the demo bundle.  make test: set up and run the tests.
-# make test-fast: the tests that build nothing (under a minute).
+# make demo: set up .venv (what building and serving on cpu need) and build + run the demo bundle.
+# make test: add the test tools and optional extras, then run the suite (docs/testing.md).
 PY := .venv/bin/python
 # test processes (pytest-xdist); they share built bundles, so 2 suits a 2-core machine
 TEST_WORKERS ?= 2
-VENV_STAMP := .venv/.neffkit-installed
+BASE_STAMP := .venv/.neffkit-base
+TEST_STAMP := .venv/.neffkit-test
+PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider
 
-.PHONY: setup demo test test-fast lint bench lm-eval peers-venv peers clean
+.PHONY: setup setup-test demo test test-fast test-all lint bench lm-eval peers-venv peers clean
 
-setup: $(VENV_STAMP)
+setup: $(BASE_STAMP)
 
-$(VENV_STAMP): pyproject.toml
+$(BASE_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch first (it lies on this machine's disk; other versions pull CUDA wheels)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,lower]'
-	touch $(VENV_STAMP)
+	$(PY) -m pip install -q -e .
+	touch $(BASE_STAMP)
+
+# the tests also lower for neuron, build on Ray and use S3-compatible caches: every extra
+setup-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(BASE_STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster]'
+	touch $(TEST_STAMP)
 
 demo: setup
 	$(PY) -m neffkit build manifests/demo.yaml -o bundles/demo-llama
 	$(PY) -m neffkit inspect bundles/demo-llama
 	$(PY) -m neffkit run bundles/demo-llama --prompt "def main(" --max-tokens 48
 
-test: setup
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=25
+# unit and e2e tests; the tp=2 matrix of every family is test-all's
+test: setup-test
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not matrix" --durations=25
 
-# no bundle builds (no g++): manifest, plan, flags, audit rules, scheduler, protocol, layering
-test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow"
+# tests/unit: nothing built, no server (manifest, plan, flags, audit rules, scheduler, ...)
+test-fast: setup-test
+	$(PYTEST) tests/unit
 
-lint: setup
+# everything, the tp=2 matrix included
+test-all: setup-test
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+lint: setup-test
 	.venv/bin/ruff check neffkit tests bench tools
 	.venv/bin/ruff format --check neffkit tests bench tools
 
 # lm-eval (its own venv: its pins are not neffkit's) through `neffkit run`, checked against HF
-lm-eval: setup
+lm-eval: setup-test
 	test -x .venv-lmeval/bin/lm_eval || (python3 -m venv .venv-lmeval && \
 		.venv-lmeval/bin/pip install -q 'lm-eval[api]==0.4.13' transformers)
 	$(PY) bench/lm_eval.py
@@ -47,11 +61,11 @@ peers-venv:
 		.venv-peers/bin/pip install -q onnxruntime-genai onnx onnx_ir 'optimum-intel[openvino]' \
 			openvino-genai)
 
-peers: setup peers-venv
+peers: setup-test peers-venv
 	$(PY) bench/peers.py
 
-bench: setup
-	$(PY) -m pip install -q -e '.[dev,lower,bench]'
+bench: setup-test
+	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster,bench]'
 	$(PY) bench/decode.py --batch 1 4 8 --manifest manifests/demo-serve.yaml --bundle bundles/demo-llama-serve
 	$(PY) bench/serve.py
 	$(PY) bench/overhead.py
@@ -60,7 +74,7 @@ bench: setup
 	$(PY) bench/roofline.py
 	$(PY) bench/build.py
 	$(PY) bench/tp.py
-	$(PY) bench/report.py --write-readme
+	$(PY) bench/report.py --write-docs
 
 clean:
 	rm -rf bundles .pytest_cache

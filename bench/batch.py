@@ -3,8 +3,9 @@
 A random 125M-parameter Llama (hidden 1024, 6 layers, vocab 32000) built in float32 and bfloat16
 with decode buckets [1, 4, 8], once per projection form: "inductor" (`compiler.cpu_kernel: off`:
 Inductor's register-blocked reductions over the blocked weights) and "kernel" (the default,
-`auto`: neffkit's C++ kernel, neffkit/csrc/blocked_rows.cpp). A bandwidth-bound step streams the
-weights once whatever the batch, so a batch-8 step should cost about what a batch-1 step costs.
+`auto`: neffkit's C++ kernel, neffkit/platform/csrc/blocked_rows.cpp). A bandwidth-bound step
+streams the weights once whatever the batch, so a batch-8 step should cost about what a batch-1
+step costs.
 Both forms alternate in the same rounds; medians. Writes bench/results/batch.json.
 
     .venv/bin/python bench/batch.py
@@ -61,8 +62,8 @@ def kernel_ceiling() -> dict[str, float]:
     does 8 x its projection parameters of them: the step's compute floor."""
     import time
 
-    from neffkit import cpu_kernels
     from neffkit.models.projection import to_blocked
+    from neffkit.platform import cpu_kernels
 
     cpu_kernels.load_library(cpu_kernels.build_library())
     out = {}

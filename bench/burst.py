@@ -46,7 +46,7 @@ def bundle(name: str, batch: list[int]) -> Path:
 
 def burst_ttft(engine: Any, prompts: list[list[int]]) -> list[float]:
     """Queue every prompt at once; step until each has its first token. Seconds per prompt."""
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     core = engine.core

@@ -27,7 +27,7 @@ def ensure_bundle(manifest: Path, bundle: Path) -> Path:
 
 def decode_step_times(engine: Any, prompts: list[list[int]], steps: int) -> list[float]:
     """Wall time of each engine step once every sequence is decoding (host work included)."""
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
@@ -52,7 +52,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def machine_description() -> dict[str, Any]:
-    from neffkit import host
+    from neffkit.platform import host
 
     return {
         "cpu": host.cpu_description(),

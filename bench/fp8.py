@@ -47,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     paths = {
         "float32": bundle("float32", "kernel"),

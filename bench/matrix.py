@@ -42,7 +42,7 @@ def main() -> None:
 
     from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     llm = LLM(load(bundle))
     engine = llm.core

@@ -56,7 +56,7 @@ def bundle(form: str) -> Path:
 
 
 def step_ms(engine, prompt_len: int, steps: int) -> float:
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     seq = engine.add_request([1 + i % 1000 for i in range(prompt_len)], params)

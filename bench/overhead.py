@@ -21,7 +21,7 @@ from common import REPO, ensure_bundle, write_result  # noqa: E402
 
 from neffkit.runtime.core import EngineCore  # noqa: E402
 from neffkit.runtime.loader import load  # noqa: E402
-from neffkit.runtime.protocol import SamplingParams  # noqa: E402
+from neffkit.runtime.sampling_params import SamplingParams  # noqa: E402
 
 
 def measure(engine, batch: int, steps: int) -> dict[str, float]:

@@ -97,7 +97,7 @@ def neffkit_build_seconds(dtype: str) -> float:
 def neffkit_runs(dtype: str, repeats: int) -> dict:
     from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     llm = LLM(load(bundle(dtype)))
     step = median(decode_step_times(llm.core, PROMPTS[:1], NEW_TOKENS))

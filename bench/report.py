@@ -321,9 +321,9 @@ def batch(d: dict[str, Any]) -> str:
         "run). Projection weights stored blocked [out/16, in, 16]. *inductor* "
         "(`compiler.cpu_kernel: off`): every decode bucket a register-blocked reduction that "
         "Inductor fuses (`models/projection.py`). *kernel* (the default): neffkit's C++ kernel "
-        "(`neffkit/csrc/blocked_rows.cpp`), R x U accumulators in registers fed by each weight "
-        "vector once (bf16 widened in-register), weight lines prefetched ahead; bf16 rows on bf16 "
-        "weights through AMX tiles where the CPU has them"
+        "(`neffkit/platform/csrc/blocked_rows.cpp`), R x U accumulators in registers fed by each "
+        "weight vector once (bf16 widened in-register), weight lines prefetched ahead; bf16 rows "
+        "on bf16 weights through AMX tiles where the CPU has them"
         + (
             f" ({d['compute']['bfloat16_rows']} here)"
             if "bfloat16_rows" in d.get("compute", {})

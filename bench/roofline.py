@@ -70,7 +70,7 @@ def main() -> None:
 
     from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     with safe_open(str(bundle / "weights" / "rank0.safetensors"), "pt") as f:
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118

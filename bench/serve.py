@@ -111,7 +111,7 @@ def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab
     from neffkit.runtime.core import engine_threads
     from neffkit.runtime.llm import LLM
     from neffkit.runtime.loader import load
-    from neffkit.runtime.protocol import SamplingParams
+    from neffkit.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(engine_threads())
     engine = LLM(load(bundle))

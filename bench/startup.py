@@ -31,7 +31,7 @@ with open(sys.argv[2] + "/weights/rank0.safetensors", "rb") as f:  # what readin
         pass                                                         # maps the file, then pages in)
 weights_s = time.time() - t0
 from neffkit.runtime.loader import load
-from neffkit.runtime.protocol import SamplingParams
+from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.llm import LLM
 engine = LLM(load(sys.argv[2], verify=True))
 seq = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, temperature=0.0))[0]

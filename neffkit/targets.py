@@ -26,7 +26,7 @@ DTYPE_BYTES = {
 # NCC_EVRF051: https://awsdocs-neuron.readthedocs-hosted.com/en/latest/compiler/error-codes/EVRF051.html);
 # with --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 the compiler reads e4m3fn bits as IEEE-style
 # e4m3, which agree up to 240 (its largest finite value), so there every fp8 value must stay
-# within ±240 (field notes, seed 000 §7). trn3 has e4m3fn.
+# within ±240 (docs/neuron.md#fp8-on-trainium). trn3 has e4m3fn.
 E4M3FN_MAX = 448.0
 E4M3_MAX = 240.0
 FP8_AS_E4M3_CHIPS = ("trn1", "trn2")
@@ -41,7 +41,7 @@ def fp8_max(target: str, neuron_target: str | None) -> float:
 
 
 PHASES = ("prefill", "decode")
-# the hazard audit's rules (compile/audit.RULES), in id order; a manifest may waive any of them
+# the hazard audit's rules (audit/rules.RULES), in id order; a manifest may waive any of them
 AUDIT_RULE_IDS = (
     "NK101",
     "NK102",

@@ -1,20 +1,32 @@
 """Shared fixtures: tiny random HF checkpoints (the oracle) and bundles built from them once per
-run. Builds dominate the suite's time (g++ per graph), so every test reuses these bundles.
+run. Compiles dominate the suite's time (g++ per graph), so every test reuses these bundles, and
+every build goes through one persistent, content-addressed test cache (docs/testing.md):
 
-Under pytest-xdist (`make test` runs two workers) the workers share one directory of models,
-bundles and artifact cache: each is made once, by whichever worker asks first, under a file lock
-the other waits on. Each family's bundle has as few graphs as its tests need (one decode bucket
-unless a test needs a bucket switch).
+  $NEFFKIT_TEST_CACHE (default ~/.cache/neffkit-test)
+    models/<kind>-<digest>/   the test checkpoints, made once per machine; the digest covers
+                              everything a checkpoint is made from (config, seed, transformers,
+                              the code below), so a changed recipe makes a new one
+    artifacts/                neffkit's own artifact cache (compiled graphs, traces, weight
+                              shards), keyed by the product's cache keys: an unchanged graph is
+                              never compiled twice on one machine
+
+Under pytest-xdist (`make test` runs two workers) the workers share one session directory of
+bundles: each is built once, by whichever worker asks first, under a file lock the other waits
+on. Each family's bundle has as few graphs as its tests need (one decode bucket unless a test
+needs a bucket switch). Tests under tests/e2e/ build bundles or start servers; tests/unit/
+builds nothing; `matrix` tests (the tp=2 matrix of every family) run only in `make test-all`.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +36,7 @@ import pytest
 import torch
 import yaml
 
-from neffkit import cpu_kernels
+from neffkit.platform import cpu_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "models" / "demo-llama"
@@ -53,6 +65,9 @@ CHAT_TEMPLATE = (
 SMALL = {"prefill": [16], "decode": [4], "context": [64]}  # two graphs: one prefill, one decode
 # decode [1, 4]: rows move into a smaller bucket (runtime tests); context [32, 64]: a bucket switch
 TWO_DECODE = {"prefill": [16], "decode": [1, 4], "context": [64]}
+# MoE: decode [1] gathers each token's 2 routed experts (2 < 8); prefill runs all 8 densely, the
+# code a decode of 4 rows would run too (8 is not < 8); more prompts than rows take turns
+ONE_DECODE = {"prefill": [16], "decode": [1], "context": [64]}
 DEEPSEEK: dict[str, Any] = {
     "num_key_value_heads": 4, "moe_intermediate_size": 32, "q_lora_rank": 32,
     "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
@@ -71,8 +86,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
     # MQA + qkv bias; a vocabulary tp=2 does not divide: the last vocab shard is padded
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 1, "vocab_size": 1027}, SMALL),
-    # layer 0 dense, layer 1 sparse; renormalised top-2 of 8 experts. MoE decode [1, 4]: one row
-    # gathers its 2 routed experts (2 < 8), four rows run all 8 densely (8 is not < 8)
+    # layer 0 dense, layer 1 sparse; renormalised top-2 of 8 experts (buckets: ONE_DECODE)
     "qwen3_moe": (
         "Qwen3MoeConfig",
         {
@@ -83,9 +97,9 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
             "mlp_only_layers": [0],
             "norm_topk_prob": True,
         },
-        TWO_DECODE,
+        ONE_DECODE,
     ),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, TWO_DECODE),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}, ONE_DECODE),
     # rope scaling: frequencies are a graph input, so llama3/linear reuse llama's graphs (cache
     # hits) and only yarn (its attention factor scales cos/sin) compiles its own. The scaled
     # frequencies act well inside the test prompts' positions (original length 32 < 49).
@@ -106,11 +120,11 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "truncate": False,
                             "original_max_position_embeddings": 32, "rope_theta": 10000.0}},
-        TWO_DECODE),
+        ONE_DECODE),
     # DeepSeek-V3: MLA (q-LoRA, latent cache, interleaved rope, yarn with mscale_all_dim),
     # a dense first layer, then sigmoid group-limited routing (2 of 4 groups), top-2 of 8
     # experts, a shared expert; decode b1 gathers its routed experts
-    "deepseek": ("DeepseekV3Config", DEEPSEEK, TWO_DECODE),
+    "deepseek": ("DeepseekV3Config", DEEPSEEK, ONE_DECODE),
     "deepseek_noq": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None}, SMALL),
 }  # fmt: skip
 # kind → manifest fields beyond buckets. llama_tied runs the runtime tests whose rows move
@@ -138,25 +152,31 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
 }
 
 
-# Tests that build bundles (g++ per graph) or start servers are `slow`: `make test-fast` skips them.
-SLOW_FIXTURES = {"bundle", "tp_bundle", "serve_bundle", "server", "lowered"}
-SLOW_MODULES = {
-    "test_build",
-    "test_fp8",
-    "test_generate",
-    "test_neuron",
-    "test_parallel",
-    "test_runtime",
-    "test_server",
-    "test_verify",
-}
+# The shared test prompts (token ids below the test vocabulary) and generation length
+SHORT = [5, 6, 7, 8, 9]
+LONG = list(range(3, 40))  # 37 tokens: three chunks through the 16-token prefill bucket
+MIXED = [[11, 12, 13], list(range(100, 120)), [7, 300, 9, 1000, 2, 55, 66, 77, 88]]
+MAX_NEW = 12
+
+E2E = REPO / "tests" / "e2e"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests under tests/e2e/ build bundles or start servers: marked `e2e` by where they are."""
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or module in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+        if E2E in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+def cache_root() -> Path:
+    """The persistent test cache: $NEFFKIT_TEST_CACHE, else ~/.cache/neffkit-test."""
+    configured = os.environ.get("NEFFKIT_TEST_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "neffkit-test"
+
+
+def artifact_cache() -> Path:
+    """neffkit's artifact cache inside the test cache: every test build reads and fills it."""
+    return cache_root() / "artifacts"
 
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -177,16 +197,19 @@ def run_json(*args: str) -> dict[str, Any]:
     return json.loads(run_cli(*args, "--json", check=True).stdout)
 
 
+def run_ids(path: Path, prompts: list[list[int]], max_tokens: int = MAX_NEW, *extra: str):
+    """`neffkit run` on token-id prompts: each prompt's generated ids, in prompt order."""
+    args = ["run", str(path), "--max-tokens", str(max_tokens), *extra]
+    for prompt in prompts:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    return [o["token_ids"] for o in run_json(*args)["outputs"]]
+
+
 def bundle_json(path: Path) -> dict[str, Any]:
     """bundle.json of a bundle, opened (and every file verified) through the typed record."""
-    from neffkit.bundle import read_bundle
+    from neffkit.contract.read import read_bundle
 
     return read_bundle(path).record.to_json()
-
-
-def session_cache(session_dir: Path) -> Path:
-    """One artifact cache for the whole session: rebuilds in tests reuse its entries."""
-    return session_dir / "cache"
 
 
 @pytest.fixture(scope="session")
@@ -204,13 +227,16 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def exclusive(session_dir: Path, name: str) -> Iterator[None]:
     """Hold the run-wide lock `name`: one worker makes a shared thing, the others wait for it."""
     locks = session_dir / "locks"
-    locks.mkdir(exist_ok=True)
+    locks.mkdir(parents=True, exist_ok=True)
     with (locks / f"{name}.lock").open("w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
@@ -225,23 +251,72 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
             if "bias" in name and param.is_floating_point() and not param.any():
                 param.normal_(0.0, 0.2)  # e_score_correction_bias (a buffer) included
     model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    assert (out / "model.safetensors").exists(), f"{kind}: transformers wrote no weights"
+    for name in TOKENIZER_FILES:
         shutil.copyfile(DEMO_MODEL / name, out / name)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # unlike neffkit's default one
     return out
 
 
+def model_digest(kind: str, seed: int = 0) -> str:
+    """Everything a test checkpoint is made from: its config, the seed, transformers' version,
+    the tokenizer files, the chat template and the code that makes it."""
+    import inspect
+
+    import transformers
+
+    recipe = {
+        "config": MODELS[kind][:2],
+        "common": COMMON,
+        "seed": seed,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "maker": inspect.getsource(make_hf_model),
+        "template": CHAT_TEMPLATE,
+        "tokenizer": [(DEMO_MODEL / n).read_bytes().hex() for n in TOKENIZER_FILES],
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_dir(name: str, make: Callable[[Path], object]) -> Path:
+    """cache_root()/NAME, made once per machine by `make(tmp)` and renamed into place, so an
+    interrupted run never leaves half a checkpoint behind and concurrent runs agree."""
+    out = cache_root() / name
+    if (out / ".complete").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive(cache_root(), name.replace("/", "-")):
+        if not (out / ".complete").exists():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            try:
+                make(tmp)
+                (tmp / ".complete").write_text("")
+                shutil.rmtree(out, ignore_errors=True)
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def in_fresh_process(kind: str, out: Path) -> None:
+    """make_hf_model in a process of its own: transformers saves nothing on a process whose
+    torch.distributed group says rank != 0, and a test worker may hold tracing's fake group."""
+    code = "import sys, pathlib; from tests.conftest import make_hf_model as make; "
+    code += "make(sys.argv[1], pathlib.Path(sys.argv[2]))"
+    cmd = [sys.executable, "-c", code, kind, str(out)]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+
+
 @pytest.fixture(scope="session")
-def hf_model_dir(session_dir: Path) -> Callable[[str], Path]:
+def hf_model_dir() -> Callable[[str], Path]:
+    """kind → its tiny random HF checkpoint (persistent: see the module docstring)."""
     made: dict[str, Path] = {}
 
     def get(kind: str) -> Path:
         if kind not in made:
-            out = session_dir / "models" / kind
-            with exclusive(session_dir, f"model-{kind}"):
-                if not (out / "config.json").exists():
-                    make_hf_model(kind, out)
-            made[kind] = out
+            made[kind] = cached_dir(
+                f"models/{kind}-{model_digest(kind)}", lambda d: in_fresh_process(kind, d)
+            )
         return made[kind]
 
     return get
@@ -261,26 +336,56 @@ def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
     return path
 
 
+def bundle_key(manifest_path: Path, *flags: str) -> str:
+    """What a test bundle is made from, in the product's own keys: the early (trace) key of
+    every graph on every rank (the resolved manifest, the checkpoint's stamps, neffkit's source,
+    torch and lowering versions, the graph) and the build flags. Equal keys, equal bundles
+    (builds are deterministic), so a bundle is built once per machine until one of them moves."""
+    from neffkit.compile.backends import get_backend
+    from neffkit.compile.cache.keys import trace_key
+    from neffkit.compile.plan import make_plan
+    from neffkit.manifest import load_manifest
+
+    manifest = load_manifest(manifest_path)
+    backend = get_backend(manifest.target)
+    keys = [
+        trace_key(manifest, backend, spec, rank).digest
+        for spec in make_plan(manifest).graphs
+        for rank in range(manifest.parallel.tp)
+    ]
+    return hashlib.sha256(json.dumps([keys, sorted(flags)]).encode()).hexdigest()[:16]
+
+
+def cached_bundle(
+    session_dir: Path, name: str, manifest_path: Path, flags: tuple[str, ...],
+    build: Callable[[Path], dict[str, Any]],
+) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+    """The bundle NAME of this manifest and flags from the test cache, else built there by
+    `build(out)` (which returns the build report), once per machine and published by rename."""
+    root = cached_dir(
+        f"bundles/{name}-{bundle_key(manifest_path, *flags)}",
+        lambda d: (d / "report.json").write_text(json.dumps(build(d / "bundle"))),
+    )
+    report = json.loads((root / "report.json").read_text())
+    return root / "bundle", report
+
+
 def build_session_bundle(session_dir: Path, model_dir: Path, name: str, **manifest: Any) -> Any:
-    """Write manifest NAME.yaml and build it into bundles/NAME with the run's cache, once per
-    run: a later call (from any xdist worker) gets the first build's result back."""
+    """Write manifest NAME.yaml and build it (with the test cache) into a bundle the test cache
+    keeps: a later call, from any xdist worker or a later run, gets the first build back."""
     from neffkit.compile.build import BuildResult, build
     from neffkit.manifest import load_manifest
 
-    report = session_dir / "bundles" / f"{name}.report.json"
-    with exclusive(session_dir, f"bundle-{name}"):
-        if report.exists():
-            data = json.loads(report.read_text())
-            return BuildResult(Path(data["bundle"]), counters=data["counters"])
-        path = write_manifest(session_dir / f"{name}.yaml", model_dir, **manifest)
+    path = write_manifest(session_dir / f"{name}.yaml", model_dir, **manifest)
+
+    def make(out: Path) -> dict[str, Any]:
         result = build(
-            load_manifest(path),
-            session_dir / "bundles" / name,
-            jobs=build_jobs_per_worker(),
-            cache=session_cache(session_dir),
+            load_manifest(path), out, jobs=build_jobs_per_worker(), cache=artifact_cache()
         )
-        report.write_text(json.dumps(result.report()))
-        return result
+        return result.report()
+
+    bundle, report = cached_bundle(session_dir, name, path, (), make)
+    return BuildResult(bundle, counters=report["counters"])
 
 
 def build_jobs_per_worker() -> int:
@@ -345,3 +450,60 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
         return out[0, len(prompt) :].tolist()
 
     return run
+
+
+# ---------------------------------------------------------------- neuron: lowered bundles
+
+NEURON = {"target": "neuron", "neuron": {"target": "trn2", "lnc": 2}}
+LOWERED = {  # kind, tp → buckets
+    ("llama", 1): {"prefill": [16], "decode": [2], "context": [32, 64]},
+    ("qwen3", 1): {"prefill": [16], "decode": [2], "context": [64]},
+    ("llama", 2): {"prefill": [16], "decode": [2], "context": [64]},
+    ("qwen3", 2): {"prefill": [16], "decode": [2], "context": [64]},
+    # sinks, sliding + full layers, yarn, biases; decode b1 gathers its routed experts
+    ("gpt_oss", 1): {"prefill": [16], "decode": [1], "context": [64]},
+    # MLA: latent cache, expanded prefill, absorbed decode; grouped routing, shared expert;
+    # packed prefill (two prompts' tokens in one row, per-token sequence ids)
+    ("deepseek", 1): {"prefill": [16], "decode": [1], "context": [64], "prefill_batch": [1, 2]},
+    # experts over 2 groups (ep=2), each expert's intermediate dimension whole (tp/ep = 1)
+    ("mixtral", 2): {"prefill": [16], "decode": [2], "context": [64]},
+}
+EP = {"mixtral": 2}  # kind → ep at tp > 1
+
+
+def lowered_build(
+    session_dir: Path, model_dir: Path, name: str, *extra: str, **manifest: Any
+) -> Path:  # NEURON's chip unless `neuron` is given
+    """A neuron build of `model_dir` (`neffkit build ... EXTRA`): from the test cache, where
+    traces and their HLO are cached like artifacts, and kept there as a bundle; with
+    `--no-cache` in EXTRA, built afresh into the session directory."""
+    path = write_manifest(session_dir / f"{name}.yaml", model_dir, **{**NEURON, **manifest})
+    if "--no-cache" in extra:
+        out = session_dir / "bundles" / name
+        run_cli("build", str(path), "-o", str(out), *extra, check=True)
+        return out
+
+    def make(out: Path) -> dict[str, Any]:
+        args = ("build", str(path), "-o", str(out), "--cache", str(artifact_cache()), "-j", "1")
+        args += extra
+        return json.loads(run_cli(*args, "--json", check=True).stdout)
+
+    return cached_bundle(session_dir, name, path, extra, make)[0]
+
+
+@pytest.fixture(scope="session")
+def lowered(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[..., Path]:
+    """(kind, tp) → a lowered neuron bundle, built once per session with --verify."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(kind: str, tp: int = 1) -> Path:
+        if (kind, tp) not in built:
+            name = f"{kind}_neuron_tp{tp}"
+            parallel = {"tp": tp, "ep": EP.get(kind, 1) if tp > 1 else 1}
+            built[(kind, tp)] = lowered_build(
+                session_dir, hf_model_dir(kind), name, "--lower-only", "--verify",
+                buckets=LOWERED[(kind, tp)], parallel=parallel,
+            )  # fmt: skip
+        return built[(kind, tp)]
+
+    return get

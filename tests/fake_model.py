@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neffkit.runtime.runner import GraphEntry, ModelRunner
-from neffkit.runtime.scheduler import Layout
+from neffkit.runtime.scheduler import SchedulerConfig
 
 VOCAB = 97
 EOS = 96
@@ -54,7 +54,7 @@ def _specs(phase: str, rows: int, tokens: int, context: int, block_size: int) ->
 
 @dataclass
 class PagedSumModel:
-    layout: Layout
+    layout: SchedulerConfig
     calls: list[tuple[str, dict[str, np.ndarray]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -93,7 +93,7 @@ def fake_runner(
     eos: tuple[int, ...] = (EOS,),
     prefill_batch: tuple[int, ...] = (1,),
 ) -> tuple[ModelRunner, PagedSumModel]:
-    layout = Layout(
+    layout = SchedulerConfig(
         block_size, num_blocks, prefill, decode, context, eos, VOCAB, prefill_batch=prefill_batch
     )
     model = PagedSumModel(layout)

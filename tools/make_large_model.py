@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from neffkit.tensor_files import write_tensors
+from neffkit.contract.tensor_files import write_tensors
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 2048, 8192, 128256, 32, 8, 64
 

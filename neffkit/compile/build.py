@@ -12,83 +12,45 @@ terminates the workers and removes the staging directory.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
-import resource
 import shutil
 import tempfile
-import time
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffkit.bundle import (
-    FindingRecord,
-    JsonObject,
-    staging_dir,
-)
 from neffkit.compile.audit import audit_units
 from neffkit.compile.backends import get_backend
 from neffkit.compile.backends.base import Backend
-from neffkit.compile.cache import (
-    lookup_units,
-    open_cache,
-    remember_unit,
-    restore_unit,
-    store_unit,
-    trace_key,
-)
-from neffkit.compile.flags import ResolvedOptions, resolve_options
-from neffkit.compile.plan import GraphSpec, make_plan
+from neffkit.compile.cache import open_cache
+from neffkit.compile.cache.lookup import lookup_units, remember_unit, restore_unit, store_unit
+from neffkit.compile.flags import resolve_options
+from neffkit.compile.layout import target_layout, uses_kernel
+from neffkit.compile.plan import Planned, make_plan, shard_share
 from neffkit.compile.progress import Progress
-from neffkit.compile.spmd import RankTrace, SPMDMismatchError, check_spmd
-from neffkit.compile.trace import ModelLayout, ensure_kernels, model_layout, uses_kernel
-from neffkit.compile.units import BuildContext, GraphUnit, RunParallel, TraceResult
+from neffkit.compile.report import BuildResult, Clock, dry_run_row, peak_rss_mb, report_row
+from neffkit.compile.spmd import check_graphs
+from neffkit.compile.trace import ensure_kernels
+from neffkit.compile.tracing import trace_graphs
+from neffkit.compile.units import (
+    BuildContext,
+    GraphUnit,
+    ModelLayout,
+    RunParallel,
+)
 from neffkit.compile.verify import verify_units
-from neffkit.compile.workers import trace_job, worker_pool
+from neffkit.compile.workers import worker_pool
 from neffkit.compile.write import write_bundle, write_weights
+from neffkit.contract.staging import staging_dir
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
-from neffkit.models.projection import ProjectionPolicy
 
 if TYPE_CHECKING:
     from neffkit.compile.cache import Cache
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BuildResult:
-    """What a build reports (`--json`): counters, seconds per stage and graph, peaks, findings."""
-
-    bundle: Path | None
-    counters: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    graphs: list[JsonObject] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    peak_rss_mb: dict[str, float] = field(default_factory=dict)
-    peak_rss_mb_by_stage: dict[str, float] = field(default_factory=dict)  # main, after each
-    findings: list[FindingRecord] = field(default_factory=list)
-    cluster_tasks: Counter[str] = field(default_factory=Counter)  # per Ray node (--cluster)
-
-    def report(self) -> JsonObject:
-        cluster = {"cluster_tasks_by_node": dict(self.cluster_tasks)} if self.cluster_tasks else {}
-        return {
-            **cluster,
-            "bundle": str(self.bundle) if self.bundle else None,
-            "counters": self.counters,
-            "seconds": self.seconds,
-            "graphs": self.graphs,
-            "warnings": self.warnings,
-            "peak_rss_mb": self.peak_rss_mb,
-            "peak_rss_mb_by_stage": self.peak_rss_mb_by_stage,
-            "findings": [f.to_json() for f in self.findings],
-        }
 
 
 def default_output(manifest: Manifest) -> Path:
@@ -123,15 +85,8 @@ def build(
     result = BuildResult(bundle=None if dry_run else dest.resolve())
     backend = get_backend(manifest.target)
     backend.check_ready(lower_only, dry_run)
-    # a lowered bundle compiles nothing, so there is nothing to cache
-    store = open_cache(cache, cache_readonly) if cache and not lower_only else None
-    clock = _Clock(result.seconds, result.peak_rss_mb_by_stage)
-    if shard is not None and (store is None or store.readonly):
-        raise BuildError(
-            "--shard fills the artifact cache, and this build has none it may write "
-            "(--no-cache, --cache-readonly or --lower-only)",
-            hint="give every shard and the assembling build the same --cache",
-        )
+    store = _open_store(cache, cache_readonly, shard, lower_only)
+    clock = Clock(result.seconds, result.peak_rss_mb_by_stage)
     with clock("plan"):  # 1. graphs, their resolved compiler options, the weights' shapes
         specs = plan_graphs(manifest, result, progress)
         if shard is not None:
@@ -142,94 +97,97 @@ def build(
             ensure_kernels()
     with _pool(cluster, jobs, layout, result) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
-        with clock("trace"):  # 2. every graph on every rank, in parallel (unless cached)
-            traces = trace_graphs(ctx, specs, backend, store, result.counters)
-        with clock("check"):  # 3. byte-identical on every rank: one artifact serves all (SPMD)
-            units = check_graphs(ctx, specs, traces, result.counters)
-        with clock("audit"):  # 4. known neuronx-cc / runtime hazards
-            result.findings = audit_units(manifest, units, progress, fail=not dry_run)
-        with clock("cache"):  # 5. look each unit up by every factor that changes its artifact
-            lookup_units(store, units, backend, manifest, progress)
-        result.counters["cache_hits"] = sum(u.cached is not None for u in units)
+        units = _checked_units(ctx, specs, backend, store, result, clock, fail=not dry_run)
         if dry_run:
-            result.graphs = [_dry_run_row(u, store is not None) for u in units]
+            result.graphs = [dry_run_row(u, store is not None) for u in units]
             return result
         if shard is not None:  # compile into the cache only: no weights, no bundle
             with tempfile.TemporaryDirectory(prefix="neffkit-shard-") as stage, clock("compile"):
                 result.counters["compiled"] = compile_units(ctx, backend, store, Path(stage), units)
             result.bundle = None
             return _finished(result, units)
-        with staging_dir(dest) as stage:
-            with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
-                weights, placed = write_weights(manifest, stage, layout, store)
-                result.counters.update({f"weights_{k}": v for k, v in placed.items() if v})
-            with clock("compile"):  # 7. compile the misses (in parallel); copy the hits
-                result.counters["compiled"] = compile_units(ctx, backend, store, stage, units)
-            if verify:  # 8. every graph against the eager model
-                with clock("verify"):
-                    verify_units(manifest, layout, backend, stage, units, progress)
-            with clock("write"):  # 9. ir/, tokenizer/, bundle.json; renamed into place
-                write_bundle(
-                    manifest, layout, backend, stage, units, weights, result.findings, lower_only
-                )
+        _write(ctx, backend, store, dest, units, result, clock, verify)
     return _finished(result, units)
+
+
+def _open_store(
+    cache: str | Path | None, readonly: bool, shard: tuple[int, int] | None, lower_only: bool
+) -> Cache | None:
+    """The artifact cache the build reads (and writes, unless read-only); None without one."""
+    store = open_cache(cache, readonly) if cache else None
+    if shard is not None and (store is None or store.readonly or lower_only):
+        raise BuildError(
+            "--shard fills the artifact cache, and this build has none it may write "
+            "(--no-cache, --cache-readonly or --lower-only)",
+            hint="give every shard and the assembling build the same --cache",
+        )
+    return store
+
+
+def _artifacts(ctx: BuildContext, store: Cache | None) -> Cache | None:
+    """The cache of compiled artifacts; a lowered bundle compiles nothing, so it reads and
+    stores only traces (with their HLO) and weight shards."""
+    return None if ctx.lower_only else store
+
+
+def _checked_units(
+    ctx: BuildContext,
+    specs: Planned,
+    backend: Backend,
+    store: Cache | None,
+    result: BuildResult,
+    clock: Clock,
+    fail: bool,
+) -> list[GraphUnit]:
+    """Steps 2-5: the graphs traced, checked SPMD, audited and looked up in the cache."""
+    with clock("trace"):  # 2. every graph on every rank, in parallel (unless cached)
+        traces = trace_graphs(ctx, specs, backend, store, result.counters)
+    with clock("check"):  # 3. byte-identical on every rank: one artifact serves all (SPMD)
+        units = check_graphs(ctx, specs, traces, result.counters)
+    with clock("audit"):  # 4. known neuronx-cc / runtime hazards
+        result.findings = audit_units(ctx.manifest, units, ctx.progress, fail=fail)
+    with clock("cache"):  # 5. look each unit up by every factor that changes its artifact
+        lookup_units(_artifacts(ctx, store), units, backend, ctx.manifest, ctx.progress)
+    result.counters["cache_hits"] = sum(u.cached is not None for u in units)
+    return units
+
+
+def _write(
+    ctx: BuildContext,
+    backend: Backend,
+    store: Cache | None,
+    dest: Path,
+    units: list[GraphUnit],
+    result: BuildResult,
+    clock: Clock,
+    verify: bool,
+) -> None:
+    """Steps 6-9, in a staging directory renamed onto `dest` only when the bundle is complete."""
+    manifest, layout = ctx.manifest, ctx.layout
+    with staging_dir(dest) as stage:
+        with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
+            weights, placed = write_weights(manifest, stage, layout, store)
+            result.counters.update({f"weights_{k}": v for k, v in placed.items() if v})
+        with clock("compile"):  # 7. compile the misses (in parallel); copy the hits
+            artifacts = _artifacts(ctx, store)
+            result.counters["compiled"] = compile_units(ctx, backend, artifacts, stage, units)
+        if verify:  # 8. every graph against the eager model
+            with clock("verify"):
+                verify_units(manifest, layout, backend, stage, units, ctx.progress)
+        with clock("write"):  # 9. ir/, tokenizer/, bundle.json; renamed into place
+            write_bundle(
+                manifest, layout, backend, stage, units, weights, result.findings, ctx.lower_only
+            )
 
 
 def _finished(result: BuildResult, units: list[GraphUnit]) -> BuildResult:
     """The report's per-graph rows and peak memory, once the build's work is done."""
-    result.graphs = [_report_row(u) for u in units]
-    result.peak_rss_mb = _peak_rss_mb()
+    result.graphs = [report_row(u) for u in units]
+    result.peak_rss_mb = peak_rss_mb()
     return result
 
 
 # ---------------------------------------------------------------- stages
-
-
-def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
-    """The shapes every graph of this manifest is traced from, as its target traces them."""
-    backend = backend or get_backend(manifest.target)
-    return model_layout(manifest, backend.device, projection_policy(manifest, backend))
-
-
-def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
-    """The backend's projection forms, with the cpu kernel as the manifest and host allow
-    (`compiler.cpu_kernel: on` on a host without AVX-512 is an error; `auto` goes without)."""
-    policy = backend.projection
-    mode = manifest.compiler.cpu_kernel
-    if backend.name != "cpu" or policy.lanes == 0 or mode == "off":
-        return policy
-    from neffkit import cpu_kernels
-
-    if not cpu_kernels.supported():
-        if mode == "on":
-            raise BuildError(
-                "compiler.cpu_kernel: on needs a CPU with "
-                f"{', '.join(sorted(cpu_kernels.REQUIRED_FLAGS))}, which this host lacks",
-                hint="use cpu_kernel: auto (or off)",
-            )
-        return policy
-    return dataclasses.replace(policy, kernel=mode)
-
-
-Planned = list[tuple[GraphSpec, ResolvedOptions]]
-
-
-def graph_cost(spec: GraphSpec) -> int:
-    """A graph's expected trace + compile cost, for balancing shards: the values it computes
-    attention over (rows x tokens x context), plus a constant per graph."""
-    return spec.rows * spec.tokens * spec.context + (1 << 16)
-
-
-def shard_share(specs: Planned, k: int, n: int) -> Planned:
-    """The k-th (1-based) of n shares: graphs dealt largest first to the least loaded share
-    (ties by name), so every shard of one manifest computes the same assignment."""
-    load = [0] * n
-    owner: dict[str, int] = {}
-    for spec, _ in sorted(specs, key=lambda p: (-graph_cost(p[0]), p[0].name)):
-        i = min(range(n), key=lambda j: (load[j], j))
-        owner[spec.name] = i
-        load[i] += graph_cost(spec)
-    return [(spec, options) for spec, options in specs if owner[spec.name] == k - 1]
 
 
 def plan_graphs(manifest: Manifest, result: BuildResult, progress: Progress) -> Planned:
@@ -243,78 +201,6 @@ def plan_graphs(manifest: Manifest, result: BuildResult, progress: Progress) -> 
     result.counters.update(per_rank_graphs=0)
     result.counters.update(compiled=0, cache_hits=0)
     return specs
-
-
-def trace_graphs(
-    ctx: BuildContext,
-    specs: Planned,
-    backend: Backend,
-    cache: Cache | None,
-    counters: dict[str, int],
-) -> list[list[TraceResult]]:
-    """Per graph, one TraceResult per rank (lowered too where the backend compiles that form).
-
-    With a cache, a (graph, rank) whose early key is stored is not traced: a warm rebuild with
-    nothing changed traces nothing (`counters["traced"]` counts real traces)."""
-    world = ctx.manifest.parallel.tp
-    pairs = [(spec, r) for spec, _ in specs for r in range(world)]
-    keys = [trace_key(ctx.manifest, backend, s, r) for s, r in pairs] if cache else []
-    flat: list[TraceResult | None] = [_hit(cache.lookup_trace(k)) for k in keys] if cache else []
-    flat = flat or [None] * len(pairs)
-    misses = [i for i, t in enumerate(flat) if t is None]
-    names = [pairs[i][0].name if world == 1 else f"{pairs[i][0].name}@rank{pairs[i][1]}"
-             for i in misses]  # fmt: skip
-    if misses:
-        ctx.progress.start("trace", names)
-        args = [(ctx.layout, pairs[i][0], pairs[i][1], ctx.manifest.target) for i in misses]
-        for i, traced in zip(misses, ctx.run_parallel(trace_job, args, names, ctx.progress),
-                             strict=True):  # fmt: skip
-            flat[i] = traced
-            if cache is not None:
-                cache.store_trace(keys[i], traced)
-    counters["traced"], counters["trace_hits"] = len(misses), len(pairs) - len(misses)
-    done = [t for t in flat if t is not None]
-    return [done[i * world : (i + 1) * world] for i in range(len(specs))]
-
-
-def _hit(trace: TraceResult | None) -> TraceResult | None:
-    """A cached trace cost no tracing this build."""
-    return dataclasses.replace(trace, seconds=0.0) if trace is not None else None
-
-
-def check_graphs(
-    ctx: BuildContext, specs: Planned, traces: list[list[TraceResult]], counters: dict[str, int]
-) -> list[GraphUnit]:
-    """One unit per graph when every rank traced the same graph (and lowered form); else one per
-    rank where the manifest allows per-rank artifacts, or SPMDMismatchError."""
-    units: list[GraphUnit] = []
-    for (spec, options), per_rank in zip(specs, traces, strict=True):
-        try:
-            _check_spmd(spec.name, per_rank)
-        except SPMDMismatchError as exc:
-            if not ctx.manifest.parallel.per_rank_artifacts:
-                raise
-            ctx.progress.message(
-                f"warning: {exc.message.splitlines()[0]}; compiling one "
-                "artifact per rank (parallel.per_rank_artifacts)"
-            )
-            units += [GraphUnit(spec, options, t, rank=r) for r, t in enumerate(per_rank)]
-            counters["per_rank_graphs"] += 1
-            continue
-        units.append(GraphUnit(spec, options, per_rank[0]))
-        counters["spmd_groups"] += len(per_rank) > 1
-    for u in units:
-        u.seconds["trace"] = u.trace.seconds
-    return units
-
-
-def _check_spmd(name: str, per_rank: list[TraceResult]) -> None:
-    check_spmd(name, [RankTrace(r, t.graph_sha256, t.canonical_text, list(t.sources))
-                      for r, t in enumerate(per_rank)])  # fmt: skip
-    lowered = [t.lowered for t in per_rank]
-    if all(lowered):  # the artifact is built from the lowered form: it must match too
-        check_spmd(f"{name} (HLO)", [RankTrace(r, x.sha256, x.text, [])
-                                     for r, x in enumerate(lowered) if x])  # fmt: skip
 
 
 def compile_units(
@@ -361,24 +247,6 @@ def _pool(
     return ray_pool(cluster, task_memory(sum(sizes)), result.cluster_tasks)
 
 
-class _Clock:
-    """Seconds per stage, and the main process's peak RSS when each stage ends (the peak is
-    monotonic, so the stage where it grows is the one that holds the memory)."""
-
-    def __init__(self, seconds: dict[str, float], peak_rss_mb: dict[str, float]) -> None:
-        self.seconds = seconds
-        self.peak_rss_mb = peak_rss_mb
-
-    @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] = round(time.perf_counter() - t0, 3)
-            self.peak_rss_mb[stage] = round(_peak_rss_mb()["main"], 1)
-
-
 def _place(src: Path, dst: Path, copy: bool = False) -> None:
     if src == dst:
         return
@@ -387,33 +255,3 @@ def _place(src: Path, dst: Path, copy: bool = False) -> None:
         shutil.copyfile(src, dst)
     else:
         os.replace(src, dst)
-
-
-def _report_row(u: GraphUnit) -> JsonObject:
-    return {
-        "name": u.stem,
-        "cache": "hit" if u.cached else "miss",
-        "miss_reason": u.miss_reason,
-        "seconds": u.seconds,
-        "graph_sha256": u.trace.graph_sha256,
-    }
-
-
-def _dry_run_row(u: GraphUnit, caching: bool) -> JsonObject:
-    return {
-        "name": u.spec.name,
-        "phase": u.spec.phase,
-        "buckets": {"rows": u.spec.rows, "tokens": u.spec.tokens, "context": u.spec.context},
-        "options": u.options.inductor,
-        "flags": list(u.options.flags),
-        "cache": ("hit" if u.cached else "miss") if caching else "disabled",
-        "miss_reason": u.miss_reason,
-        "graph_sha256": u.trace.graph_sha256,
-    }
-
-
-def _peak_rss_mb() -> dict[str, float]:
-    return {
-        "main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "workers": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-    }

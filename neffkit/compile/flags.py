@@ -2,7 +2,7 @@
 
 Two kinds of options, one resolution:
 - AOTInductor config keys (cpu/cuda), from the manifest's allow-list; later layers override.
-- neuronx-cc argv (neuron). Rules from the field notes (seed 000, section 1):
+- neuronx-cc argv (neuron). Rules (what vllm-neuron learned of neuronx-cc; docs/manifest.md):
   * one optimisation level: `-O1`/`-O2`/`-O3` (or `--optlevel N`); the last one wins;
   * every `--internal-hlo2tensorizer-options` is merged into ONE string, because neuronx-cc keeps
     only the last occurrence and silently drops the others;
@@ -16,10 +16,10 @@ e4m3fn-as-e4m3 flag neffkit adds on trn1/trn2 when a graph holds fp8 values). Pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from neffkit.bundle import OptionValue
-from neffkit.compile.plan import GraphSpec
+from neffkit.compile.units import GraphSpec, ResolvedOptions
+from neffkit.contract.codec import OptionValue
 from neffkit.errors import ManifestError
 from neffkit.manifest import Manifest
 from neffkit.targets import E4M3FN_MAX, FP8_AS_E4M3_FLAG
@@ -28,7 +28,6 @@ HLO2TENSORIZER = "--internal-hlo2tensorizer-options"
 LNC_FLAG = "--logical-nc-config"  # the CLI reference's long form (also `-lnc`)
 MODEL_TYPE = "--model-type"
 OPT_LEVEL = "-O"
-PATH_FLAGS = ("--logfile", "--log-file", "--workdir", "--compile_workdir", "--dump", "--output")
 
 # What every neuron graph gets before the manifest is read (vllm-neuron's native-route set).
 BASE_NEURON_FLAGS: tuple[str, ...] = (
@@ -54,19 +53,6 @@ class Flag:
         if self.name == OPT_LEVEL:
             return f"-O{self.value}"
         return self.name if self.value is None else f"{self.name}={self.value}"
-
-
-@dataclass(frozen=True)
-class ResolvedOptions:
-    inductor: dict[str, OptionValue]
-    origins: dict[str, str]  # inductor option → origin
-    flags: tuple[str, ...]  # rendered compiler argv (neuron)
-    flag_origins: dict[str, str]  # rendered flag → origin(s)
-    warnings: tuple[str, ...] = field(default=())
-
-    def cache_flags(self) -> tuple[str, ...]:
-        """The rendered flags that can change the artifact (path-bearing ones removed)."""
-        return tuple(f for f in self.flags if not f.startswith(PATH_FLAGS))
 
 
 def parse_flags(argv: tuple[str, ...] | list[str], origin: str, where: str = "") -> list[Flag]:
@@ -143,7 +129,7 @@ def _layers(manifest: Manifest, spec: GraphSpec) -> list[tuple[str, str, tuple[s
     layers = [("base", "base flags", base_flags, BASE_INDUCTOR_OPTIONS)]
     if manifest.fp8_max < E4M3FN_MAX and manifest.uses_fp8:
         # trn1/trn2 have no e4m3fn: the compiler reads it as e4m3 (values kept within ±240),
-        # inside the one hlo2tensorizer string (field notes, seed 000 §7)
+        # inside the one hlo2tensorizer string (docs/neuron.md#fp8-on-trainium)
         layers.append(("fp8", "fp8 on trn1/trn2", (f"{HLO2TENSORIZER}={FP8_AS_E4M3_FLAG}",), {}))
     layers.append(
         ("manifest", "compiler.flags", manifest.compiler.flags, manifest.compiler.inductor)

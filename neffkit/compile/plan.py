@@ -7,46 +7,8 @@ One graph per (phase, token-or-batch bucket, context bucket), named `prefill_t12
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from neffkit.compile.units import GraphSpec, Plan, ResolvedOptions
 from neffkit.manifest import Manifest
-
-
-@dataclass(frozen=True)
-class GraphSpec:
-    name: str
-    phase: str  # "prefill" | "decode"
-    rows: int  # sequences per call
-    tokens: int  # tokens per sequence (1 for decode)
-    context: int  # context bucket: tokens attended at most
-
-    @property
-    def bucket(self) -> int:
-        """The phase's own bucket value: tokens for prefill, batch for decode."""
-        return self.tokens if self.phase == "prefill" else self.rows
-
-    def matches(self, match: dict) -> bool:
-        """Per-graph rule matching on phase and bucket values or [lo, hi] ranges."""
-        values = {"phase": self.phase, "context": self.context, "batch": self.rows}
-        if self.phase == "prefill":
-            values["tokens"] = self.tokens
-        for key, want in match.items():
-            have = values.get(key)
-            if have is None:
-                return False
-            if isinstance(want, list):
-                if not want[0] <= have <= want[1]:
-                    return False
-            elif have != want:
-                return False
-        return True
-
-
-@dataclass(frozen=True)
-class Plan:
-    manifest: Manifest
-    graphs: tuple[GraphSpec, ...]
-    world_size: int
 
 
 def graph_name(phase: str, bucket: int, context: int, rows: int = 1) -> str:
@@ -70,3 +32,24 @@ def make_plan(manifest: Manifest) -> Plan:
         for c in b.context
     ]
     return Plan(manifest=manifest, graphs=tuple(graphs), world_size=manifest.parallel.tp)
+
+
+Planned = list[tuple[GraphSpec, ResolvedOptions]]
+
+
+def graph_cost(spec: GraphSpec) -> int:
+    """A graph's expected trace + compile cost, for balancing shards: the values it computes
+    attention over (rows x tokens x context), plus a constant per graph."""
+    return spec.rows * spec.tokens * spec.context + (1 << 16)
+
+
+def shard_share(specs: Planned, k: int, n: int) -> Planned:
+    """The k-th (1-based) of n shares: graphs dealt largest first to the least loaded share
+    (ties by name), so every shard of one manifest computes the same assignment."""
+    load = [0] * n
+    owner: dict[str, int] = {}
+    for spec, _ in sorted(specs, key=lambda p: (-graph_cost(p[0]), p[0].name)):
+        i = min(range(n), key=lambda j: (load[j], j))
+        owner[spec.name] = i
+        load[i] += graph_cost(spec)
+    return [(spec, options) for spec, options in specs if owner[spec.name] == k - 1]

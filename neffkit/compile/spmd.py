@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from neffkit.compile.plan import Planned
+from neffkit.compile.units import BuildContext, GraphUnit, TraceResult
 from neffkit.errors import BuildError
 
 DIFF_LINES = 12
@@ -63,3 +65,38 @@ def _explain(graph: str, a: RankTrace, b: RankTrace) -> str:
         f"serve both (SPMD)\n{shown}{more}\nfirst differing node (line {first + 1}) comes "
         f"from: {where}"
     )
+
+
+def check_graphs(
+    ctx: BuildContext, specs: Planned, traces: list[list[TraceResult]], counters: dict[str, int]
+) -> list[GraphUnit]:
+    """One unit per graph when every rank traced the same graph (and lowered form); else one per
+    rank where the manifest allows per-rank artifacts, or SPMDMismatchError."""
+    units: list[GraphUnit] = []
+    for (spec, options), per_rank in zip(specs, traces, strict=True):
+        try:
+            _check_spmd(spec.name, per_rank)
+        except SPMDMismatchError as exc:
+            if not ctx.manifest.parallel.per_rank_artifacts:
+                raise
+            ctx.progress.message(
+                f"warning: {exc.message.splitlines()[0]}; compiling one "
+                "artifact per rank (parallel.per_rank_artifacts)"
+            )
+            units += [GraphUnit(spec, options, t, rank=r) for r, t in enumerate(per_rank)]
+            counters["per_rank_graphs"] += 1
+            continue
+        units.append(GraphUnit(spec, options, per_rank[0]))
+        counters["spmd_groups"] += len(per_rank) > 1
+    for u in units:
+        u.seconds["trace"] = u.trace.seconds
+    return units
+
+
+def _check_spmd(name: str, per_rank: list[TraceResult]) -> None:
+    check_spmd(name, [RankTrace(r, t.graph_sha256, t.canonical_text, list(t.sources))
+                      for r, t in enumerate(per_rank)])  # fmt: skip
+    lowered = [t.lowered for t in per_rank]
+    if all(lowered):  # the artifact is built from the lowered form: it must match too
+        check_spmd(f"{name} (HLO)", [RankTrace(r, x.sha256, x.text, [])
+                                     for r, x in enumerate(lowered) if x])  # fmt: skip

@@ -9,139 +9,18 @@ the graphs are; its sha256 is the graph's identity (SPMD check, cache key, bundl
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from neffkit.bundle import IoAlias, TensorRecord
-from neffkit.compile.plan import GraphSpec
-from neffkit.compile.units import LoweredGraph, TraceResult
+from neffkit.compile.layout import graph_inputs, uses_kernel
+from neffkit.compile.units import GraphSpec, LoweredGraph, ModelLayout, Traced, TraceResult
+from neffkit.contract.abi import TensorSpec, graph_outputs
+from neffkit.contract.records import IoAlias, TensorRecord
 from neffkit.errors import BuildError
-from neffkit.manifest import Manifest
-from neffkit.models.config import ModelConfig
-from neffkit.models.llama import (
-    DecoderGraph,
-    GraphShape,
-    TensorSpec,
-    graph_outputs,
-    kv_inputs,
-    metadata_inputs,
-    state_inputs,
-)
-from neffkit.models.parallel import Parallelism
-from neffkit.models.projection import PLAIN, ProjectionPolicy, is_projection_weight
-from neffkit.models.weights import Storage, has_kv_scales, rank_weight_specs
-from neffkit.targets import E4M3FN_MAX
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """What a rank's graphs are built from: config, per-rank KV heads, weight specs in order."""
-
-    config: ModelConfig
-    dtype: str
-    kv_heads: int
-    weights: tuple[TensorSpec, ...]
-    block_size: int
-    num_blocks: int
-    max_top_k: int  # candidates of top-k / top-p sampling
-    storage: Storage  # how the weight shards store the checkpoint (weight_storage)
-    max_logprobs: int = 5  # top logprobs returned per sampled token
-    prompt_logprobs: bool = False  # prefill graphs also return the prompt's own logprobs
-    device: str = "cpu"
-    par: Parallelism = Parallelism()
-    projection: ProjectionPolicy = PLAIN  # the target's projection forms
-    mla_decode: str = "absorbed"  # MLA decode graphs: latent-space attention, or expanded K/V
-    kv_dtype: str = ""  # the KV cache tensors' dtype ("" = dtype)
-    fp8_max: float = E4M3FN_MAX  # the range fp8 values use on the target (targets.fp8_max)
-    decode_state: str = "host"  # "device": decode tokens come from the aliased last_tokens
-
-
-@dataclass
-class Traced:
-    spec: GraphSpec
-    program: ExportedProgram
-    canonical_text: str
-    graph_sha256: str
-    io_alias: tuple[IoAlias, ...]
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    sources: list[str]  # per canonical line: the model source line that made the node
-
-
-def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
-    """How this manifest's bundle stores the checkpoint: dtype, the trn1/trn2 fp8 rescale
-    (values into ±240), whether the fp8 KV cache reads the checkpoint's k/v scales, and the
-    projection weights' blocked layout (the target's ProjectionPolicy.lanes)."""
-    return Storage(
-        manifest.dtype,
-        fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
-        kv_scales=manifest.fp8_kv_cache and has_kv_scales(manifest.model),
-        lanes=lanes,
-    )
-
-
-def model_layout(
-    manifest: Manifest, device: str, projection: ProjectionPolicy = PLAIN
-) -> ModelLayout:
-    """Shapes only (safetensors headers): tracing never needs the weight values.
-
-    Every rank's shard has the same names and shapes (that is what makes SPMD possible); this is
-    checked here, before any tracing.
-    """
-    cfg = manifest.model_config
-    par = Parallelism(manifest.parallel.tp, manifest.parallel.ep)
-    storage = weight_storage(manifest, projection.lanes)
-    specs = rank_weight_specs(manifest.model, cfg, storage, par, 0)
-    for rank in range(1, par.tp):
-        if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
-            raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
-    return ModelLayout(
-        config=cfg,
-        dtype=manifest.dtype,
-        kv_heads=par.kv_heads_per_rank(cfg),
-        weights=tuple(
-            TensorSpec(name, shape, str(dtype).removeprefix("torch."))
-            for name, shape, dtype in specs
-        ),
-        block_size=manifest.kv_cache.block_size,
-        num_blocks=manifest.kv_cache.num_blocks,
-        max_top_k=manifest.sampling.max_top_k,
-        max_logprobs=manifest.sampling.max_logprobs,
-        prompt_logprobs=manifest.sampling.prompt_logprobs,
-        device=device,
-        par=par,
-        projection=projection,
-        mla_decode=manifest.mla_decode,
-        kv_dtype=manifest.kv_cache.dtype or manifest.dtype,
-        fp8_max=manifest.fp8_max,
-        storage=storage,
-        decode_state=manifest.decode_state,
-    )
-
-
-def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
-    shape = GraphShape(
-        spec.phase,
-        spec.rows,
-        spec.tokens,
-        spec.context,
-        layout.block_size,
-        layout.num_blocks,
-        layout.max_logprobs,
-        layout.prompt_logprobs and spec.rows == 1,  # a prompt wanting them prefills alone
-        layout.decode_state == "device",
-    )
-    specs = metadata_inputs(shape)
-    if layout.par.needs_rank_input(layout.config):
-        specs.append(TensorSpec("rank", (1,), "int64"))
-    specs += kv_inputs(layout.config, shape, layout.kv_heads, layout.kv_dtype or layout.dtype)
-    specs += state_inputs(shape)
-    return shape, specs + list(layout.weights)
+from neffkit.models.registry import build_graph, graph_class
 
 
 def ensure_fake_process_group(rank: int, world_size: int) -> None:
@@ -161,12 +40,21 @@ def ensure_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+def release_fake_process_group() -> None:
+    """Destroy the fake process group tracing set up in this process, if it is the one up: a
+    build leaves no process group behind (a later `save_pretrained` or real group sees none)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
 def example_inputs(specs: list[TensorSpec], device: str = "cpu") -> tuple[torch.Tensor, ...]:
     """Placeholder tensors of the right shapes; export specialises on shapes, never on values."""
     return tuple(torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs)
 
 
-def _anchor_model_source() -> None:
+def _anchor_model_source(layout: ModelLayout) -> None:
     """Make node stack traces reach into neffkit's model and kernel functions.
 
     Non-strict export keeps only frames of functions named `forward`, plus registered anchors,
@@ -175,59 +63,46 @@ def _anchor_model_source() -> None:
     versions without it, sources stay at forward-level, which is still correct, only coarser.
     """
     import inspect
+    import sys
 
     from neffkit.kernels import attention, kv, norm, rope, sampling
-    from neffkit.models import llama
+    from neffkit.models import experts
 
     register = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
     if register is None:
         return
-    for module in (attention, kv, norm, rope, sampling, llama):
+    graph = graph_class(layout.config)
+    family = sys.modules[graph.__module__]  # its module-level helpers too
+    for module in (attention, kv, norm, rope, sampling, experts, family):
         for _, fn in inspect.getmembers(module, inspect.isfunction):
             register(fn)
-    for _, fn in inspect.getmembers(DecoderGraph, inspect.isfunction):
+    for _, fn in inspect.getmembers(graph, inspect.isfunction):
         register(fn)
 
 
-def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, list[TensorSpec]]:
+def decoder_module(
+    layout: ModelLayout, spec: GraphSpec
+) -> tuple[torch.nn.Module, list[TensorSpec]]:
     """The eager module of one graph and its flat input specs (what is traced, and the oracle
     `build --verify` compares artifacts against)."""
     shape, specs = graph_inputs(layout, spec)
-    module = DecoderGraph(
+    module = build_graph(
         layout.config,
         shape,
         [w.name for w in layout.weights],
-        len(metadata_inputs(shape)),
         layout.max_top_k,
         layout.par,
         layout.projection,
-        layout.mla_decode,
         layout.fp8_max,
+        dict(layout.graph_options),
     )
     return module, specs
-
-
-def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
-    """The bytes of each projection weight stored blocked (what picks its form), largest first."""
-    blocked = [w for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)]
-    sizes = [math.prod(w.shape) * getattr(torch, w.dtype).itemsize for w in blocked]
-    return sorted(sizes, reverse=True)
-
-
-def uses_kernel(layout: ModelLayout) -> bool:
-    """Do this layout's decode graphs call neffkit's CPU kernel (some blocked weight takes the
-    kernel form)?"""
-    policy = layout.projection
-    if policy.kernel == "off" or policy.max_rows == 0:
-        return False
-    sizes = blocked_weight_bytes(layout)
-    return any(policy.form(1, True, size) == "kernel-rows" for size in sizes)
 
 
 def ensure_kernels() -> None:
     """neffkit's CPU kernel library, built (once) and loaded in this process, for tracing and
     for running what calls it (`build --verify`)."""
-    from neffkit import cpu_kernels
+    from neffkit.platform import cpu_kernels
 
     try:
         cpu_kernels.ensure_for_tracing()
@@ -243,7 +118,7 @@ def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
         ensure_fake_process_group(rank, layout.par.tp)
     if uses_kernel(layout):
         ensure_kernels()
-    _anchor_model_source()
+    _anchor_model_source(layout)
     module, specs = decoder_module(layout, spec)
     try:
         with torch.no_grad():

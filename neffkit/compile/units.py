@@ -1,36 +1,139 @@
-"""The typed values that flow between build stages: trace → check → cache → compile → write.
+"""Every value passed between build stages: plan → trace → check → cache → compile → write.
 
-A trace worker returns a `TraceResult` (picklable: the exported program stays in the worker, the
-compile worker re-traces and checks the sha). The check stage turns each graph's per-rank results
-into `GraphUnit`s, one per artifact to build; later stages fill in a unit's cache key, artifact
-record and verify result. Nothing here imports torch.
+Stages import these; this module imports no stage (a test checks), so the values can be read and
+built in any stage without a cycle. A trace worker returns a `TraceResult` (picklable: the
+exported program stays in the worker; the compile worker re-traces and checks the sha). The
+check stage turns each graph's per-rank results into `GraphUnit`s, one per artifact to build;
+later stages fill in a unit's cache key, artifact record and verify result. Imports no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from neffkit.bundle import (
+from neffkit.contract.abi import TensorSpec
+from neffkit.contract.codec import JsonObject, OptionValue
+from neffkit.contract.records import (
     ArtifactMetadata,
     CompilerRecord,
     IoAlias,
     TensorRecord,
     VerifyRecord,
 )
-from neffkit.compile.flags import ResolvedOptions
-from neffkit.compile.plan import GraphSpec
+from neffkit.models.forms import PLAIN, ProjectionPolicy, Storage
+from neffkit.models.parallel import Parallelism
+from neffkit.models.registry import ModelConfig
+from neffkit.targets import E4M3FN_MAX
 
 if TYPE_CHECKING:
-    from neffkit.compile.cache import CacheKey
+    import numpy as np
+
     from neffkit.compile.progress import Progress
-    from neffkit.compile.trace import ModelLayout
     from neffkit.manifest import Manifest
 
-# run_parallel(fn, argument tuples, names, progress) → results in order (compile/workers.py)
-RunParallel = Callable[..., list]
+
+# ------------------------------------------ the plan: which graphs, with which compiler options
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    phase: str  # "prefill" | "decode"
+    rows: int  # sequences per call
+    tokens: int  # tokens per sequence (1 for decode)
+    context: int  # context bucket: tokens attended at most
+
+    @property
+    def bucket(self) -> int:
+        """The phase's own bucket value: tokens for prefill, batch for decode."""
+        return self.tokens if self.phase == "prefill" else self.rows
+
+    def matches(self, match: dict) -> bool:
+        """Per-graph rule matching on phase and bucket values or [lo, hi] ranges."""
+        values = {"phase": self.phase, "context": self.context, "batch": self.rows}
+        if self.phase == "prefill":
+            values["tokens"] = self.tokens
+        for key, want in match.items():
+            have = values.get(key)
+            if have is None:
+                return False
+            if isinstance(want, list):
+                if not want[0] <= have <= want[1]:
+                    return False
+            elif have != want:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Plan:
+    manifest: Manifest
+    graphs: tuple[GraphSpec, ...]
+    world_size: int
+
+
+PATH_FLAGS = ("--logfile", "--log-file", "--workdir", "--compile_workdir", "--dump", "--output")
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    inductor: dict[str, OptionValue]
+    origins: dict[str, str]  # inductor option → origin
+    flags: tuple[str, ...]  # rendered compiler argv (neuron)
+    flag_origins: dict[str, str]  # rendered flag → origin(s)
+    warnings: tuple[str, ...] = field(default=())
+
+    def cache_flags(self) -> tuple[str, ...]:
+        """The rendered flags that can change the artifact (path-bearing ones removed)."""
+        return tuple(f for f in self.flags if not f.startswith(PATH_FLAGS))
+
+
+# ---------------------------------------------------------- what a rank's graphs are built from
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What a rank's graphs are built from: config, per-rank KV heads, weight specs in order,
+    and the manifest's resolved choices the graphs depend on."""
+
+    config: ModelConfig
+    dtype: str
+    kv_heads: int
+    weights: tuple[TensorSpec, ...]
+    block_size: int
+    num_blocks: int
+    max_top_k: int  # candidates of top-k / top-p sampling
+    storage: Storage  # how the weight shards store the checkpoint (layout.weight_storage)
+    kv_dtype: str  # the KV cache tensors' dtype (the manifest resolved it)
+    max_logprobs: int = 5  # top logprobs returned per sampled token
+    prompt_logprobs: bool = False  # prefill graphs also return the prompt's own logprobs
+    device: str = "cpu"
+    par: Parallelism = Parallelism()
+    projection: ProjectionPolicy = PLAIN  # the target's projection forms
+    # the family's own graph options (DeepSeek: mla_decode), as sorted pairs
+    graph_options: tuple[tuple[str, str], ...] = ()
+    fp8_max: float = E4M3FN_MAX  # the range fp8 values use on the target (targets.fp8_max)
+    decode_state: str = "host"  # "device": decode tokens come from the aliased last_tokens
+
+
+# --------------------------------------------------------------------------------------- traces
+
+
+@dataclass
+class Traced:
+    spec: GraphSpec
+    program: Any  # torch.export.ExportedProgram (this module imports no torch)
+    canonical_text: str
+    graph_sha256: str
+    io_alias: tuple[IoAlias, ...]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    sources: list[str]  # per canonical line: the model source line that made the node
 
 
 @dataclass(frozen=True)
@@ -54,6 +157,26 @@ class TraceResult:
     sources: tuple[str, ...]  # per canonical line: the model source line that made the node
     seconds: float
     lowered: LoweredGraph | None = None  # backends that compile a lowered form (neuron)
+
+
+# ------------------------------------------------------------------------------------ the cache
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Every factor that changes a compiled artifact, and nothing else."""
+
+    factors: JsonObject
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.factors, sort_keys=True).encode()).hexdigest()
+
+
+CacheFactors = dict[str, str | int]
+
+
+# --------------------------------------------------------------------- units: one artifact each
 
 
 @dataclass
@@ -88,6 +211,10 @@ class Compiled:
     compiler: CompilerRecord | None = None
 
 
+# run_parallel(fn, argument tuples, names, progress) → results in order (compile/workers.py)
+RunParallel = Callable[..., list]
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What every stage after planning may read: the inputs of the build, never its results."""
@@ -97,3 +224,13 @@ class BuildContext:
     run_parallel: RunParallel
     progress: Progress
     lower_only: bool = False
+
+
+# --------------------------------------------------------------------------------------- verify
+
+# (inputs) → (user outputs in order, K/V cache tensors by input name)
+Runner = Callable[[list[Any]], tuple[list["np.ndarray"], dict[str, "np.ndarray"]]]
+
+
+# (each rank's inputs) → (rank 0's user outputs, each rank's K/V cache tensors by input name)
+SpmdRunner = Callable[[list[list[Any]]], tuple[list["np.ndarray"], list[dict[str, "np.ndarray"]]]]

@@ -6,14 +6,12 @@ where it can run here: the AOTInductor package (cpu, cuda) or the HLO module on 
 the NEFF itself needs a NeuronCore). The numbers recorded are token equality, the largest
 difference of the returned logprobs (a function of the final logits) and the largest K/V-cache
 difference over every layer (every layer's K/V is a function of the hidden states before it).
-tp > 1 graphs are skipped: their eager model
-needs every rank.
+cpu/cuda graphs at tp > 1 are skipped: their eager model needs every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,18 +19,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from neffkit.aoti import load_package
-from neffkit.bundle import IoAlias, VerifyRecord
-from neffkit.compile.plan import GraphSpec
-from neffkit.compile.trace import (
-    ModelLayout,
-    decoder_module,
-    graph_inputs,
-    model_layout,
-)
+from neffkit.compile.layout import graph_inputs, model_layout
+from neffkit.compile.trace import decoder_module
+from neffkit.compile.units import GraphSpec, ModelLayout, Runner, SpmdRunner
+from neffkit.compile.verify_inputs import representative_inputs
+from neffkit.contract.records import IoAlias, VerifyRecord
 from neffkit.errors import BuildError
 from neffkit.models.weights import iter_rank_weights
-from neffkit.xla_cpu import to_numpy
+from neffkit.platform.aoti import load_package
+from neffkit.platform.xla_cpu import to_numpy
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import Backend
@@ -45,13 +40,6 @@ KV_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
 # largest logprob difference (logprobs are float32 from the logits of the graph's dtype)
 LOGPROB_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.25}
 LOGPROB_OUTPUTS = (1, 3)  # token_logprobs, top_logprobs (graph_outputs' order)
-
-# (inputs) → (user outputs in order, K/V cache tensors by input name)
-Runner = Callable[[list[torch.Tensor]], tuple[list[np.ndarray], dict[str, np.ndarray]]]
-# (each rank's inputs) → (rank 0's user outputs, each rank's K/V cache tensors by input name)
-SpmdRunner = Callable[
-    [list[list[torch.Tensor]]], tuple[list[np.ndarray], list[dict[str, np.ndarray]]]
-]
 
 
 @dataclass(frozen=True)
@@ -84,96 +72,6 @@ class VerifyResult:
         )
 
 
-def representative_inputs(
-    layout: ModelLayout, spec: GraphSpec, weights: list[torch.Tensor], seed: int = 0
-) -> list[torch.Tensor]:
-    """Flat graph inputs: rows with different context lengths, padding, random K/V context."""
-    _, specs = graph_inputs(layout, spec)
-    gen = torch.Generator().manual_seed(seed)
-    bs, nb = layout.block_size, layout.num_blocks
-    blocks_per_row = min(spec.context // bs, (nb - 1) // spec.rows)
-    tables = np.full((spec.rows, spec.context // bs), -1, dtype=np.int64)
-    for r in range(spec.rows):  # distinct blocks per row: no two rows write one slot
-        tables[r, :blocks_per_row] = 1 + r * blocks_per_row + np.arange(blocks_per_row)
-    capacity = blocks_per_row * bs
-    vocab = layout.config.vocab_size
-    meta: dict[str, np.ndarray] = {"block_tables": tables}
-    t = spec.tokens
-    lines = 1 if spec.phase == "prefill" else spec.rows  # prefill: one (packed) row
-    if spec.phase == "prefill" and spec.rows > 1:
-        meta |= _packed_prefill(spec.rows, t, tables, bs)
-    else:
-        if spec.phase == "prefill":
-            valid = max(1, min(t - t // 4, capacity))  # a quarter of the tokens are padding
-            positions = np.where(np.arange(t) < valid, np.arange(t), 0)[None, :]
-            lens = np.array([valid])
-            meta["last_token_index"] = np.array([valid - 1])
-            live = np.arange(t)[None, :] < valid
-        else:
-            lens = np.array([max(1, capacity - 1 - 3 * r) for r in range(spec.rows)])
-            positions = (lens - 1)[:, None]
-            live = np.ones((spec.rows, 1), dtype=bool)
-        slots = np.take_along_axis(tables, positions // bs, axis=1) * bs + positions % bs
-        meta |= {
-            "positions": positions.astype(np.int64),
-            "slot_mapping": np.where(live, slots, -1).astype(np.int64),
-            "context_lens": lens.astype(np.int64),
-        }
-    meta |= {
-        "input_ids": torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
-        "temperature": np.zeros(spec.rows, np.float32),
-        "top_k": np.zeros(spec.rows, np.int64),
-        "top_p": np.ones(spec.rows, np.float32),
-        "seed": np.zeros(spec.rows, np.int64),
-        "target_ids": torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
-        "seq_slots": tables[:, 0].copy(),  # device state: each sequence's first block
-        "last_tokens": torch.randint(0, vocab, (nb,), generator=gen).numpy(),
-    }
-    by_name = {w.name: i for i, w in enumerate(layout.weights)}
-    out = []
-    for s in specs:
-        dtype = getattr(torch, s.dtype)
-        if s.name in meta:
-            out.append(torch.from_numpy(np.ascontiguousarray(meta[s.name])).to(dtype))
-        elif s.name == "rank":
-            out.append(torch.zeros(1, dtype=torch.int64))
-        elif s.name.startswith(("k_cache.", "v_cache.", "kv_cache.")):
-            out.append((torch.randn(s.shape, generator=gen) * 0.5).to(dtype))
-        else:
-            out.append(weights[by_name[s.name]])
-    return out
-
-
-def _packed_prefill(seqs: int, tokens: int, tables: np.ndarray, bs: int) -> dict[str, np.ndarray]:
-    """A packed prefill row: three quarters of the tokens split among the sequences (the last
-    may get none: a padding sequence), each after some context already in its cache."""
-    capacity = int((tables[0] >= 0).sum()) * bs
-    valid = tokens - tokens // 4
-    counts = [min(valid // seqs + (s < valid % seqs), capacity) for s in range(seqs)]
-    counts[-1] = 0 if seqs > 2 else counts[-1]  # a padding sequence, where there is room
-    positions = np.zeros((1, tokens), np.int64)
-    seq_ids = np.zeros((1, tokens), np.int64)
-    slots = np.full((1, tokens), -1, np.int64)
-    lens, last = np.zeros(seqs, np.int64), np.zeros(seqs, np.int64)
-    at = 0
-    for s, n in enumerate(counts):
-        if n == 0:
-            continue
-        start = max(0, min(3 * s, capacity - n))  # earlier chunks of this prompt in the cache
-        pos = start + np.arange(n)
-        positions[0, at : at + n], seq_ids[0, at : at + n] = pos, s
-        slots[0, at : at + n] = tables[s, pos // bs] * bs + pos % bs
-        lens[s], last[s] = start + n, at + n - 1
-        at += n
-    return {
-        "positions": positions,
-        "seq_ids": seq_ids,
-        "slot_mapping": slots,
-        "context_lens": lens,
-        "last_token_index": last,
-    }
-
-
 def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
     # projections as matmuls in the reference: the broadcast forms Inductor fuses into
     # reductions would materialise a [rows, out, in] product in eager mode (1 GB for a
@@ -203,7 +101,7 @@ def aoti_runner(artifact: Path, names: list[str]) -> Runner:
 def xla_cpu_runner(
     proto: bytes, names: list[str], io_alias: tuple[IoAlias, ...], num_outputs: int
 ) -> Runner:
-    from neffkit.xla_cpu import XlaCpu
+    from neffkit.platform.xla_cpu import XlaCpu
 
     xla = XlaCpu()
     executable = xla.compile(proto)
@@ -220,7 +118,7 @@ def xla_spmd_runner(
     proto: bytes, names: list[str], io_alias: tuple[IoAlias, ...], num_outputs: int, ranks: int
 ) -> SpmdRunner:
     """The HLO as SPMD over `ranks` XLA:CPU host devices (its all-reduces run for real)."""
-    from neffkit.xla_cpu import XlaCpu
+    from neffkit.platform.xla_cpu import XlaCpu
 
     xla = XlaCpu(devices=ranks)
     executable = xla.compile(proto)
@@ -278,8 +176,8 @@ def verify_spmd_graph(
     ref_by_name = dict(zip([s.name for s in graph_inputs(reference, spec)[1]], ref_inputs,
                            strict=True))  # fmt: skip
     heads = [
-        slice(0, None) if cfg.is_mla else slice(h0, h0 + layout.kv_heads)
-        for h0 in (par.kv_head_start(cfg, r) for r in range(par.tp))
+        slice(0, None) if cfg.kv_kind == "mla" else slice(h0, h0 + layout.kv_heads)
+        for h0 in (cfg.kv_head_start(par, r) for r in range(par.tp))
     ]
     specs = graph_inputs(layout, spec)[1]
     by_rank = []

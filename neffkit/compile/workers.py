@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from neffkit.compile.backends import get_backend
-from neffkit.compile.plan import GraphSpec
 from neffkit.compile.progress import Progress
-from neffkit.compile.trace import ModelLayout, trace_graph, trace_result
-from neffkit.compile.units import TraceResult
+from neffkit.compile.trace import release_fake_process_group, trace_graph, trace_result
+from neffkit.compile.units import GraphSpec, ModelLayout, Traced, TraceResult
+from neffkit.errors import BuildError
 
 
 def quiet_warnings() -> None:
@@ -36,12 +36,33 @@ def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+# Programs this process traced in the current build, by (graph name, rank, sha256): a compile
+# job in the same process (a -j 1 build) takes its program from here instead of tracing it again
+# (the sha it was checked by is the program's own). Cleared when the build's pool closes.
+_traced_here: dict[tuple[str, int, str], Traced] = {}
+
+
 def trace_job(layout: ModelLayout, spec: GraphSpec, rank: int, target: str) -> TraceResult:
     """Trace one graph on one rank, and lower it where the target compiles a lowered form."""
     t0 = time.perf_counter()
     traced = trace_graph(layout, spec, rank)
     lowered = get_backend(target).lower(traced, layout.par.tp)
+    if lowered is None:  # the backend compiles the program itself: keep it for its compile
+        _traced_here[(spec.name, rank, traced.graph_sha256)] = traced
     return trace_result(traced, round(time.perf_counter() - t0, 3), lowered)
+
+
+def traced_program(layout: ModelLayout, spec: GraphSpec, rank: int, sha256: str) -> Traced:
+    """The program of graph `spec` on `rank` whose canonical text hashes to `sha256`: the one
+    this process traced, else traced again here and checked against the sha (so the artifact is
+    provably built from the graph that was checked)."""
+    traced = _traced_here.pop((spec.name, rank, sha256), None) or trace_graph(layout, spec, rank)
+    if traced.graph_sha256 != sha256:
+        raise BuildError(
+            f"{spec.name}: tracing is not deterministic (the graph changed between "
+            "the trace and compile steps)"
+        )
+    return traced
 
 
 def _call(args: tuple[Callable[..., Any], int, tuple]) -> tuple[int, Any]:
@@ -115,6 +136,8 @@ def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
             gc.collect()
         raise
     finally:
+        _traced_here.clear()
+        release_fake_process_group()
         signal.signal(signal.SIGTERM, previous)
         if pool is not None:
             pool.close()

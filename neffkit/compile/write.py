@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 import neffkit
-from neffkit.bundle import (
+from neffkit.compile.backends.base import Backend
+from neffkit.compile.cache.keys import weights_key
+from neffkit.compile.cache.local import KEY_JSON, link_or_copy
+from neffkit.compile.layout import blocked_weight_bytes
+from neffkit.compile.units import GraphUnit, ModelLayout
+from neffkit.contract.bundle import write_bundle_json, write_zst_text
+from neffkit.contract.records import (
     AuditRecord,
     BucketLists,
     BundleRecord,
@@ -29,16 +35,11 @@ from neffkit.bundle import (
     ModelRecord,
     Versions,
     WeightsRecord,
-    write_bundle_json,
-    write_zst_text,
 )
-from neffkit.compile.backends.base import Backend
-from neffkit.compile.cache import KEY_JSON, link_or_copy, weights_key
-from neffkit.compile.trace import ModelLayout, blocked_weight_bytes
-from neffkit.compile.units import GraphUnit
+from neffkit.contract.tensor_files import write_tensors
 from neffkit.manifest import Manifest
-from neffkit.models.weights import Storage, iter_rank_weights, rank_weight_specs
-from neffkit.tensor_files import write_tensors
+from neffkit.models.forms import Storage
+from neffkit.models.weights import iter_rank_weights, rank_weight_specs
 
 if TYPE_CHECKING:
     from neffkit.compile.cache import Cache
@@ -142,7 +143,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         dtype=layout.dtype,
         num_layers=layout.config.num_layers,
         kv_heads_per_rank=layout.kv_heads,
-        rank_input=layout.par.needs_rank_input(layout.config),
+        rank_input=layout.config.needs_rank_input(layout.par),
         head_dim=layout.config.kv_width,
         block_size=layout.block_size,
         num_blocks=layout.num_blocks,
@@ -150,8 +151,8 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         max_top_k=layout.max_top_k,
         max_logprobs=layout.max_logprobs,
         prompt_logprobs=layout.prompt_logprobs,
-        kv_kind="mla" if layout.config.is_mla else "mha",
-        kv_dtype=layout.kv_dtype if layout.kv_dtype != layout.dtype else "",
+        kv_kind=layout.config.kv_kind,
+        kv_dtype=layout.kv_dtype,
         decode_state=layout.decode_state,
     )
 
@@ -197,7 +198,7 @@ def copy_kernels(stage: Path, graphs: tuple[GraphRecord, ...]) -> tuple[str, ...
     there: no compiler on the serving host)."""
     if not any("kernel-rows" in (g.projection or "") for g in graphs):
         return ()
-    from neffkit import cpu_kernels
+    from neffkit.platform import cpu_kernels
 
     relative = f"kernels/{cpu_kernels.LIBRARY_NAME}"
     (stage / "kernels").mkdir(exist_ok=True)

@@ -13,7 +13,7 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
   [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows here).
 
 - "kernel-rows" (decode, cpu with AVX-512): neffkit's own C++ kernel on the same blocked
-  weights (neffkit/csrc/blocked_rows.cpp): each weight vector, loaded once (bf16 widened in
+  weights (neffkit/platform/csrc/blocked_rows.cpp): each weight vector, loaded once (bf16 widened in
   register), feeds every row's accumulator held in registers, with the weight lines prefetched
   ahead; Inductor's reductions keep neither the rows nor the stream that way. bf16 rows on bf16
   weights use AMX tiles where the CPU has them (the FMA path is compute-bound at 8 bf16 rows).
@@ -26,64 +26,9 @@ Other forms: "reduction" (plain layout, a single row, the original GEMV form), "
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-LANES = 16  # one AVX-512 float32 vector: the weight tile the row loop shares
-
-
-@dataclass(frozen=True)
-class ProjectionPolicy:
-    """A target's choice of projection forms (compile/backends set it; recorded per graph)."""
-
-    max_rows: int = 0  # rows written as fused reductions; 0 = always `dot` / `mm`
-    lanes: int = 0  # projection weights stored blocked [out/lanes, in, lanes]; 0 = plain
-    # decode rows on blocked weights through neffkit::blocked_rows: "off", "on" (every weight)
-    # or "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's reductions)
-    kernel: str = "off"
-    kernel_min_bytes: int = 1 << 20
-    # Inductor targets: attention's queries stored once, after RoPE, before the score reduction
-    # (see `materialized`: otherwise Inductor inlines RoPE into that reduction and recomputes
-    # it for every key; 125M bf16 model, 8 rows: ~0.9 ms of a layer's attention, bench/batch.py)
-    buffer_queries: bool = False
-
-    def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
-        """The form `project` writes for `rows` activation rows and this weight layout
-        (`weight_bytes` None: the form of the largest weights)."""
-        if blocked:
-            if rows > self.max_rows:
-                return "blocked-bmm"
-            big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
-            if self.kernel == "on" or (self.kernel == "auto" and big):
-                return "kernel-rows"
-            return "blocked-rows"
-        if self.max_rows == 0:
-            return "dot"
-        return "reduction" if rows == 1 else "mm"
-
-
-PLAIN = ProjectionPolicy()  # `dot`/`mm` on plain weights: neuron, eager references
-
-
-def is_projection_weight(name: str) -> bool:
-    """Graph weights that reach the graph only through `project` (so may be stored blocked).
-
-    DeepSeek's kv_b_proj is viewed per head and absorbed (einsum), so it stays plain; expert
-    weights are graph inputs `moe.gate_up` / `moe.down`, gathered per token (models/moe.py)."""
-    if name == "lm_head.weight":
-        return True
-    return name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight")
-
-
-def blocks(name: str, shape: tuple[int, ...], lanes: int) -> bool:
-    """Is this (bundle-dtype, not fp8) weight stored blocked under `lanes`?"""
-    return lanes > 0 and len(shape) == 2 and shape[0] % lanes == 0 and is_projection_weight(name)
-
-
-def blocked_shape(shape: tuple[int, ...], lanes: int) -> tuple[int, ...]:
-    out_features, in_features = shape
-    return (out_features // lanes, in_features, lanes)
+from neffkit.models.forms import ProjectionPolicy
 
 
 def to_blocked(weight: torch.Tensor, lanes: int) -> torch.Tensor:

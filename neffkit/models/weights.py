@@ -9,49 +9,43 @@ safetensors headers through meta tensors, with the same cutting code. Order is f
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from neffkit.contract.tensor_files import TensorReader, read_header
 from neffkit.errors import ModelError
 from neffkit.kernels.quant import effective_block, expand_scales, scale_grid
 from neffkit.models.config import ModelConfig
-from neffkit.models.projection import blocked_shape, blocks, to_blocked
-from neffkit.models.sharding import (
-    FP8_SCALE,
-    Parallelism,
-    keeps_float32,
-    kv_scale_name,
-    rank_weights,
-)
-from neffkit.tensor_files import TensorReader, read_header
+from neffkit.models.forms import Storage, blocked_shape, blocks
+from neffkit.models.parallel import Parallelism
+from neffkit.models.projection import to_blocked
+from neffkit.models.registry import shards_class
+from neffkit.models.shards import FP8_SCALE, Named, keeps_float32, kv_scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How a bundle stores the checkpoint's tensors, beyond the tp/ep cut."""
-
-    dtype: str  # unquantized tensors' bundle dtype
-    # fp8 weights are multiplied by this and their scales divided by it: 240/448 on trn1/trn2,
-    # whose fp8 values must stay within ±240 (targets.fp8_max), else 1
-    fp8_rescale: float = 1.0
-    # the fp8 KV cache reads the checkpoint's per-layer k_scale / v_scale (graph inputs)
-    kv_scales: bool = False
-    # projection weights stored blocked [out/lanes, in, lanes] (models/projection.py); 0: plain
-    lanes: int = 0
 
 
 def _storage(storage: Storage | str) -> Storage:
     return storage if isinstance(storage, Storage) else Storage(storage)
 
 
+def rank_weights(
+    cfg: ModelConfig,
+    par: Parallelism,
+    rank: int,
+    get: Callable[[str], torch.Tensor],
+    available: set[str],
+    kv_scales: bool = False,
+) -> Named:
+    """(name, tensor) for one rank, in graph order, cut by the family's sharding rules."""
+    return iter(shards_class(cfg)(cfg, par, rank, get, available, kv_scales))
+
+
 def has_kv_scales(model_dir: Path) -> bool:
     """Does the checkpoint carry per-layer KV cache scales (compressed-tensors, ModelOpt)?
-    (Layer 0's K scale, under either name `sharding.kv_scale_name` reads.)"""
+    (Layer 0's K scale, under either name `shards.kv_scale_name` reads.)"""
     names = set(checkpoint_index(model_dir))
     return kv_scale_name("model.layers.0", "k", names) in names
 

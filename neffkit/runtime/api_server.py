@@ -17,7 +17,6 @@ import contextlib
 import json
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,14 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import neffkit
-from neffkit.bundle import Bundle, JsonObject, read_bundle
+from neffkit.contract.bundle import Bundle
+from neffkit.contract.read import read_bundle
 from neffkit.errors import RequestError
 from neffkit.runtime.core import start_core
 from neffkit.runtime.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
-from neffkit.runtime.logprobs import WINDOW, CompletionLogprobs, TokenNamer, chat_logprobs
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.protocol import ApiRequest, parse_body, parse_chat, parse_completion
-from neffkit.runtime.scheduler import Layout
+from neffkit.runtime.responses import ChatChunks, CompletionChunks, merge_events
+from neffkit.runtime.scheduler import SchedulerConfig
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -183,148 +183,19 @@ class Choices:
         }
 
 
-def merge_events(events: list[Event]) -> Event:
-    """One choice's events as one: texts, tokens and logprobs joined, the last finish reason."""
-    logprobs = [lp for e in events for lp in e.logprobs or ()]
-    return replace(
-        events[-1],
-        text="".join(e.text for e in events),
-        token_ids=[t for e in events for t in e.token_ids],
-        logprobs=logprobs if any(e.logprobs is not None for e in events) else None,
-        prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs), None),
-    )
-
-
-class ChoiceShapes:
-    """What completions and chat bodies share: one state per choice, ids of its prompt."""
-
-    def __init__(
-        self, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
-    ) -> None:
-        self.tokenizer, self.parsed, self.prompts = tokenizer, parsed, prompts
-        self.logprobs = parsed.params.logprobs is not None
-        self._namers: dict[int, TokenNamer] = {}
-        self._sent_prompt: set[int] = set()
-
-    def prompt_of(self, index: int) -> list[int]:
-        return self.prompts[index // self.parsed.n]
-
-    def token_ids(self, index: int, e: Event) -> JsonObject:
-        """vLLM's `return_token_ids`: the prompt's ids (on a choice's first chunk) and the new
-        ones."""
-        if not self.parsed.return_token_ids:
-            return {}
-        first = index not in self._sent_prompt
-        self._sent_prompt.add(index)
-        prompt: JsonObject = {"prompt_token_ids": list(self.prompt_of(index))} if first else {}
-        return {**prompt, "token_ids": list(e.token_ids)}
-
-    def namer(self, index: int, history: list[int]) -> TokenNamer:
-        if index not in self._namers:
-            tokenizer = None if self.parsed.tokens_as_ids else self.tokenizer
-            self._namers[index] = TokenNamer(tokenizer, history[-WINDOW:])
-        return self._namers[index]
-
-
-class CompletionChunks(ChoiceShapes):
-    """/v1/completions bodies: plain, streamed chunks, and the usage chunk. With `echo`, a
-    choice's first chunk starts with its prompt (and the prompt's logprobs, if asked)."""
-
-    def __init__(
-        self, model: str, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
-    ) -> None:
-        super().__init__(tokenizer, parsed, prompts)
-        self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                     "created": int(time.time()), "model": model}  # fmt: skip
-        self._started: dict[int, CompletionLogprobs] = {}
-
-    def _prompt_text(self, index: int) -> str:
-        given = self.parsed.prompts[index // self.parsed.n]
-        if isinstance(given, str):
-            return given
-        return self.tokenizer.decode(given) if self.tokenizer else ""
-
-    def _choice(self, index: int, e: Event) -> JsonObject:
-        text, ids, values = e.text, list(e.token_ids), list(e.logprobs or [])
-        if index not in self._started:  # the choice's first chunk
-            prompt = self.prompt_of(index)
-            echo = self.parsed.echo
-            namer = self.namer(index, [] if echo else prompt)
-            offset = 0 if echo else len(self._prompt_text(index))
-            self._started[index] = CompletionLogprobs(namer, offset)
-            if echo:
-                text = self._prompt_text(index) + text
-                ids = prompt + ids
-                values = [None, *(e.prompt_logprobs or [None] * (len(prompt) - 1)), *values]
-        logprobs = self._started[index].add(ids, values) if self.logprobs else None
-        choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": e.finish_reason}  # fmt: skip
-        return choice | self.token_ids(index, e)
-
-    def first(self, index: int) -> JsonObject:
-        return {}
-
-    def chunk(self, index: int, e: Event) -> JsonObject:
-        return {**self.base, "choices": [self._choice(index, e)]}
-
-    def usage(self, usage: dict[str, int]) -> JsonObject:
-        return {**self.base, "choices": [], "usage": usage}
-
-    def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
-        choices = [self._choice(i, e) for i, e in enumerate(events)]
-        return {**self.base, "choices": choices, "usage": usage}
-
-
-class ChatChunks(ChoiceShapes):
-    """/v1/chat/completions bodies; the first streamed chunk carries the role, as OpenAI's does."""
-
-    def __init__(
-        self, model: str, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
-    ) -> None:
-        super().__init__(tokenizer, parsed, prompts)
-        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                     "model": model}  # fmt: skip
-
-    def _logprobs(self, index: int, e: Event) -> JsonObject | None:
-        if not self.logprobs:
-            return None
-        namer = self.namer(index, self.prompt_of(index))
-        return chat_logprobs(namer, list(e.token_ids), list(e.logprobs or []))
-
-    def _delta(self, index: int, delta: JsonObject, finish: str | None,
-               logprobs: JsonObject | None = None) -> JsonObject:  # fmt: skip
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**self.base, "object": "chat.completion.chunk", "choices": [choice]}
-
-    def first(self, index: int) -> JsonObject:
-        return self._delta(index, {"role": "assistant", "content": ""}, None)
-
-    def chunk(self, index: int, e: Event) -> JsonObject:
-        delta: JsonObject = {"content": e.text} if e.text else {}
-        body = self._delta(index, delta, e.finish_reason, self._logprobs(index, e))
-        body["choices"][0] |= self.token_ids(index, e)  # type: ignore[index]
-        return body
-
-    def usage(self, usage: dict[str, int]) -> JsonObject:
-        return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
-
-    def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": e.text},
-             "logprobs": self._logprobs(i, e), "finish_reason": e.finish_reason}
-            | self.token_ids(i, e)
-            for i, e in enumerate(events)
-        ]  # fmt: skip
-        return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}
-
-
 Chunks = CompletionChunks | ChatChunks
 ChunksKind = type[CompletionChunks] | type[ChatChunks]
 
 
 def create_app(app_state: App) -> FastAPI:
-    s = app_state
     api = FastAPI(title="neffkit", version=neffkit.__version__, docs_url=None, redoc_url=None)
+    _add_errors(api, app_state)
+    _add_routes(api, app_state)
+    return api
+
+
+def _add_errors(api: FastAPI, s: App) -> None:
+    """Authentication, and each error kind as an OpenAI error body with its status."""
 
     @api.middleware("http")
     async def auth(request: Request, call_next: Callable) -> Response:
@@ -345,6 +216,10 @@ def create_app(app_state: App) -> FastAPI:
     async def bad_request(request: Request, exc: RequestError) -> Response:
         hint = f" ({exc.hint})" if exc.hint else ""
         return error_body(exc.message + hint, "invalid_request_error", exc.param)
+
+
+def _add_routes(api: FastAPI, s: App) -> None:
+    """The endpoints: health, version, metrics, models, completions and chat completions."""
 
     @api.get("/health")
     async def health() -> Response:
@@ -386,8 +261,6 @@ def create_app(app_state: App) -> FastAPI:
     async def chat(request: Request) -> Response:
         parsed = parse_chat(parse_body(await request.body()), s.model_name)
         return await s.respond(request, parsed, ChatChunks)
-
-    return api
 
 
 def _graceful_server_class() -> type:
@@ -435,7 +308,7 @@ def serve(
         if server:
             server[0].should_exit = True
 
-    layout = Layout.of(record)
+    layout = SchedulerConfig.of(record)
     client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, shut_down)
     try:
         client.start()

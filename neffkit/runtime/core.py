@@ -25,8 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 from neffkit.errors import RequestError
-from neffkit.runtime.protocol import SamplingParams
 from neffkit.runtime.runner import ModelRunner
+from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs, output_budget
 
 # messages core → server
@@ -48,17 +48,17 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.scheduler = Scheduler(runner.layout)
+        self.scheduler = Scheduler(runner.config)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.layout.max_model_len
+        return self.scheduler.config.max_model_len
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
         """Queue a request (RequestError if no bucket can serve it); unseeded ones get a seed."""
-        layout = self.scheduler.layout
+        layout = self.scheduler.config
         if params.max_tokens is None:  # up to the context limit (check_fits refuses <= 0)
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))

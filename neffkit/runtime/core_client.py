@@ -22,8 +22,8 @@ from neffkit.errors import BundleError, NeffkitError, RequestError
 from neffkit.runtime.core import FAILED, READY, STEP, CoreOutput
 from neffkit.runtime.detokenizer import IncrementalDetokenizer
 from neffkit.runtime.metrics import Metrics
-from neffkit.runtime.protocol import SamplingParams
-from neffkit.runtime.scheduler import Layout, TokenLogprobs, check_fits
+from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.scheduler import SchedulerConfig, TokenLogprobs, check_fits
 from neffkit.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class EngineClient:
         self,
         core: BaseProcess,
         conn: Connection,
-        layout: Layout,
+        config: SchedulerConfig,
         tokenizer: Tokenizer | None,
         metrics: Metrics,
         max_waiting: int = 256,
@@ -82,7 +82,7 @@ class EngineClient:
     ) -> None:
         self.core, self.conn = core, conn
         self.on_failure = on_failure  # called once, from the reader thread, when the core dies
-        self.layout = layout  # the bundle's buckets and block counts: requests checked here
+        self.config = config  # the bundle's buckets and block counts: requests checked here
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -95,7 +95,7 @@ class EngineClient:
 
     @property
     def max_model_len(self) -> int:
-        return self.layout.max_model_len
+        return self.config.max_model_len
 
     def start(self) -> None:
         """Wait until the core has loaded the bundle (or say why it could not)."""
@@ -140,7 +140,7 @@ class EngineClient:
         """Validate (RequestError → 400), bound the queue (→ 503), send to the core."""
         if self._error is not None:
             raise EngineDead(f"the engine failed: {self._error}")
-        check_fits(self.layout, prompt_ids, params)
+        check_fits(self.config, prompt_ids, params)
         with self._lock:
             queued = sum(1 for s in self._live.values() if s.first_token_at is None)
             if queued >= self.max_waiting:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from neffkit.bundle import read_bundle
+from neffkit.contract.read import read_bundle
 from neffkit.errors import NeffkitError, RequestError
 from neffkit.runtime.loader import LoadedBundle, load
 from neffkit.runtime.runner import GraphEntry, ModelRunner

@@ -22,10 +22,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from neffkit.aoti import load_package
-from neffkit.bundle import Bundle, GraphRecord
+from neffkit.contract.bundle import Bundle
+from neffkit.contract.records import GraphRecord
 from neffkit.errors import BundleError
-from neffkit.xla_cpu import numpy_dtype, to_numpy
+from neffkit.platform.aoti import load_package
+from neffkit.platform.xla_cpu import numpy_dtype, to_numpy
 
 GraphRun = Callable[[list[np.ndarray]], list[np.ndarray]]  # metadata → user outputs
 EXECUTORS = ("auto", "aotinductor", "xla-cpu", "neuron")
@@ -93,7 +94,7 @@ class XlaCpuExecutor:
     name = "xla-cpu"
 
     def __init__(self, statics: list[torch.Tensor], names: list[str]) -> None:
-        from neffkit.xla_cpu import XlaCpu
+        from neffkit.platform.xla_cpu import XlaCpu
 
         self.xla = XlaCpu()
         self.names = names
@@ -123,7 +124,7 @@ class XlaCpuSpmdExecutor:
     name = "xla-cpu"
 
     def __init__(self, statics_by_rank: list[list[torch.Tensor]], names: list[str]) -> None:
-        from neffkit.xla_cpu import XlaCpu
+        from neffkit.platform.xla_cpu import XlaCpu
 
         self.ranks = len(statics_by_rank)
         self.xla = XlaCpu(devices=self.ranks)
@@ -255,7 +256,7 @@ def by_position(tensors: Any, kind: str, expected: int, neff: Path) -> list[str]
 
 def check_neff(bundle: Bundle, graph: GraphRecord, lnc: int | None) -> None:
     """Refuse a NEFF whose header differs from what the bundle recorded, or from this runtime."""
-    from neffkit.neff import NeffError, compatibility_problems, read_header
+    from neffkit.contract.neff import NeffError, compatibility_problems, read_header
 
     path: Path = bundle.path(graph.artifact or "")
     try:

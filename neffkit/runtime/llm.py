@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from neffkit.bundle import JsonObject
+from neffkit.contract.codec import JsonObject
 from neffkit.errors import RequestError
 from neffkit.runtime.core import EngineCore
 from neffkit.runtime.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
 from neffkit.runtime.loader import LoadedBundle
-from neffkit.runtime.protocol import OFFLINE, SamplingParams
+from neffkit.runtime.sampling_params import OFFLINE, SamplingParams
 from neffkit.runtime.scheduler import SequenceState, check_fits
 
 
@@ -35,7 +35,7 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         pairs = list(zip(prompts, per_prompt, strict=True))
         for prompt, p in pairs:
-            check_fits(self.core.scheduler.layout, prompt, p)
+            check_fits(self.core.scheduler.config, prompt, p)
         seqs = [self.core.add_request(prompt, p) for prompt, p in pairs]
         timings = self.core.runner.timings
         while self.core.has_work():

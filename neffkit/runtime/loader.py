@@ -1,6 +1,6 @@
 """Open a bundle, check it fits this host, and load one executable per graph.
 
-Graphs load through `neffkit.aoti.load_package`, the C++ package loader called directly
+Graphs load through `neffkit.platform.aoti.load_package`, the C++ package loader called directly
 (`torch._inductor.aoti_load_package` imports the whole compile stack and is slow to start).
 Checks run before anything is loaded, each with the reason and a hint: target, torch version,
 CPU ISA, world size, file hashes.
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 
-from neffkit import host
-from neffkit.bundle import Bundle, rank_files, read_bundle, verify_files
-from neffkit.cpu_kernels import load_library
+from neffkit.contract.bundle import Bundle, rank_files, verify_files
+from neffkit.contract.read import read_bundle
+from neffkit.contract.tensor_files import map_tensors
 from neffkit.errors import BundleError
+from neffkit.platform import host
+from neffkit.platform.cpu_kernels import load_library
 from neffkit.runtime.executors import (
     AotiExecutor,
     Executor,
@@ -31,9 +33,8 @@ from neffkit.runtime.executors import (
 )
 from neffkit.runtime.kv import allocate_kv_cache
 from neffkit.runtime.runner import GraphEntry, ModelRunner
-from neffkit.runtime.scheduler import Layout
+from neffkit.runtime.scheduler import SchedulerConfig
 from neffkit.runtime.tokenizer import Tokenizer
-from neffkit.tensor_files import map_tensors
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
     elif target not in ("cpu", "cuda", "neuron"):
         raise BundleError(
             f"{bundle.root}: target {target!r} bundles cannot run in this runtime",
-            hint="see the README's 'Targets' section",
+            hint="see the targets table in docs/design.md#targets",
         )
     expected = record.world_size
     if world_size != expected:
@@ -128,7 +129,7 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     tensors = map_tensors(bundle.path(shard.file))
     weights = [tensors[name].to(device) for name in shard.names]
     kv_names = lay.kv_names
-    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.cache_dtype), device)
+    kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.kv_dtype), device)
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
     state = [torch.zeros(lay.num_blocks, dtype=torch.int64, device=device) for _ in lay.state_names]
     names = ["rank"] * len(rank_input) + kv_names + lay.state_names + list(shard.names)
@@ -183,6 +184,6 @@ def load(
         run = run_with.load(bundle, g, len(meta))
         outputs = tuple(o.name for o in g.outputs)
         entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run, outputs))
-    runner = ModelRunner(entries, Layout.of(record))
+    runner = ModelRunner(entries, SchedulerConfig.of(record))
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     return LoadedBundle(bundle, runner, tokenizer, time.perf_counter() - t0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from neffkit.bundle import JsonObject, JsonValue
+from neffkit.contract.codec import JsonObject, JsonValue
 from neffkit.runtime.scheduler import TokenLogprobs
 from neffkit.runtime.tokenizer import Tokenizer
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from neffkit.runtime.scheduler import DecodeBatch, Layout, PrefillBatch, SequenceState, StepOutput
+from neffkit.contract import abi
+from neffkit.runtime.scheduler import (
+    DecodeBatch,
+    PrefillBatch,
+    SchedulerConfig,
+    SequenceState,
+    StepOutput,
+)
 
 # metadata arrays in the graph's input order → its user outputs in order (next tokens first);
 # the executor binds the rest
@@ -34,7 +41,7 @@ class GraphEntry:
     context: int
     meta_specs: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in input order
     run: Executable
-    outputs: tuple[str, ...] = ("next_tokens",)  # names of what `run` returns, in order
+    outputs: tuple[str, ...] = (abi.NEXT_TOKENS,)  # names of what `run` returns, in order
 
     @property
     def meta_inputs(self) -> tuple[str, ...]:
@@ -69,20 +76,20 @@ class DecodeBuffers:
     bytes of the arrays it rewrote (Timings.decode_meta_bytes).
     """
 
-    PER_STEP = ("positions", "slot_mapping", "context_lens")  # rewritten every step
-    PER_ROW = ("block_tables", "seq_slots", "temperature", "top_k", "top_p", "seed")
+    PER_STEP = (abi.POSITIONS, abi.SLOT_MAPPING, abi.CONTEXT_LENS)  # rewritten every step
+    PER_ROW = (abi.BLOCK_TABLES, abi.SEQ_SLOTS, *abi.SAMPLING_NAMES)
 
     def __init__(self, graph: GraphEntry, block_size: int) -> None:
         self.block_size = block_size
-        self.meta = {name: np.empty(shape, dtype) for name, shape, dtype in graph.meta_specs}
+        self.meta = padded_metadata(graph.meta_specs)
         m = self.meta
         # host state: the last sampled token is sent; device state: the graph reads it from
         # `last_tokens[seq_slots[row]]`
-        self.ids, self.seq_slots = m.get("input_ids"), m.get("seq_slots")
-        self.pos, self.slots = m["positions"], m["slot_mapping"]
-        self.tables, self.lens = m["block_tables"], m["context_lens"]
+        self.ids, self.seq_slots = m.get(abi.INPUT_IDS), m.get(abi.SEQ_SLOTS)
+        self.pos, self.slots = m[abi.POSITIONS], m[abi.SLOT_MAPPING]
+        self.tables, self.lens = m[abi.BLOCK_TABLES], m[abi.CONTEXT_LENS]
         self.rows: list[tuple[int, int] | None] = [None] * graph.rows  # (request, blocks) per row
-        every = (*self.PER_STEP, "input_ids")
+        every = (*self.PER_STEP, abi.INPUT_IDS)
         self._step_bytes = sum(m[n].nbytes for n in every if n in m)
         self._row_bytes = sum(m[n].nbytes for n in self.PER_ROW if n in m)
         for i in range(graph.rows):
@@ -97,14 +104,14 @@ class DecodeBuffers:
             if self.ids is not None:
                 self.ids[i, 0] = seq.output_ids[-1]
             self.pos[i, 0] = pos
-            self.slots[i, 0] = seq.blocks[used - 1] * bs + pos % bs
+            self.slots[i, 0] = abi.slot(seq.blocks[used - 1], pos, bs)
             self.lens[i] = pos + 1
             if self.rows[i] != (seq.request_id, used):
                 row = self.rows[i]
                 if row is None or row[0] != seq.request_id:
                     write_sampling(self.meta, i, seq)
                     if self.seq_slots is not None:
-                        self.seq_slots[i] = state_slot(seq)
+                        self.seq_slots[i] = abi.state_slot(seq.blocks)
                 self.tables[i, :used] = seq.blocks[:used]
                 self.tables[i, used:] = -1
                 self.rows[i] = (seq.request_id, used)
@@ -118,20 +125,16 @@ class DecodeBuffers:
     def _pad(self, i: int) -> None:
         """A padding row: nothing visible, its K/V write goes to the null slot (and its token
         to the padding slot 0 of the decode state)."""
-        if self.ids is not None:
-            self.ids[i] = 0
-        if self.seq_slots is not None:
-            self.seq_slots[i] = 0
-        self.pos[i], self.slots[i], self.tables[i], self.lens[i] = 0, -1, -1, 0
-        m = self.meta
-        m["temperature"][i], m["top_k"][i], m["top_p"][i], m["seed"][i] = 0, 0, 1, 0
+        for name, values in self.meta.items():
+            values[i] = abi.PAD_VALUES.get(name, 0)
         self.rows[i] = None
 
 
-def state_slot(seq: SequenceState) -> int:
-    """The sequence's slot in the device decode state: its first KV block, which no other live
-    sequence holds (block 0, the null block, is never handed out: it is the padding slot)."""
-    return seq.blocks[0]
+def padded_metadata(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> dict[str, np.ndarray]:
+    """A graph's metadata arrays, every row padding (abi.PAD_VALUES), ready to be filled."""
+    return {
+        name: np.full(shape, abi.PAD_VALUES.get(name, 0), dtype) for name, shape, dtype in specs
+    }
 
 
 def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) -> None:
@@ -147,8 +150,10 @@ def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) ->
 class ModelRunner:
     """A rank's graphs: prefill chunks and decode batches in, sampled tokens out."""
 
-    def __init__(self, graphs: list[GraphEntry], layout: Layout, on_run: OnRun | None = None):
-        self.layout = layout
+    def __init__(
+        self, graphs: list[GraphEntry], config: SchedulerConfig, on_run: OnRun | None = None
+    ):
+        self.config = config
         self.graph_list = list(graphs)
         self.graphs = {g.key: g for g in graphs}
         self._index = {g.name: i for i, g in enumerate(graphs)}
@@ -171,44 +176,31 @@ class ModelRunner:
         last chunk. The chunks lie side by side in one row of tokens (a one-sequence graph has
         no `seq_ids`); sequences past them pad (no tokens, nothing visible)."""
         graph = self.graphs[("prefill", batch.batch, batch.tokens, batch.context)]
-        seqs, tokens, bs = batch.batch, batch.tokens, self.layout.block_size
-        meta = {
-            "input_ids": np.zeros((1, tokens), dtype=np.int64),
-            "positions": np.zeros((1, tokens), dtype=np.int64),
-            "slot_mapping": np.full((1, tokens), -1, dtype=np.int64),
-            "block_tables": np.full((seqs, batch.context // bs), -1, dtype=np.int64),
-            "context_lens": np.zeros(seqs, dtype=np.int64),
-            "seq_ids": np.zeros((1, tokens), dtype=np.int64),
-            "last_token_index": np.zeros(seqs, dtype=np.int64),
-            "seq_slots": np.zeros(seqs, dtype=np.int64),  # device state: where tokens go
-            "temperature": np.zeros(seqs, dtype=np.float32),
-            "top_k": np.zeros(seqs, dtype=np.int64),
-            "top_p": np.ones(seqs, dtype=np.float32),
-            "seed": np.zeros(seqs, dtype=np.int64),
-        }
+        bs = self.config.block_size
+        meta = padded_metadata(graph.meta_specs)
         at = 0
         for i, chunk in enumerate(batch.chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.length
             positions = np.arange(start, start + n)
             blocks = np.asarray(seq.blocks, dtype=np.int64)
             span = slice(at, at + n)
-            meta["positions"][0, span] = positions
-            meta["slot_mapping"][0, span] = blocks[positions // bs] * bs + positions % bs
-            meta["input_ids"][0, span] = seq.prompt_ids[start : start + n]
-            meta["seq_ids"][0, span] = i
-            used = self.layout.blocks_for(start + n)
-            meta["block_tables"][i, :used] = seq.blocks[:used]
-            meta["context_lens"][i] = start + n
-            meta["last_token_index"][i] = at + n - 1
-            meta["seq_slots"][i] = state_slot(seq)
+            meta[abi.POSITIONS][0, span] = positions
+            meta[abi.SLOT_MAPPING][0, span] = abi.slots_of(blocks, positions, bs)
+            meta[abi.INPUT_IDS][0, span] = seq.prompt_ids[start : start + n]
+            if abi.SEQ_IDS in meta:  # a packed graph: each token's sequence
+                meta[abi.SEQ_IDS][0, span] = i
+            used = self.config.blocks_for(start + n)
+            meta[abi.BLOCK_TABLES][i, :used] = seq.blocks[:used]
+            meta[abi.CONTEXT_LENS][i] = start + n
+            meta[abi.LAST_TOKEN_INDEX][i] = at + n - 1
+            if abi.SEQ_SLOTS in meta:  # device state: where the sequence's token goes
+                meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
             write_sampling(meta, i, seq)
             at += n
-        if "target_ids" in graph.meta_inputs:  # each position's next prompt token (0 past the end)
+        if abi.TARGET_IDS in meta:  # each position's next prompt token (0 past the end)
             (chunk,) = batch.chunks  # prompt logprobs prefill alone (Scheduler.next_prefill)
-            targets = np.zeros((1, tokens), dtype=np.int64)
             following = chunk.seq.prompt_ids[chunk.start + 1 : chunk.start + chunk.length + 1]
-            targets[0, : len(following)] = following
-            meta["target_ids"] = targets
+            meta[abi.TARGET_IDS][0, : len(following)] = following
         t0 = time.perf_counter()
         outputs = self._run(graph, meta)
         self.timings.prefill_s += time.perf_counter() - t0
@@ -220,7 +212,7 @@ class ModelRunner:
         buffers = self._decode_buffers.get(graph.name)
         if buffers is None:
             buffers = self._decode_buffers[graph.name] = DecodeBuffers(
-                graph, self.layout.block_size
+                graph, self.config.block_size
             )
         self.timings.decode_meta_bytes += buffers.fill(batch.rows)
         t0 = time.perf_counter()

@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from neffkit.bundle import BundleRecord
+from neffkit.contract.records import BundleRecord
 from neffkit.errors import RequestError
-from neffkit.runtime.protocol import SamplingParams
+from neffkit.runtime.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class Layout:
+class SchedulerConfig:
     """The scheduler's view of a bundle: buckets, KV blocks, end-of-sequence ids."""
 
     block_size: int  # tokens per KV block
@@ -45,7 +45,7 @@ class Layout:
     prefill_batch: tuple[int, ...] = (1,)  # rows per prefill call (packed prompts)
 
     @classmethod
-    def of(cls, record: BundleRecord) -> Layout:
+    def of(cls, record: BundleRecord) -> SchedulerConfig:
         lay = record.layout
         return cls(
             block_size=lay.block_size,
@@ -188,25 +188,25 @@ def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def output_budget(layout: Layout, prompt_len: int, params: SamplingParams) -> int:
+def output_budget(config: SchedulerConfig, prompt_len: int, params: SamplingParams) -> int:
     """Tokens a request may generate: its max_tokens, or (unset) up to the largest context."""
     if params.max_tokens is not None:
         return params.max_tokens
-    return layout.max_model_len - prompt_len
+    return config.max_model_len - prompt_len
 
 
-def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) -> None:
+def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingParams) -> None:
     """Refuse what no bucket can serve, with the buckets in the message."""
     if not prompt_ids:
         raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-    bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < layout.vocab_size), None)
+    bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < config.vocab_size), None)
     if bad is not None:
         raise RequestError(
             f"prompt[{bad}]: token id {prompt_ids[bad]} is outside the vocabulary "
-            f"[0, {layout.vocab_size})",
+            f"[0, {config.vocab_size})",
             param="prompt",
         )
-    cap = layout.max_top_k
+    cap = config.max_top_k
     if cap is not None and params.top_k > cap:
         raise RequestError(
             f"top_k {params.top_k} exceeds this bundle's sampling candidates "
@@ -214,36 +214,36 @@ def check_fits(layout: Layout, prompt_ids: list[int], params: SamplingParams) ->
             hint="ask for top_k <= that, or build with a larger sampling.max_top_k",
             param="top_k",
         )
-    _check_logprobs(layout, params)
-    budget = output_budget(layout, len(prompt_ids), params)
+    _check_logprobs(config, params)
+    budget = output_budget(config, len(prompt_ids), params)
     budget = budget if params.max_tokens == 0 else max(budget, 1)  # 0: prompt logprobs only
     total = len(prompt_ids) + budget
-    if total > layout.max_model_len:
+    if total > config.max_model_len:
         raise RequestError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({budget}) = {total} "
-            f"exceeds the largest context bucket ({layout.max_model_len}); context buckets: "
-            f"{list(layout.context_buckets)}",
+            f"exceeds the largest context bucket ({config.max_model_len}); context buckets: "
+            f"{list(config.context_buckets)}",
             hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
             param="prompt",
         )
-    if layout.blocks_for(total) > layout.num_blocks - 1:
+    if config.blocks_for(total) > config.num_blocks - 1:
         raise RequestError(
-            f"request needs {layout.blocks_for(total)} KV blocks; the bundle has "
-            f"{layout.num_blocks - 1}",
+            f"request needs {config.blocks_for(total)} KV blocks; the bundle has "
+            f"{config.num_blocks - 1}",
             param="prompt",
         )
 
 
-def _check_logprobs(layout: Layout, params: SamplingParams) -> None:
+def _check_logprobs(config: SchedulerConfig, params: SamplingParams) -> None:
     for top in (params.logprobs, params.prompt_logprobs):
-        if top is not None and top > layout.max_logprobs:
+        if top is not None and top > config.max_logprobs:
             raise RequestError(
                 f"logprobs {top} exceeds this bundle's sampling.max_logprobs "
-                f"({layout.max_logprobs})",
+                f"({config.max_logprobs})",
                 hint="ask for fewer, or build with a larger sampling.max_logprobs",
                 param="logprobs",
             )
-    if params.prompt_logprobs is not None and not layout.prompt_logprobs:
+    if params.prompt_logprobs is not None and not config.prompt_logprobs:
         raise RequestError(
             "prompt logprobs (echo with logprobs) need a bundle built with "
             "sampling.prompt_logprobs: true",
@@ -254,15 +254,15 @@ def _check_logprobs(layout: Layout, params: SamplingParams) -> None:
 class Scheduler:
     """Queues and KV blocks. Not thread-safe: one caller drives it (the engine core)."""
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        self.allocator = BlockAllocator(layout.num_blocks)
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks)
         self.waiting: deque[SequenceState] = deque()
         self.prefilling: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
 
     def add(self, seq: SequenceState) -> None:
-        check_fits(self.layout, seq.prompt_ids, seq.params)
+        check_fits(self.config, seq.prompt_ids, seq.params)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -288,7 +288,7 @@ class Scheduler:
         """Waiting requests whose whole budget fits in the free blocks, in arrival order."""
         while self.waiting:
             seq = self.waiting[0]
-            need = self.layout.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
+            need = self.config.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
             if need > self.allocator.num_free:
                 return
             self.waiting.popleft()
@@ -302,7 +302,7 @@ class Scheduler:
         prefills alone (only one-sequence graphs return them)."""
         if not self.prefilling:
             return None
-        lay = self.layout
+        lay = self.config
         budget = lay.prefill_buckets[-1]
         head = self.prefilling[0]
         seqs = [head]
@@ -348,13 +348,13 @@ class Scheduler:
     def next_decode(self) -> DecodeBatch | None:
         if not self.running:
             return None
-        largest = self.layout.decode_buckets[-1]
+        largest = self.config.decode_buckets[-1]
         rows = self.running[:largest]
         if len(self.running) > largest:
             # Rotate so that more sequences than the largest bucket all make progress.
             self.running = self.running[largest:] + rows
-        batch = smallest_fitting(self.layout.decode_buckets, len(rows))
-        context = smallest_fitting(self.layout.context_buckets, max(s.length for s in rows))
+        batch = smallest_fitting(self.config.decode_buckets, len(rows))
+        context = smallest_fitting(self.config.context_buckets, max(s.length for s in rows))
         assert batch is not None and context is not None
         return DecodeBatch(rows, batch, context)
 
@@ -369,7 +369,7 @@ class Scheduler:
         params = seq.params
         if params.logprobs is not None:
             seq.output_logprobs.append(out.logprobs(row, params.logprobs))
-        if not params.ignore_eos and token in self.layout.eos_token_ids:
+        if not params.ignore_eos and token in self.config.eos_token_ids:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:
             seq.finish_reason = "stop"

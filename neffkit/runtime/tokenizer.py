@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from neffkit.errors import BundleError, RequestError
 
-# used when the bundle's tokenizer has no chat template (documented in the README)
+# used when the bundle's tokenizer has no chat template (documented in docs/serving.md)
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, str] = {  # keys: neffkit.targets.TARGETS (a test checks)
     "cpu": "neffkit.compile.backends.inductor:CpuBackend",
     "cuda": "neffkit.compile.backends.inductor:CudaBackend",
-    "neuron": "neffkit.compile.backends.neuron:NeuronBackend",
+    "neuron": "neffkit.compile.backends.neuron.backend:NeuronBackend",
 }
 
 
@@ -30,6 +30,6 @@ def get_backend(target: str) -> Backend:
     except ModuleNotFoundError as exc:
         raise BuildError(
             f"target {target!r} is not available in this installation: {exc}",
-            hint="see the README's 'Targets' section for what each target needs",
+            hint="each target's installs are in README.md#installs (neuron: docs/neuron.md)",
         ) from exc
     return getattr(module, class_name)()

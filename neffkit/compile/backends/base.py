@@ -11,16 +11,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from neffkit.bundle import HostRecord, NeuronRecord
-from neffkit.models.projection import ProjectionPolicy
+from neffkit.compile.units import CacheFactors
+from neffkit.contract.records import HostRecord, NeuronRecord
+from neffkit.models.forms import ProjectionPolicy
 
 if TYPE_CHECKING:
-    from neffkit.compile.trace import ModelLayout, Traced
-    from neffkit.compile.units import BuildContext, Compiled, GraphUnit, LoweredGraph
-    from neffkit.compile.verify import Runner, SpmdRunner
+    from neffkit.compile.units import (
+        BuildContext,
+        Compiled,
+        GraphUnit,
+        LoweredGraph,
+        ModelLayout,
+        Runner,
+        SpmdRunner,
+        Traced,
+    )
     from neffkit.manifest import Manifest
-
-CacheFactors = dict[str, str | int]
 
 
 class Backend(Protocol):

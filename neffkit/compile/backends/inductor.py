@@ -14,23 +14,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from neffkit import host
-from neffkit.aoti import load_package
-from neffkit.bundle import ArtifactMetadata, HostRecord, NeuronRecord, OptionValue
-from neffkit.compile.plan import GraphSpec
-from neffkit.compile.units import BuildContext, Compiled, GraphUnit
+from neffkit.compile.units import BuildContext, Compiled, GraphSpec, GraphUnit
+from neffkit.contract.codec import OptionValue
+from neffkit.contract.records import ArtifactMetadata, HostRecord, NeuronRecord
 from neffkit.errors import BuildError
-from neffkit.models.projection import LANES, ProjectionPolicy
+from neffkit.models.forms import LANES, ProjectionPolicy
+from neffkit.platform import host
+from neffkit.platform.aoti import load_package
 
 if TYPE_CHECKING:
-    from neffkit.compile.backends.base import CacheFactors
-    from neffkit.compile.trace import ModelLayout, Traced
-    from neffkit.compile.verify import Runner, SpmdRunner
+    from neffkit.compile.units import CacheFactors, ModelLayout, Runner, SpmdRunner, Traced
     from neffkit.manifest import Manifest
 
 # cpu: projection weights stored blocked, decode graphs of up to 8 rows as register-blocked
 # reductions that read each weight tile once for all rows, larger ones as bmm over the blocks
-# (models/projection.py; measured with bench/batch.py on a 125M Llama, see the README).
+# (models/projection.py; measured with bench/batch.py on a 125M Llama, see docs/performance.md).
 CPU_PROJECTION = ProjectionPolicy(max_rows=8, lanes=LANES, buffer_queries=True)
 # cuda: plain weights; one decode row as a fused reduction, more rows as `mm` (cuBLAS)
 CUDA_PROJECTION = ProjectionPolicy(max_rows=1, lanes=0, buffer_queries=True)
@@ -44,18 +42,12 @@ def compile_job(
     expected_sha: str,
     rank: int = 0,
 ) -> Compiled:
-    """A compile worker: re-trace the graph, check it is the one that was checked, compile it."""
-    from neffkit.compile.trace import trace_graph
-    from neffkit.compile.workers import quiet_warnings
+    """A compile worker: the graph's program (checked by its sha), compiled."""
+    from neffkit.compile.workers import quiet_warnings, traced_program
 
     quiet_warnings()
     t0 = time.perf_counter()
-    traced = trace_graph(layout, spec, rank)
-    if traced.graph_sha256 != expected_sha:
-        raise BuildError(
-            f"{spec.name}: tracing is not deterministic (the graph changed between "
-            "the trace and compile steps)"
-        )
+    traced = traced_program(layout, spec, rank, expected_sha)
     metadata = aoti_compile(traced.program, out, options)
     return Compiled(out, round(time.perf_counter() - t0, 3), ArtifactMetadata(metadata))
 

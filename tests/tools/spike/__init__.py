@@ -167,7 +167,7 @@ class SpikeModel:
         missing = set(self.input_tensors_info) - set(inputs)
         if missing:
             raise ValueError(f"missing input(s) {sorted(missing)} for model '{self.name}'")
-        from neffkit.xla_cpu import XlaCpu
+        from neffkit.platform.xla_cpu import XlaCpu
 
         xla = XlaCpu()
         if self._executable is None:

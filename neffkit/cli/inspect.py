@@ -1,0 +1,60 @@
+"""`neffkit inspect`: audit a bundle (or a manifest, before building); exit 1 on unwaived audit
+errors, so CI can gate on it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from neffkit.cli.app import cli, console, local_bundle
+
+
+@cli.command()
+@click.argument("target", callback=lambda _ctx, _param, value: local_bundle(value))
+@click.option("--graph", "graph_name", help="Show one graph: inputs, io-alias, flags, ops.")
+@click.option(
+    "--diff",
+    "other",
+    callback=lambda _ctx, _param, value: local_bundle(value) if value else None,
+    help="Compare with bundle B.",
+)
+@click.option("--verify", is_flag=True, help="Re-hash every file of the bundle.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (schema 1).")
+def inspect(
+    target: Path, graph_name: str | None, other: Path | None, verify: bool, as_json: bool
+) -> None:
+    """Audit a bundle (or a manifest, before building). Exit 1 on unwaived audit errors."""
+    from neffkit.contract.bundle import is_pack
+    from neffkit.contract.read import read_bundle
+    from neffkit.inspect import render
+    from neffkit.inspect.bundle import diff_bundles, exit_status, graph_detail, summarize
+    from neffkit.inspect.manifest import inspect_manifest
+
+    if target.is_file() and not is_pack(target):  # a manifest: no tracing
+        report = inspect_manifest(str(target))
+        _emit(report, as_json, lambda r: render.findings_table(r["findings"]))
+        sys.exit(exit_status(report))
+    bundle = read_bundle(target, verify=verify)
+    if other is not None:
+        report = diff_bundles(bundle, read_bundle(other, verify=verify))
+        _emit(report, as_json, render.render_diff)
+        return
+    if graph_name:
+        report = graph_detail(bundle, graph_name)
+        _emit(report, as_json, render.render_graph)
+        sys.exit(exit_status(report))
+    report = summarize(bundle)
+    if verify:
+        report["verified"] = True
+    _emit(report, as_json, render.render)
+    sys.exit(exit_status(report))
+
+
+def _emit(report: dict, as_json: bool, render) -> None:
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        console().print(render(report))

@@ -1,0 +1,115 @@
+"""`neffkit run`: generate from a bundle, or serve it (no prompt: the OpenAI-compatible API)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from neffkit.cli.app import cli, local_bundle
+from neffkit.errors import NeffkitError
+from neffkit.runtime.sampling_params import OFFLINE
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as exc:
+        raise NeffkitError(f"--prompt-ids: expected comma-separated ints, got {text!r}") from exc
+
+
+@cli.command()
+@click.argument("bundle", callback=lambda _ctx, _param, value: local_bundle(value))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids: 1,2,3.")
+@click.option("--max-tokens", default=OFFLINE.max_tokens, type=int, show_default=True)
+@click.option("--temperature", default=OFFLINE.temperature, type=float, show_default=True)
+@click.option("--top-k", default=OFFLINE.top_k, type=int, show_default=True)
+@click.option("--top-p", default=OFFLINE.top_p, type=float, show_default=True)
+@click.option("--seed", default=None, type=int)
+@click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens regardless of EOS.")
+@click.option("--json", "as_json", is_flag=True, help="Print outputs and timings as JSON.")
+@click.option(
+    "--dist-timeout",
+    default=60.0,
+    show_default=True,
+    type=float,
+    help="Seconds a rank waits for the others before failing (tp > 1).",
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["auto", "aotinductor", "xla-cpu", "neuron"]),
+    default="auto",
+    show_default=True,
+    help="How graphs run; xla-cpu runs a neuron bundle's HLO modules on this CPU.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
+@click.option(
+    "--api-key",
+    envvar="NEFFKIT_API_KEY",
+    help="Server: require `Authorization: Bearer KEY` on /v1 (env NEFFKIT_API_KEY).",
+)
+@click.option(
+    "--served-model-name", help="Server: the model id clients use (default: bundle name)."
+)
+@click.option(
+    "--max-waiting",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Server: requests that may wait for KV blocks before new ones get 503.",
+)
+def run(
+    bundle: Path,
+    prompts: tuple[str, ...],
+    prompt_ids: tuple[str, ...],
+    max_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    ignore_eos: bool,
+    as_json: bool,
+    dist_timeout: float,
+    executor: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_waiting: int,
+) -> None:
+    """Generate from BUNDLE (with --prompt/--prompt-ids), or serve the OpenAI API (without)."""
+    from neffkit.runtime.llm import GenerateRequest, run_offline
+    from neffkit.runtime.sampling_params import SamplingParams
+
+    if not prompts and not prompt_ids:  # no prompt: serve the OpenAI API
+        from neffkit.runtime.api_server import serve
+
+        status = serve(
+            bundle,
+            executor=executor,
+            dist_timeout_s=dist_timeout,
+            host=host,
+            port=port,
+            api_key=api_key,
+            model_name=served_model_name,
+            max_waiting=max_waiting,
+        )
+        sys.exit(status)
+
+    request = GenerateRequest(
+        texts=list(prompts),
+        token_ids=[_parse_ids(p) for p in prompt_ids],
+        params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
+    )
+    report = run_offline(bundle, request, dist_timeout, executor)
+    if report is None:  # a follower rank of a torchrun launch: rank 0 prints
+        return
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for out in report["outputs"]:
+        click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))

@@ -1,0 +1,143 @@
+"""Manifest → ModelLayout: what every graph of a build is traced from, from safetensors headers
+alone (tracing never needs weight values), and each graph's flat input specs (the graph ABI).
+
+Every rank's shard has the same names and shapes (that is what makes SPMD possible); this is
+checked here, before any tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from neffkit.compile.backends import get_backend
+from neffkit.compile.backends.base import Backend
+from neffkit.compile.units import GraphSpec, ModelLayout
+from neffkit.contract import abi
+from neffkit.contract.abi import GraphShape, TensorSpec
+from neffkit.errors import BuildError
+from neffkit.models.forms import PLAIN, ProjectionPolicy, Storage, is_projection_weight
+from neffkit.models.weights import has_kv_scales, rank_weight_specs
+from neffkit.targets import DTYPE_BYTES, E4M3FN_MAX
+
+if TYPE_CHECKING:
+    from neffkit.manifest import Manifest
+
+
+def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
+    """How this manifest's bundle stores the checkpoint: dtype, the trn1/trn2 fp8 rescale
+    (values into ±240), whether the fp8 KV cache reads the checkpoint's k/v scales, and the
+    projection weights' blocked layout (the target's ProjectionPolicy.lanes)."""
+    return Storage(
+        manifest.dtype,
+        fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
+        kv_scales=manifest.fp8_kv_cache and has_kv_scales(manifest.model),
+        lanes=lanes,
+    )
+
+
+def model_layout(
+    manifest: Manifest, device: str, projection: ProjectionPolicy = PLAIN
+) -> ModelLayout:
+    """The layout of every rank's graphs (rank 0's weight specs; the others must equal them)."""
+    cfg, par = manifest.model_config, manifest.parallel
+    storage = weight_storage(manifest, projection.lanes)
+    specs = rank_weight_specs(manifest.model, cfg, storage, par, 0)
+    for rank in range(1, par.tp):
+        if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
+            raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
+    options = {"mla_decode": manifest.mla_decode} if cfg.kv_kind == "mla" else {}
+    return ModelLayout(
+        config=cfg,
+        dtype=manifest.dtype,
+        kv_heads=cfg.kv_heads_per_rank(par),
+        weights=tuple(
+            TensorSpec(name, shape, str(dtype).removeprefix("torch."))
+            for name, shape, dtype in specs
+        ),
+        block_size=manifest.kv_cache.block_size,
+        num_blocks=manifest.kv_cache.num_blocks,
+        max_top_k=manifest.sampling.max_top_k,
+        max_logprobs=manifest.sampling.max_logprobs,
+        prompt_logprobs=manifest.sampling.prompt_logprobs,
+        device=device,
+        par=par,
+        projection=projection,
+        graph_options=tuple(sorted(options.items())),
+        kv_dtype=manifest.kv_cache.dtype,
+        fp8_max=manifest.fp8_max,
+        storage=storage,
+        decode_state=manifest.decode_state,
+    )
+
+
+def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
+    return GraphShape(
+        spec.phase,
+        spec.rows,
+        spec.tokens,
+        spec.context,
+        layout.block_size,
+        layout.num_blocks,
+        layout.max_logprobs,
+        layout.prompt_logprobs and spec.rows == 1,  # a prompt wanting them prefills alone
+        layout.decode_state == "device",
+    )
+
+
+def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
+    """A graph's shape and its flat inputs in ABI order: metadata, rank, caches, state, weights."""
+    cfg = layout.config
+    shape = graph_shape(layout, spec)
+    specs = abi.metadata_inputs(shape)
+    if cfg.needs_rank_input(layout.par):
+        specs.append(TensorSpec(abi.RANK, (1,), "int64"))
+    specs += abi.kv_inputs(
+        shape, cfg.num_layers, cfg.kv_kind, layout.kv_heads, cfg.kv_width, layout.kv_dtype
+    )
+    specs += abi.state_inputs(shape)
+    return shape, specs + list(layout.weights)
+
+
+def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
+    """The bytes of each projection weight stored blocked (what picks its form), largest first."""
+    blocked = [w for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)]
+    sizes = [math.prod(w.shape) * DTYPE_BYTES[w.dtype] for w in blocked]
+    return sorted(sizes, reverse=True)
+
+
+def uses_kernel(layout: ModelLayout) -> bool:
+    """Do this layout's decode graphs call neffkit's CPU kernel (some blocked weight takes the
+    kernel form)?"""
+    policy = layout.projection
+    if policy.kernel == "off" or policy.max_rows == 0:
+        return False
+    sizes = blocked_weight_bytes(layout)
+    return any(policy.form(1, True, size) == "kernel-rows" for size in sizes)
+
+
+def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
+    """The shapes every graph of this manifest is traced from, as its target traces them."""
+    backend = backend or get_backend(manifest.target)
+    return model_layout(manifest, backend.device, projection_policy(manifest, backend))
+
+
+def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
+    """The backend's projection forms, with the cpu kernel as the manifest and host allow
+    (`compiler.cpu_kernel: on` on a host without AVX-512 is an error; `auto` goes without)."""
+    policy = backend.projection
+    mode = manifest.compiler.cpu_kernel
+    if backend.name != "cpu" or policy.lanes == 0 or mode == "off":
+        return policy
+    from neffkit.platform import cpu_kernels
+
+    if not cpu_kernels.supported():
+        if mode == "on":
+            raise BuildError(
+                "compiler.cpu_kernel: on needs a CPU with "
+                f"{', '.join(sorted(cpu_kernels.REQUIRED_FLAGS))}, which this host lacks",
+                hint="use cpu_kernel: auto (or off)",
+            )
+        return policy
+    return dataclasses.replace(policy, kernel=mode)

@@ -1,0 +1,109 @@
+"""Representative inputs for `build --verify`: rows with different context lengths, padding and a
+random K/V context, laid out by the graph ABI's own rules (contract/abi.py) as the runtime lays
+them out."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from neffkit.compile.layout import graph_inputs
+from neffkit.compile.units import GraphSpec, ModelLayout
+from neffkit.contract import abi
+
+
+def greedy_sampling(rows: int) -> dict[str, np.ndarray]:
+    """Every row greedy: temperature 0, top_k 0 (off), top_p 1, seed 0."""
+    return {
+        "temperature": np.zeros(rows, np.float32),
+        "top_k": np.zeros(rows, np.int64),
+        "top_p": np.ones(rows, np.float32),
+        "seed": np.zeros(rows, np.int64),
+    }
+
+
+def representative_inputs(
+    layout: ModelLayout, spec: GraphSpec, weights: list[torch.Tensor], seed: int = 0
+) -> list[torch.Tensor]:
+    """Flat graph inputs: rows with different context lengths, padding, random K/V context."""
+    _, specs = graph_inputs(layout, spec)
+    gen = torch.Generator().manual_seed(seed)
+    bs, nb = layout.block_size, layout.num_blocks
+    blocks_per_row = min(spec.context // bs, (nb - 1) // spec.rows)
+    tables = np.full((spec.rows, spec.context // bs), -1, dtype=np.int64)
+    for r in range(spec.rows):  # distinct blocks per row: no two rows write one slot
+        tables[r, :blocks_per_row] = 1 + r * blocks_per_row + np.arange(blocks_per_row)
+    capacity = blocks_per_row * bs
+    vocab = layout.config.vocab_size
+    meta: dict[str, np.ndarray] = {abi.BLOCK_TABLES: tables}
+    t = spec.tokens
+    lines = 1 if spec.phase == "prefill" else spec.rows  # prefill: one (packed) row
+    if spec.phase == "prefill" and spec.rows > 1:
+        meta |= _packed_prefill(spec.rows, t, tables, bs)
+    else:
+        if spec.phase == "prefill":
+            valid = max(1, min(t - t // 4, capacity))  # a quarter of the tokens are padding
+            positions = np.where(np.arange(t) < valid, np.arange(t), 0)[None, :]
+            lens = np.array([valid])
+            meta[abi.LAST_TOKEN_INDEX] = np.array([valid - 1])
+            live = np.arange(t)[None, :] < valid
+        else:
+            lens = np.array([max(1, capacity - 1 - 3 * r) for r in range(spec.rows)])
+            positions = (lens - 1)[:, None]
+            live = np.ones((spec.rows, 1), dtype=bool)
+        slots = abi.slot(np.take_along_axis(tables, positions // bs, axis=1), positions, bs)
+        meta |= {
+            abi.POSITIONS: positions.astype(np.int64),
+            abi.SLOT_MAPPING: np.where(live, slots, -1).astype(np.int64),
+            abi.CONTEXT_LENS: lens.astype(np.int64),
+        }
+    meta |= {
+        abi.INPUT_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
+        **greedy_sampling(spec.rows),
+        abi.TARGET_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
+        abi.SEQ_SLOTS: np.array([abi.state_slot(row) for row in tables]),
+        abi.LAST_TOKENS: torch.randint(0, vocab, (nb,), generator=gen).numpy(),
+    }
+    by_name = {w.name: i for i, w in enumerate(layout.weights)}
+    out = []
+    for s in specs:
+        dtype = getattr(torch, s.dtype)
+        if s.name in meta:
+            out.append(torch.from_numpy(np.ascontiguousarray(meta[s.name])).to(dtype))
+        elif s.name == abi.RANK:
+            out.append(torch.zeros(1, dtype=torch.int64))
+        elif abi.is_kv_cache(s.name):
+            out.append((torch.randn(s.shape, generator=gen) * 0.5).to(dtype))
+        else:
+            out.append(weights[by_name[s.name]])
+    return out
+
+
+def _packed_prefill(seqs: int, tokens: int, tables: np.ndarray, bs: int) -> dict[str, np.ndarray]:
+    """A packed prefill row: three quarters of the tokens split among the sequences (the last
+    may get none: a padding sequence), each after some context already in its cache."""
+    capacity = int((tables[0] >= 0).sum()) * bs
+    valid = tokens - tokens // 4
+    counts = [min(valid // seqs + (s < valid % seqs), capacity) for s in range(seqs)]
+    counts[-1] = 0 if seqs > 2 else counts[-1]  # a padding sequence, where there is room
+    positions = np.zeros((1, tokens), np.int64)
+    seq_ids = np.zeros((1, tokens), np.int64)
+    slots = np.full((1, tokens), -1, np.int64)
+    lens, last = np.zeros(seqs, np.int64), np.zeros(seqs, np.int64)
+    at = 0
+    for s, n in enumerate(counts):
+        if n == 0:
+            continue
+        start = max(0, min(3 * s, capacity - n))  # earlier chunks of this prompt in the cache
+        pos = start + np.arange(n)
+        positions[0, at : at + n], seq_ids[0, at : at + n] = pos, s
+        slots[0, at : at + n] = abi.slots_of(tables[s], pos, bs)
+        lens[s], last[s] = start + n, at + n - 1
+        at += n
+    return {
+        abi.POSITIONS: positions,
+        abi.SEQ_IDS: seq_ids,
+        abi.SLOT_MAPPING: slots,
+        abi.CONTEXT_LENS: lens,
+        abi.LAST_TOKEN_INDEX: last,
+    }

@@ -1,0 +1,173 @@
+"""The graph ABI: every graph's inputs and outputs by name, order and dtype, and the slot rule.
+
+models/ builds graphs that take exactly these inputs in this order, the runtime fills them,
+`build --verify` makes representative ones, and bundle.json records them per graph (the names
+appear in the io-alias map). One place, so the three cannot drift. Imports nothing from neffkit
+and no torch.
+
+Input order: metadata (built on the host), `rank` where graphs need it, the KV cache (one tensor
+per layer and kind), the device-resident decode state, then the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# ---------------------------------------------------------------------------------- names
+INPUT_IDS = "input_ids"  # [lines, T] token ids (decode with device state: none)
+POSITIONS = "positions"  # [lines, T] each token's position in its sequence
+SLOT_MAPPING = "slot_mapping"  # [lines, T] each token's KV slot; -1 pads (the null block)
+BLOCK_TABLES = "block_tables"  # [B, C / block_size] each row's blocks; -1 past the valid ones
+CONTEXT_LENS = "context_lens"  # [B] tokens each row attends to; 0 pads
+SEQ_IDS = "seq_ids"  # [1, T] packed prefill: each token's sequence
+LAST_TOKEN_INDEX = "last_token_index"  # [B] prefill: each sequence's last token in the row
+SEQ_SLOTS = "seq_slots"  # [B] device state: each row's slot in `last_tokens`; 0 pads
+TARGET_IDS = "target_ids"  # [B, T] prompt logprobs: the token after each position
+SAMPLING_INPUTS = (
+    ("temperature", "float32"),
+    ("top_k", "int64"),
+    ("top_p", "float32"),
+    ("seed", "int64"),
+)
+SAMPLING_NAMES = tuple(name for name, _ in SAMPLING_INPUTS)
+RANK = "rank"  # [1] int64: this graph's rank, as data (one artifact serves every rank)
+LAST_TOKENS = "last_tokens"  # [num_blocks] int64: each sequence's last sampled token
+
+NEXT_TOKENS = "next_tokens"
+TOKEN_LOGPROBS = "token_logprobs"
+TOP_LOGPROB_IDS = "top_logprob_ids"
+TOP_LOGPROBS = "top_logprobs"
+PROMPT_LOGPROBS = "prompt_logprobs"
+PROMPT_TOP_LOGPROB_IDS = "prompt_top_logprob_ids"
+PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"
+
+# what a metadata array holds before the host writes a row into it: padding everywhere (slot -1
+# and block -1 land in the null block, top_p 1 keeps the whole vocabulary)
+PAD_VALUES: dict[str, float] = {SLOT_MAPPING: -1, BLOCK_TABLES: -1, "top_p": 1.0}
+
+KV_KINDS = {"mha": ("k", "v"), "mla": ("kv",)}  # cache tensors per layer, by cache kind
+
+
+# ---------------------------------------------------------------------------------- the slot rule
+def slot(block: Any, position: Any, block_size: int) -> Any:
+    """The KV slot of `position` in its `block` (ints or numpy arrays): block * size + offset."""
+    return block * block_size + position % block_size
+
+
+def slots_of(blocks: Any, positions: Any, block_size: int) -> Any:
+    """Each position's slot given a sequence's block list (numpy: `blocks[positions // bs]`)."""
+    return slot(blocks[positions // block_size], positions, block_size)
+
+
+def state_slot(blocks: list[int]) -> int:
+    """A sequence's slot in the device decode state: its first KV block, which no other live
+    sequence holds (block 0, the null block, is never handed out: it is the padding slot)."""
+    return blocks[0]
+
+
+# ---------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """Static shape of one graph: B rows of T tokens attending to at most C context tokens."""
+
+    # "prefill": T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence
+    # ids; each sequence has its own block table, length, last token and sampling values), or
+    # "decode": `rows` sequences, one token each
+    phase: str
+    rows: int
+    tokens: int
+    context: int
+    block_size: int
+    num_blocks: int
+    logprobs: int = 5  # top logprobs per sampled token (the manifest's sampling.max_logprobs)
+    prompt_logprobs: bool = False  # prefill also returns each prompt token's logprobs
+    # decode reads each row's token from the `last_tokens` state (manifest decode_state: device)
+    device_state: bool = False
+
+    @property
+    def packed(self) -> bool:
+        """A prefill of several sequences' tokens in one row."""
+        return self.phase == "prefill" and self.rows > 1
+
+
+def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
+    """The host-built inputs, in order. With device state a decode graph takes no input_ids:
+    `seq_slots` (each row's sequence's slot in `last_tokens`; 0 pads) says where its token is,
+    and prefill takes `seq_slots` too, to store each sequence's sampled token there."""
+    b, t = shape.rows, shape.tokens
+    lines = 1 if shape.phase == "prefill" else b  # prefill: every sequence's tokens in one row
+    host_ids = shape.phase == "prefill" or not shape.device_state
+    specs = [TensorSpec(INPUT_IDS, (lines, t), "int64")] if host_ids else []
+    specs += [
+        TensorSpec(POSITIONS, (lines, t), "int64"),
+        TensorSpec(SLOT_MAPPING, (lines, t), "int64"),
+        TensorSpec(BLOCK_TABLES, (b, shape.context // shape.block_size), "int64"),
+        TensorSpec(CONTEXT_LENS, (b,), "int64"),
+    ]
+    if shape.packed:
+        specs.append(TensorSpec(SEQ_IDS, (1, t), "int64"))
+    if shape.phase == "prefill":
+        specs.append(TensorSpec(LAST_TOKEN_INDEX, (b,), "int64"))
+    if shape.device_state:
+        specs.append(TensorSpec(SEQ_SLOTS, (b,), "int64"))
+    specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
+    if shape.phase == "prefill" and shape.prompt_logprobs:
+        specs.append(TensorSpec(TARGET_IDS, (b, t), "int64"))
+    return specs
+
+
+def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
+    """The user outputs, in order (the K/V mutations precede them in an exported program)."""
+    b, n = shape.rows, shape.logprobs
+    specs = [
+        TensorSpec(NEXT_TOKENS, (b,), "int64"),
+        TensorSpec(TOKEN_LOGPROBS, (b,), "float32"),
+        TensorSpec(TOP_LOGPROB_IDS, (b, n), "int64"),
+        TensorSpec(TOP_LOGPROBS, (b, n), "float32"),
+    ]
+    if shape.phase == "prefill" and shape.prompt_logprobs:
+        t = shape.tokens
+        specs += [
+            TensorSpec(PROMPT_LOGPROBS, (t,), "float32"),
+            TensorSpec(PROMPT_TOP_LOGPROB_IDS, (t, n), "int64"),
+            TensorSpec(PROMPT_TOP_LOGPROBS, (t, n), "float32"),
+        ]
+    return specs
+
+
+def kv_cache_names(num_layers: int, kv_kind: str) -> list[str]:
+    """The cache tensors' input names in order: `k_cache.i`, `v_cache.i` per layer (mha) or one
+    latent `kv_cache.i` per layer (mla)."""
+    return [f"{kind}_cache.{layer}" for layer in range(num_layers) for kind in KV_KINDS[kv_kind]]
+
+
+def is_kv_cache(name: str) -> bool:
+    return name.startswith(tuple(f"{kind}_cache." for kind in ("k", "v", "kv")))
+
+
+def kv_inputs(
+    shape: GraphShape, num_layers: int, kv_kind: str, kv_heads: int, width: int, dtype: str
+) -> list[TensorSpec]:
+    """One K and one V tensor per layer, [blocks, block_size, kv_heads, head_dim]; MLA: one
+    latent tensor per layer, [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
+    kv_shape = (shape.num_blocks, shape.block_size, kv_heads, width)
+    return [TensorSpec(name, kv_shape, dtype) for name in kv_cache_names(num_layers, kv_kind)]
+
+
+def state_names(decode_state: str) -> list[str]:
+    """The device-resident state tensors (after the caches): `last_tokens[slot]`, the last token
+    sampled for the sequence in that slot, aliased like the caches (decode_state: device)."""
+    return [LAST_TOKENS] if decode_state == "device" else []
+
+
+def state_inputs(shape: GraphShape) -> list[TensorSpec]:
+    names = state_names("device" if shape.device_state else "host")
+    return [TensorSpec(name, (shape.num_blocks,), "int64") for name in names]

@@ -1,0 +1,18 @@
+"""Open a bundle wherever it lies: a directory, or a pack (BUNDLE.tar.zst) that is extracted once
+into the bundle cache with every file checked (pack.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from neffkit.contract.bundle import Bundle, is_pack, read_bundle_dir
+from neffkit.contract.pack import unpack_bundle
+
+
+def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
+    """Open a bundle directory or a packed bundle; check its format and (by default) every
+    file's sha256."""
+    root = Path(path)
+    if is_pack(root):
+        root = unpack_bundle(root)
+    return read_bundle_dir(root, verify)

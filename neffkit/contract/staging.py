@@ -1,0 +1,67 @@
+"""Staging directories: a bundle (or an entry) is written beside its destination and renamed
+into place only when complete, so a failed or killed build never leaves half a bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from neffkit.contract.bundle import BUNDLE_JSON
+from neffkit.errors import BundleError
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(parent: Path, prefix: str) -> None:
+    """Remove `<prefix><pid>-*` temp dirs whose process is gone (a SIGKILLed build)."""
+    if not parent.is_dir():
+        return
+    for path in parent.glob(f"{prefix}*"):
+        pid_text = path.name[len(prefix) :].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def staging_dir(dest: Path) -> Iterator[Path]:
+    """A temp directory beside `dest`, renamed onto `dest` only if the block completes.
+
+    On any exception (Ctrl-C included) the temp directory is removed and `dest` is untouched, so a
+    failed build never leaves a half-written bundle.
+    """
+    dest = dest.resolve()
+    if dest.exists() and not (dest / BUNDLE_JSON).exists():
+        raise BundleError(
+            f"{dest}: exists and is not a bundle; refusing to overwrite it",
+            hint="choose another output directory with -o",
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(dest.parent, f".{dest.name}.tmp-")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            old = Path(
+                tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-old-", dir=dest.parent)
+            )
+            os.replace(dest, old / "bundle")
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

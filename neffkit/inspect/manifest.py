@@ -1,0 +1,54 @@
+"""A manifest inspected before building: the flag and bucket rules, with no tracing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from neffkit.audit.checks import audit_buckets, audit_graph
+from neffkit.audit.graph import GraphFacts
+from neffkit.inspect.bundle import INSPECT_SCHEMA_VERSION
+
+
+def inspect_manifest(path: str) -> dict[str, Any]:
+    """The flag and bucket rules on a manifest, before any build (no tracing, no torch)."""
+    from neffkit.compile.flags import resolve_options
+    from neffkit.compile.plan import make_plan
+    from neffkit.manifest import load_manifest
+
+    m = load_manifest(path)
+    plan = make_plan(m)
+    findings = audit_buckets(m.target, list(m.buckets.prefill), m.audit.waive)
+    graphs = []
+    for spec in plan.graphs:
+        opts = resolve_options(m, spec)
+        facts = GraphFacts(
+            spec.name,
+            spec.phase,
+            "",
+            (),
+            opts.flags,
+            opts.flag_origins,
+            m.target,
+            m.neuron.target if m.neuron else None,
+            collectives=m.parallel.tp > 1,
+        )  # no graph yet: tp > 1 means collectives
+        found = [f for f in audit_graph(facts, m.audit.waive) if f.rule.startswith("NK2")]
+        findings += found
+        graphs.append(
+            {
+                "name": spec.name,
+                "flags": list(opts.flags),
+                "options": opts.inductor,
+                "warnings": list(opts.warnings),
+            }
+        )
+    counts = Counter(f.severity for f in findings if not f.waived)
+    return {
+        "schema": INSPECT_SCHEMA_VERSION,
+        "manifest": str(path),
+        "target": m.target,
+        "graphs": graphs,
+        "findings": [f.to_json() for f in findings],
+        "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
+    }

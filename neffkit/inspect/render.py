@@ -1,0 +1,228 @@
+"""Tables a person reads: the bundle summary, findings, one graph, a diff (rich renderables)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _target_line(summary: dict[str, Any]) -> str:
+    neuron = summary.get("neuron")
+    if not neuron:
+        return summary["target"]
+    return f"neuron ({neuron['target']}, lnc={neuron['lnc']}), {summary['stage']}"
+
+
+def _artifact_cell(g: dict[str, Any]) -> str:
+    if not g["artifact"]:
+        return "HLO only"
+    header = g.get("neff_header")
+    if header is None:
+        return _mib(g["artifact_bytes"])
+    if "error" in header:
+        return f"bad NEFF: {header['error']}"
+    version = f"{header['neff_version_major']}.{header['neff_version_minor']}"
+    return (
+        f"{_mib(g['artifact_bytes'])} NEFF {version} lnc={header['lnc_size']} "
+        f"features={header['feature_bits']}"
+    )
+
+
+def _verify_cell(result: dict[str, Any] | None) -> str:
+    if not result:
+        return "-"
+    if "skipped" in result:
+        return "skipped"
+    return f"{'ok' if result['ok'] else 'FAIL'} {result['max_kv_error']:.1e}"
+
+
+def _kv_line(kv: dict[str, Any]) -> str:
+    line = (
+        f"{kv['kind']} {kv['dtype']}: {kv['values_per_token_per_layer']} values per token per "
+        f"layer, {kv['bytes_per_token']} bytes per token"
+    )
+    if "mha_equivalent_bytes_per_token" in kv:
+        mha = kv["mha_equivalent_bytes_per_token"]
+        line += f" (per-head K/V: {mha}, {mha / kv['bytes_per_token']:.1f}x more)"
+    return line
+
+
+def _fp8_line(fp8: dict[str, Any]) -> str:
+    parts = []
+    if fp8["weights"]:
+        block = "x".join(str(b or "all") for b in fp8["weight_block"])
+        part = f"weights per {fp8['weights']} ({block})"
+        if fp8["weight_rescale"] != 1.0:
+            part += f", x{fp8['weight_rescale']:.4g} at build (scales x{fp8['scale_rescale']:.4g})"
+        parts.append(part)
+    if fp8["kv_cache"]:
+        parts.append(f"kv cache (scales: {fp8['kv_scales']})")
+    return "; ".join(parts) + f"; values within ±{fp8['max']:g}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    lay = summary["layout"]
+    counts = summary["finding_counts"]
+    return [
+        ("bundle", summary["bundle"]),
+        ("versions", ", ".join(f"{k} {v}" for k, v in summary["versions"].items())),
+        ("target", _target_line(summary)),
+        (
+            "model",
+            f"{summary['model']['name']} ({summary['model']['architecture']}, "
+            f"{summary['model']['layers']} layers)",
+        ),
+        (
+            "layout",
+            f"tp={lay['tp']} ep={lay['ep']} dtype={lay['dtype']} "
+            f"kv={lay['num_blocks']}x{lay['block_size']} tokens, "
+            f"decode state on the {lay.get('decode_state', 'host')}",
+        ),
+        ("kv cache", _kv_line(summary["kv_cache"])),
+        *([("fp8", _fp8_line(summary["fp8"]))] if summary.get("fp8") else []),
+        ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
+        (
+            "sampling",
+            f"whole vocabulary; top-k/top-p among the {lay['max_top_k']} most likely tokens; "
+            f"logprobs up to {lay.get('max_logprobs', 0)}"
+            + (", prompt logprobs" if lay.get("prompt_logprobs") else ""),
+        ),
+        ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
+        ("total", _mib(summary["total_bytes"])),
+        (
+            "audit",
+            f"{counts['error']} error(s), {counts['warning']} warning(s)"
+            + (f", waived: {', '.join(summary['waived'])}" if summary["waived"] else ""),
+        ),
+    ]
+
+
+def render(summary: dict[str, Any]) -> Any:
+    """Summary, graph table and findings as rich renderables."""
+    from rich.console import Group
+    from rich.table import Table
+
+    head = Table(show_header=False, box=None)
+    for key, value in _summary_rows(summary):
+        head.add_row(key, value)
+    table = Table(title="graphs")
+    for col in (
+        "graph",
+        "phase",
+        "rows",
+        "tokens",
+        "context",
+        "io-alias",
+        "ranks",
+        "artifact",
+        "sha256",
+        "verify",
+        "findings",
+    ):
+        table.add_column(col)
+    for g in summary["graphs"]:
+        b = g["buckets"]
+        table.add_row(
+            g["name"],
+            g["phase"],
+            str(b["rows"]),
+            str(b["tokens"]),
+            str(b["context"]),
+            f"{len(g['io_alias'])} pairs",
+            str(g["ranks"]),
+            _artifact_cell(g),
+            g["graph_sha256"][:12],
+            _verify_cell(g.get("verify")),
+            str(g["findings"]),
+        )
+    parts = [head, table]
+    if summary["findings"]:
+        parts.append(findings_table(summary["findings"]))
+    return Group(*parts)
+
+
+def findings_table(findings: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="findings")
+    for col in ("rule", "severity", "graph", "message", "at", "fix"):
+        table.add_column(col)
+    for f in findings:
+        sev = f["severity"] + (" (waived)" if f["waived"] else "")
+        table.add_row(f["rule"], sev, f["graph"], f["message"], f["at"][:60], f["fix"])
+    return table
+
+
+def render_graph(d: dict) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    io = Table(title=f"{d['name']} ({d['phase']}, ranks: {d['ranks']})")
+    for col in ("input", "shape", "dtype", "aliased by output"):
+        io.add_column(col)
+    alias = {a["input"]: str(a["output"]) for a in d["io_alias"]}
+    for i in d["inputs"]:
+        io.add_row(i["name"], str(i["shape"]), i["dtype"], alias.get(i["name"], ""))
+    for o in d["outputs"]:
+        io.add_row(f"-> {o['name']}", str(o["shape"]), o["dtype"], "")
+    flags = Table(title="options and flags")
+    flags.add_column("option / flag")
+    flags.add_column("origin")
+    for k, v in d["options"].items():
+        flags.add_row(f"{k}={v}", d["option_origins"].get(k, ""))
+    for f in d["flags"]:
+        flags.add_row(f["flag"], f["origin"])
+    ops = Table(title="ops")
+    ops.add_column("op")
+    ops.add_column("count")
+    for op, n in d["op_histogram"].items():
+        ops.add_row(op, str(n))
+    parts = [io, flags, ops]
+    if d.get("hlo"):
+        lines = [f"HLO module {d['hlo']} (sha256 {d['hlo_sha256'][:12]})"]
+        pairs = d["hlo_input_output_alias"]
+        lines.append(
+            f"  input_output_alias: {len(pairs)} pair(s): "
+            + ", ".join(f"out {a['output']} ← param {a['parameter']} ({a['input']})" for a in pairs)
+        )
+        if d.get("compiler"):
+            lines.append(
+                f"  compiled by {d['compiler']['version']}: {' '.join(d['compiler']['argv'])}"
+            )
+        header = d.get("neff_header")
+        if header:
+            lines.append(f"  NEFF header: {json.dumps(header)}")
+        if d.get("verify"):
+            lines.append(f"  verify: {json.dumps(d['verify'])}")
+        parts.append("\n".join(lines))
+    if d["collectives"]:
+        parts.append("collectives:\n  " + "\n  ".join(d["collectives"]))
+    if d["findings"]:
+        parts.append(findings_table(d["findings"]))
+    return Group(*parts)
+
+
+def render_diff(d: dict) -> str:
+    lines = [f"a: {d['a']}", f"b: {d['b']}"]
+    for key in ("graphs_added", "graphs_removed", "weights_changed"):
+        if d[key]:
+            lines.append(f"{key.replace('_', ' ')}: {', '.join(map(str, d[key]))}")
+    for key in ("versions", "layout"):
+        for k, (x, y) in d[key].items():
+            lines.append(f"{key} {k}: {x} → {y}")
+    for g in d["graphs_changed"]:
+        parts = []
+        if "graph_sha256" in g:
+            parts.append(f"graph {g['graph_sha256'][0][:12]} → {g['graph_sha256'][1][:12]}")
+        if "flags" in g:
+            parts.append(f"flags -{g['flags']['removed']} +{g['flags']['added']}")
+        if "options" in g:
+            parts.append(f"options {g['options'][0]} → {g['options'][1]}")
+        lines.append(f"{g['graph']}: " + "; ".join(parts))
+    if len(lines) == 2:
+        lines.append("no differences")
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""Read a manifest file (schema 1): YAML → validated, fully resolved Manifest.
+
+Every error names the field path and the bad value and says what was expected. Unknown keys are
+errors. Relative paths resolve against the manifest's folder. Imports no torch and nothing from
+neffkit.compile: target names and audit rule ids come from the leaf module neffkit.targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from neffkit.errors import ManifestError, ModelError
+from neffkit.manifest.fields import choice, describe, mapping, no_unknown
+from neffkit.manifest.schema import SCHEMA_VERSION, Manifest
+from neffkit.manifest.sections import (
+    read_audit,
+    read_buckets,
+    read_compiler,
+    read_kv_cache,
+    read_mla,
+    read_neuron,
+    read_parallel,
+    read_sampling,
+)
+from neffkit.models.config import ModelConfig, check_static
+from neffkit.models.registry import read_model_config
+from neffkit.targets import DTYPES, TARGETS
+
+TOP_LEVEL = (
+    "neffkit",
+    "name",
+    "model",
+    "dtype",
+    "target",
+    "neuron",
+    "parallel",
+    "kv_cache",
+    "buckets",
+    "sampling",
+    "compiler",
+    "audit",
+    "mla",
+    "decode_state",
+)
+DECODE_STATES = ("host", "device")
+
+
+def _model_dir(value: Any, base: Path) -> tuple[Path, ModelConfig]:
+    if not isinstance(value, str) or not value:
+        raise ManifestError(
+            f"model: expected a path to an HF model directory, got {describe(value)}"
+        )
+    path = (base / value).resolve()
+    if not path.is_dir():
+        raise ManifestError(f"model: directory {path} does not exist")
+    if not (path / "config.json").exists():
+        raise ManifestError(f"model: {path} has no config.json (is it an HF model directory?)")
+    if not any(path.glob("*.safetensors")):
+        raise ManifestError(
+            f"model: {path} has no *.safetensors files",
+            hint="save the model with save_pretrained(..., safe_serialization=True)",
+        )
+    try:
+        return path, read_model_config(path)
+    except ModelError as exc:
+        raise ManifestError(f"model: {exc.message}", exc.hint) from exc
+
+
+def _header(data: Any, name: str) -> tuple[dict[str, Any], str]:
+    """The document as a mapping with its required keys and schema checked, and its name."""
+    data = mapping(data, "manifest")
+    no_unknown(data, TOP_LEVEL, "")
+    for key in ("neffkit", "model", "buckets"):
+        if key not in data:
+            raise ManifestError(f"{key}: required field is missing")
+    if data["neffkit"] != SCHEMA_VERSION:
+        raise ManifestError(
+            f"neffkit: unsupported manifest schema {data['neffkit']!r}; this neffkit reads schema "
+            f"{SCHEMA_VERSION}"
+        )
+    display_name = data.get("name", name)
+    if not isinstance(display_name, str) or not display_name:
+        raise ManifestError(f"name: expected a non-empty string, got {describe(display_name)}")
+    return data, display_name
+
+
+def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
+    """Validate a parsed YAML document; `base` is the folder relative paths resolve against."""
+    data, display_name = _header(data, name)
+    dtype = choice(data.get("dtype", "float32"), DTYPES, "dtype")
+    target = choice(data.get("target", "cpu"), TARGETS, "target")
+    neuron = read_neuron(data, target)
+    parallel = read_parallel(data.get("parallel", {}))
+    buckets = read_buckets(data["buckets"])
+    sampling = read_sampling(data.get("sampling", {}))
+    compiler = read_compiler(data.get("compiler", {}), "compiler")
+    audit = read_audit(data.get("audit", {}))
+    model_path, model_config = _model_dir(data["model"], base)
+    _check_model(model_config, parallel, buckets, sampling)
+    return Manifest(
+        name=display_name,
+        model=model_path,
+        dtype=dtype,
+        target=target,
+        neuron=neuron,
+        parallel=parallel,
+        kv_cache=read_kv_cache(data.get("kv_cache", {}), buckets, dtype, model_config, parallel),
+        buckets=buckets,
+        sampling=sampling,
+        compiler=compiler,
+        model_config=model_config,
+        audit=audit,
+        mla_decode=read_mla(data.get("mla", {}), model_config),
+        decode_state=choice(
+            data.get("decode_state", "device" if target == "neuron" else "host"),
+            DECODE_STATES,
+            "decode_state",
+        ),
+    )
+
+
+def _check_model(cfg: ModelConfig, parallel: Any, buckets: Any, sampling: Any) -> None:
+    """What the model allows of the layout, the buckets and the sampling section."""
+    try:
+        cfg.check_parallelism(parallel)
+    except ModelError as exc:  # models/ knows the layout, the manifest knows where it was set
+        raise ManifestError(f"{exc.field or 'parallel'}: {exc.message}", exc.hint) from exc
+    static_rope = check_static(cfg.rope_params, buckets.context[-1])
+    if static_rope is not None:
+        raise ManifestError(f"buckets.context: {static_rope}")
+    if sampling.max_logprobs > cfg.vocab_size:
+        raise ManifestError(
+            f"sampling.max_logprobs: {sampling.max_logprobs} exceeds the vocabulary "
+            f"({cfg.vocab_size} tokens)"
+        )
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise ManifestError(f"{path}: manifest file not found") from exc
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot read manifest: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not a text file (a manifest is YAML)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ManifestError(f"{path}: invalid YAML: {exc}") from exc
+    manifest = parse_manifest(data, path.parent.resolve(), name=path.stem)
+    return replace(manifest, source=path.resolve())

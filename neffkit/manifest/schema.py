@@ -1,0 +1,146 @@
+"""The manifest's values (schema 1): frozen dataclasses, every default resolved when parsed.
+
+What downstream reads is what the manifest resolved (the KV cache dtype, num_blocks, the decode
+state): nothing after parse_manifest fills in a default again. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neffkit.models.config import ModelConfig
+from neffkit.models.parallel import Parallelism
+from neffkit.targets import fp8_max
+
+SCHEMA_VERSION = 1
+# AOTInductor options a manifest may set (compiler.inductor), with their value types.
+INDUCTOR_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "max_autotune": bool,
+    "epilogue_fusion": bool,
+    "cpp.simdlen": int,
+    "cpp.threads": int,
+    "aot_inductor.debug_compile": bool,
+    "fallback_random": bool,
+}
+
+
+KV_DTYPES = ("float8_e4m3fn",)  # beside the model dtype (the default)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    block_size: int
+    num_blocks: int
+    # the cache tensors' dtype, resolved here: the model dtype unless the manifest says
+    # float8_e4m3fn (clamp(x / k_scale, ±M) stored, M the target's fp8 range (targets.fp8_max),
+    # k_scale/v_scale per layer from the checkpoint, else 1.0)
+    dtype: str
+    # num_blocks from a per-rank memory budget (MiB) instead, sized by the cache dtype's width
+    memory_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class Buckets:
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+    context: tuple[int, ...]
+    # rows of a prefill graph: several waiting prompts' chunks in one call (packing a burst of
+    # arrivals); 1 always, since a lone prompt runs cheapest alone
+    prefill_batch: tuple[int, ...] = (1,)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    # top-k / top-p choose among the N most likely tokens (a static shape: a sort of the whole
+    # vocabulary costs milliseconds per row); a request asking for top_k above N is refused.
+    # Requests with neither sample the whole vocabulary, whatever N.
+    max_top_k: int = 64
+    # logprobs: the sampled token's and up to N alternatives' (OpenAI `logprobs`/`top_logprobs`)
+    max_logprobs: int = 5
+    # prefill graphs also return every prompt token's logprobs (echo + logprobs, lm-eval's
+    # loglikelihood). Off by default, as TensorRT-LLM's gather_context_logits: it runs the LM
+    # head on every prompt position, not only the last.
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class NeuronOptions:
+    target: str = "trn2"
+    lnc: int = 2
+
+
+@dataclass(frozen=True)
+class GraphRule:
+    """A per-graph compiler rule; `match` keys: phase, tokens, batch, context (int or [lo, hi])."""
+
+    match: dict[str, Any]
+    flags: tuple[str, ...] = ()
+    inductor: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Compiler:
+    flags: tuple[str, ...] = ()
+    inductor: dict[str, Any] = field(default_factory=dict)
+    per_graph: tuple[GraphRule, ...] = ()
+    # cpu: decode projections through neffkit's C++ kernel (neffkit/cpu_kernels.py): "auto"
+    # (weights of 1 MiB or more, where the host has AVX-512), "on" (every one), "off"
+    cpu_kernel: str = "auto"
+
+
+@dataclass(frozen=True)
+class Audit:
+    waive: tuple[str, ...] = ()  # rule ids whose errors do not fail the build (recorded)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    model: Path
+    dtype: str
+    target: str
+    neuron: NeuronOptions | None
+    parallel: Parallelism
+    kv_cache: KVCache
+    buckets: Buckets
+    sampling: Sampling
+    compiler: Compiler
+    model_config: ModelConfig
+    audit: Audit = Audit()
+    source: Path | None = None
+    # MLA decode (DeepSeek): "absorbed" attends in the latent space (reads the latent cache);
+    # "expanded" up-projects the context to per-head K/V every step (HF's form; for comparison)
+    mla_decode: str = "absorbed"
+    # where decode graphs get each row's input token: "host" sends it as `input_ids`; "device"
+    # reads it from the aliased `last_tokens` state the previous step wrote, the host sending
+    # only which sequence each row holds (`seq_slots`). Default: device on neuron, else host
+    decode_state: str = "host"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.buckets.context[-1]
+
+    @property
+    def fp8_max(self) -> float:
+        """The range fp8 values may use on this target (240 on trn1/trn2, else 448)."""
+        return fp8_max(self.target, self.neuron.target if self.neuron else None)
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache.dtype == "float8_e4m3fn"
+
+    @property
+    def uses_fp8(self) -> bool:
+        """fp8 values in the graphs: fp8 checkpoint weights or an fp8 KV cache."""
+        return bool(self.model_config.fp8_block) or self.fp8_kv_cache
+
+    def to_json(self) -> dict[str, Any]:
+        """The resolved manifest as bundle.json stores it: absolute model path, defaults filled."""
+        data = asdict(self)
+        data.pop("model_config")
+        data.pop("source")
+        data["neffkit"] = SCHEMA_VERSION
+        data["model"] = str(self.model)
+        return data

@@ -1,0 +1,299 @@
+"""The base decoder: one static-shape paged forward per graph, in parts a family overrides.
+
+A graph is a full forward: embedding, all layers, final norm, LM head, sampling, KV writes. Its
+inputs are flat and ordered as the graph ABI (contract/abi.py) lists them: metadata, `rank`
+where needed, the KV cache, the decode state, then the weights in the order the family's
+sharding rules (shards.py) yield them. Weights as inputs let one copy in memory serve every
+graph, and are what neuronx-cc and torch-mlir expect. Nothing here reads a tensor value on the
+host: shapes are static per graph.
+
+The parts, each a method a family overrides (mlc-llm's way: Mixtral over Llama replaces the MLP
+and nothing else): `embed`, `layer` (norm placement), `attention` (and its `qk_norm`, `sinks`
+hooks), `feed_forward`, `mlp` (and `activation`), `norm`, `logits`. As written here they are the
+dense Llama family's: pre-norm RMSNorm, GQA attention with RoPE, SwiGLU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from neffkit.contract import abi
+from neffkit.contract.abi import GraphShape
+from neffkit.kernels.attention import context_mask, packed_context_mask, paged_attention
+from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
+from neffkit.kernels.norm import rms_norm
+from neffkit.kernels.quant import dequantize_blocks
+from neffkit.kernels.rope import apply_rope, rope_cos_sin
+from neffkit.kernels.sampling import sample, target_logprobs
+from neffkit.models.config import ModelConfig
+from neffkit.models.forms import PLAIN, ProjectionPolicy
+from neffkit.models.parallel import Parallelism
+from neffkit.models.projection import materialized, out_features, project
+from neffkit.models.rope_scaling import rope_frequencies
+from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
+from neffkit.targets import E4M3FN_MAX
+
+
+@dataclass
+class Step:
+    """What every layer of one forward reads: weights by name, this rank, the layers' caches,
+    RoPE, the attention masks per window, the flat slots and block tables."""
+
+    w: dict[str, torch.Tensor]
+    rank: torch.Tensor | None  # [1] int64: this graph's rank, as data (tp > 1, ep > 1)
+    caches: tuple[torch.Tensor, ...]  # per layer: (k, v), or (latent,) for MLA
+    cos: torch.Tensor  # [B, T, 1, D]
+    sin: torch.Tensor
+    masks: dict[int | None, torch.Tensor]  # window → [B, T, C] (packed: [1, T, S*C])
+    slots: torch.Tensor  # [B*T]
+    block_tables: torch.Tensor  # [B, C/bs] (packed: [1, S*C/bs])
+
+
+class DecoderGraph(torch.nn.Module):
+    """forward(*flat_inputs) → the tensors `abi.graph_outputs` lists (next tokens and logprobs);
+    K/V caches are mutated in place (io-aliased)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shape: GraphShape,
+        weight_names: list[str],
+        max_top_k: int,
+        par: Parallelism | None = None,
+        projection: ProjectionPolicy = PLAIN,
+        fp8_max: float = E4M3FN_MAX,
+    ) -> None:
+        super().__init__()
+        self.fp8_max = fp8_max  # the range fp8 cache values are clamped to (targets.fp8_max)
+        self.cfg = cfg
+        self.shape = shape
+        self.weight_names = weight_names
+        self.meta_names = [spec.name for spec in abi.metadata_inputs(shape)]
+        self.max_top_k = max_top_k
+        self.par = par or Parallelism()
+        self.has_rank = cfg.needs_rank_input(self.par)
+        self.projection = projection
+        self.rope_attention_factor = rope_frequencies(cfg.rope_params, cfg.head_dim)[1]
+        self.caches_per_layer = len(abi.KV_KINDS[cfg.kv_kind])
+
+    # ------------------------------------------------------------ the forward
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg, shape = self.cfg, self.shape
+        num_meta = len(self.meta_names)
+        m = dict(zip(self.meta_names, flat[:num_meta], strict=True))
+        rest = flat[num_meta:]
+        rank = rest[0] if self.has_rank else None  # [1] int64: this graph's rank, as data
+        rest = rest[1:] if self.has_rank else rest
+        n_caches = self.caches_per_layer * cfg.num_layers
+        caches, rest = rest[:n_caches], rest[n_caches:]
+        last_tokens = rest[0] if shape.device_state else None  # [num_blocks] int64, aliased
+        rest = rest[1:] if shape.device_state else rest
+        w = dict(zip(self.weight_names, rest, strict=True))
+        if cfg.fp8_block:  # block fp8 weights: widened right before use (kernels/quant.py)
+            w = self._dequantized(w)
+        state_slots = None
+        if last_tokens is not None:  # clamped like every index from the host (audit NK303)
+            state_slots = m[abi.SEQ_SLOTS].clamp(0, last_tokens.shape[0] - 1)
+        if abi.INPUT_IDS in m:
+            input_ids = m[abi.INPUT_IDS]
+        else:  # device state: each row's token is the one the last step stored for its sequence
+            assert last_tokens is not None and state_slots is not None
+            input_ids = last_tokens.index_select(0, state_slots).unsqueeze(1)  # [B, 1]
+
+        # Ids are validated on the host; the clamp is defence in depth: an out-of-range gather is
+        # an out-of-bounds DMA on Neuron and a crash on CPU (audit rule NK109).
+        ids = input_ids.clamp(0, cfg.vocab_size - 1)
+        h = self.embed(ids, w, rank)  # [B, T, hidden]
+        step = self._step(m, w, rank, caches, h.dtype)
+        for layer in range(cfg.num_layers):
+            h = self.layer(h, layer, step)
+        sampled, prompt = self._sample(h, m, w, rank)
+        if last_tokens is not None:  # the next decode step's input, stored on the device
+            # padding rows all write the padding slot 0, which no sequence reads
+            last_tokens.index_put_((state_slots,), sampled[0])
+        return (*sampled, *prompt)
+
+    def _step(self, m, w, rank, caches, dtype) -> Step:
+        """RoPE, the masks (one per distinct window) and the slots every layer shares."""
+        cfg, shape = self.cfg, self.shape
+        positions, block_tables = m[abi.POSITIONS], m[abi.BLOCK_TABLES]
+        context_lens, seq_ids = m[abi.CONTEXT_LENS], m.get(abi.SEQ_IDS)
+        cos, sin = rope_cos_sin(
+            positions, w[ROPE_INV_FREQ], self.rope_attention_factor, dtype
+        )  # [B, T, 1, D]
+        if seq_ids is not None:  # packed: one row attending to every sequence's context
+            masks = {
+                window: packed_context_mask(positions, seq_ids, context_lens, shape.context, window)
+                for window in set(cfg.sliding_windows)
+            }  # [1, T, S*C] per distinct window
+            block_tables = block_tables.reshape(1, -1)  # [1, S*C/bs]: the contexts side by side
+        else:
+            masks = {
+                window: context_mask(positions, context_lens, shape.context, window)
+                for window in set(cfg.sliding_windows)
+            }  # [B, T, C] per distinct window
+        slots = m[abi.SLOT_MAPPING].reshape(-1)  # [B*T]
+        return Step(w, rank, tuple(caches), cos, sin, masks, slots, block_tables)
+
+    def _sample(self, h, m, w, rank) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The final norm and LM head where sampling needs them, then on-device sampling; prefill
+        with prompt logprobs runs the head on every position (TRT-LLM's context logits)."""
+        cfg, shape = self.cfg, self.shape
+        positions = m[abi.POSITIONS]
+        temperature, top_k, top_p, seed = (m[name] for name in abi.SAMPLING_NAMES)
+        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        prompt: tuple[torch.Tensor, ...] = ()
+        if shape.phase == "prefill":
+            tokens = positions.shape[1]
+            # [S]: each sequence's last token in the row; clamped like every index from the
+            # host (audit NK303: a gather past the chunk would be an out-of-bounds DMA on Neuron)
+            last = m[abi.LAST_TOKEN_INDEX].clamp(0, tokens - 1)
+            last_pos = positions[0].index_select(0, last)  # [S]
+            if shape.prompt_logprobs:
+                h_all = self.norm(h[0], w["model.norm.weight"])
+                all_logits = self.logits(h_all, head, rank)  # [T, vocab]
+                targets = m[abi.TARGET_IDS][0].clamp(0, cfg.vocab_size - 1)  # [T]
+                prompt = target_logprobs(all_logits, targets, shape.logprobs)
+                logits = all_logits.index_select(0, last)  # [1, vocab]
+            else:
+                h_last = self.norm(h[0].index_select(0, last), w["model.norm.weight"])
+                logits = self.logits(h_last, head, rank)  # [1, vocab]
+        else:
+            last_pos = positions[:, -1]  # [B]
+            h_last = self.norm(h[:, -1], w["model.norm.weight"])
+            logits = self.logits(h_last, head, rank)  # [B, vocab]
+        sampled = sample(
+            logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
+        )
+        return sampled, prompt
+
+    # ------------------------------------------------------------ parts a family overrides
+    def layer(self, h: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """One decoder layer, pre-norm: h + attention(norm(h)), then h + feed_forward(norm(h))."""
+        p, w = f"model.layers.{layer}", step.w
+        x = self.norm(h, w[f"{p}.input_layernorm.weight"])
+        h = h + self.attention(x, layer, step)
+        x = self.norm(h, w[f"{p}.post_attention_layernorm.weight"])
+        return h + self.feed_forward(x, layer, step)
+
+    def attention(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """GQA over the paged K/V cache: project, RoPE, write this step's K/V, attend."""
+        cfg, w, p = self.cfg, step.w, f"model.layers.{layer}"
+        k_cache, v_cache = step.caches[2 * layer], step.caches[2 * layer + 1]
+        rows, tokens, _ = x.shape
+        kv_heads = k_cache.shape[2]
+        heads = out_features(w[f"{p}.self_attn.q_proj.weight"]) // cfg.head_dim
+        q = self.linear(x, w, f"{p}.self_attn.q_proj").view(rows, tokens, heads, cfg.head_dim)
+        k = self.linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
+        v = self.linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
+        q, k = self.qk_norm(q, k, w, p)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
+        fp8_max = self.fp8_max
+        write_kv(
+            k_cache,
+            v_cache,
+            to_cache(k.reshape(-1, kv_heads, cfg.head_dim), k_cache.dtype, fp8_max, k_scale),
+            to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype, fp8_max, v_scale),
+            step.slots,
+        )
+        keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)
+        values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
+        if self.projection.buffer_queries:
+            q = materialized(q)
+        mask = step.masks[cfg.sliding_windows[layer]]
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        out = paged_attention(q, keys, values, mask, scale, self.sinks(w, p))
+        partial = self.project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel
+        return self.reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
+
+    def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms on q and k before RoPE (none here; Qwen3's per-head RMSNorm in the family)."""
+        return q, k
+
+    def sinks(self, w: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
+        """A learned logit per head in each softmax denominator (GPT-OSS); none here."""
+        return None
+
+    def feed_forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """The layer's MLP, all-reduced under tp (its down bias, if any, added once after)."""
+        prefix = f"model.layers.{layer}.mlp"
+        return self.reduce(self.mlp(x, step.w, prefix), step.w.get(f"{prefix}.down_proj.bias"))
+
+    def mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        """Gated MLP; under tp a partial sum."""
+        gate = self.linear(x, w, f"{prefix}.gate_proj")
+        up = self.linear(x, w, f"{prefix}.up_proj")
+        return self.project(self.activation(gate, up), w[f"{prefix}.down_proj.weight"])
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: silu(gate) * up."""
+        return torch.nn.functional.silu(gate) * up
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def embed(
+        self, ids: torch.Tensor, w: dict[str, torch.Tensor], rank: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Embedding lookup; with tp > 1 a vocab-parallel one: each rank looks up the ids in its
+        rows (others read as zeros) and the all-reduce sums the one non-zero row per token."""
+        table = w["model.embed_tokens.weight"]
+        if self.par.tp == 1:
+            return table[ids]
+        rows = table.shape[0]
+        local = ids - rank * rows
+        inside = (local >= 0) & (local < rows)
+        h = table[local.clamp(0, rows - 1)] * inside.unsqueeze(-1).to(table.dtype)
+        return self.reduce(h, None)
+
+    def logits(
+        self, x: torch.Tensor, head: torch.Tensor, rank: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logits [N, vocab]. With tp > 1 each rank projects onto its vocabulary shard and the
+        shards are gathered (placed at the rank's offset, all-reduced: exact, every rank then
+        holds the same logits and samples identically, and no collective beyond all-reduce is
+        needed by any target's lowering)."""
+        logits = self.project(x, head)  # [N, rows]
+        if self.par.tp == 1:
+            return logits
+        mine = (torch.arange(self.par.tp, device=x.device) == rank).to(logits.dtype)
+        spread = mine.unsqueeze(-1) * logits.unsqueeze(-2)  # [N, tp, rows]: zeros but ours
+        return self.reduce(spread, None).flatten(-2)[..., : self.cfg.vocab_size]
+
+    # ------------------------------------------------------------ shared helpers
+    def project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return project(x, weight, self.projection)
+
+    def linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        out = self.project(x, w[f"{prefix}.weight"])
+        bias = w.get(f"{prefix}.bias")
+        return out if bias is None else out + bias
+
+    def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Sum row-parallel partial outputs over ranks, then add the (whole) bias once.
+
+        The collective's result feeds the residual add and is never itself a graph output: a
+        graph that returns a collective's buffer deadlocks its next call under gloo.
+        """
+        if self.par.tp > 1:
+            import torch.distributed as dist
+            from torch.distributed import _functional_collectives as fc
+
+            partial = fc.all_reduce(partial, "sum", dist.group.WORLD)  # string op: picklable
+        return partial if bias is None else partial + bias
+
+    def _dequantized(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        dtype = w["model.embed_tokens.weight"].dtype  # the bundle's dtype (never quantized)
+        out = {}
+        for name, tensor in w.items():
+            if name.endswith(FP8_SCALE):
+                continue
+            scale = w.get(name + FP8_SCALE)
+            if scale is not None:
+                tensor = dequantize_blocks(tensor, scale, self.cfg.fp8_block, dtype)
+            out[name] = tensor
+        return out

@@ -1,0 +1,80 @@
+"""The forms a target chooses for a model's weights and projections, as plain values.
+
+`ProjectionPolicy` says how a graph writes `x @ weight.T` (projection.py has the forms themselves
+and why each exists); `Storage` says how the bundle stores the checkpoint's tensors beyond the
+tp/ep cut. Both are recorded in the build's layout and bundle.json. Pure Python (no torch): the
+build's hand-off types hold them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LANES = 16  # one AVX-512 float32 vector: the weight tile the row loop shares
+
+
+@dataclass(frozen=True)
+class ProjectionPolicy:
+    """A target's choice of projection forms (compile/backends set it; recorded per graph)."""
+
+    max_rows: int = 0  # rows written as fused reductions; 0 = always `dot` / `mm`
+    lanes: int = 0  # projection weights stored blocked [out/lanes, in, lanes]; 0 = plain
+    # decode rows on blocked weights through neffkit::blocked_rows: "off", "on" (every weight)
+    # or "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's reductions)
+    kernel: str = "off"
+    kernel_min_bytes: int = 1 << 20
+    # Inductor targets: attention's queries stored once, after RoPE, before the score reduction
+    # (see `materialized`: otherwise Inductor inlines RoPE into that reduction and recomputes
+    # it for every key; 125M bf16 model, 8 rows: ~0.9 ms of a layer's attention, bench/batch.py)
+    buffer_queries: bool = False
+
+    def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
+        """The form `project` writes for `rows` activation rows and this weight layout
+        (`weight_bytes` None: the form of the largest weights)."""
+        if blocked:
+            if rows > self.max_rows:
+                return "blocked-bmm"
+            big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
+            if self.kernel == "on" or (self.kernel == "auto" and big):
+                return "kernel-rows"
+            return "blocked-rows"
+        if self.max_rows == 0:
+            return "dot"
+        return "reduction" if rows == 1 else "mm"
+
+
+PLAIN = ProjectionPolicy()  # `dot`/`mm` on plain weights: neuron, eager references
+
+
+def is_projection_weight(name: str) -> bool:
+    """Graph weights that reach the graph only through `project` (so may be stored blocked).
+
+    DeepSeek's kv_b_proj is viewed per head and absorbed (einsum), so it stays plain; expert
+    weights are graph inputs `moe.gate_up` / `moe.down`, gathered per token (models/moe.py)."""
+    if name == "lm_head.weight":
+        return True
+    return name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight")
+
+
+def blocks(name: str, shape: tuple[int, ...], lanes: int) -> bool:
+    """Is this (bundle-dtype, not fp8) weight stored blocked under `lanes`?"""
+    return lanes > 0 and len(shape) == 2 and shape[0] % lanes == 0 and is_projection_weight(name)
+
+
+def blocked_shape(shape: tuple[int, ...], lanes: int) -> tuple[int, ...]:
+    out_features, in_features = shape
+    return (out_features // lanes, in_features, lanes)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a bundle stores the checkpoint's tensors, beyond the tp/ep cut."""
+
+    dtype: str  # unquantized tensors' bundle dtype
+    # fp8 weights are multiplied by this and their scales divided by it: 240/448 on trn1/trn2,
+    # whose fp8 values must stay within ±240 (targets.fp8_max), else 1
+    fp8_rescale: float = 1.0
+    # the fp8 KV cache reads the checkpoint's per-layer k_scale / v_scale (graph inputs)
+    kv_scales: bool = False
+    # projection weights stored blocked [out/lanes, in, lanes] (models/projection.py); 0: plain
+    lanes: int = 0

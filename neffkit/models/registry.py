@@ -1,0 +1,121 @@
+"""The registry of model families: architecture name → the family that reads and builds it.
+
+The single list of what neffkit can build (the manifest's errors, the docs' table and the tests'
+matrix come from it). Each family is a package `neffkit.models.<family>` with a torch-free
+`config.py` (its ModelConfig subclass, read from config.json) and a `model.py` (its graph module
+and its sharding rules, both over the shared decoder in models/decoder.py and models/shards.py).
+The build (compile/) reaches models only through this module; family modules are imported
+lazily, so reading a config imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from neffkit.errors import ModelError
+from neffkit.models.config import ModelConfig, read_config_json
+
+if TYPE_CHECKING:
+    from neffkit.contract.abi import GraphShape
+    from neffkit.models.decoder import DecoderGraph
+    from neffkit.models.forms import ProjectionPolicy
+    from neffkit.models.parallel import Parallelism
+    from neffkit.models.shards import Shards
+
+__all__ = [
+    "ARCHITECTURES",
+    "Family",
+    "ModelConfig",
+    "build_graph",
+    "family_of",
+    "graph_class",
+    "read_model_config",
+    "shards_class",
+]
+
+ADDING_A_MODEL = "docs/adding-a-model.md"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where one architecture's parts live: `neffkit.models.<package>.config.<config>` and
+    `neffkit.models.<package>.model.<graph>` / `.<shards>`."""
+
+    package: str
+    config: str
+    graph: str
+    shards: str
+
+
+_LLAMA = Family("llama", "LlamaConfig", "LlamaGraph", "LlamaShards")
+ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
+    "MixtralForCausalLM": Family("moe", "MoeConfig", "MoeGraph", "MixtralShards"),
+    "Qwen3MoeForCausalLM": Family("moe", "MoeConfig", "MoeGraph", "MoeShards"),
+    "GptOssForCausalLM": Family("gpt_oss", "GptOssConfig", "GptOssGraph", "GptOssShards"),
+    "DeepseekV3ForCausalLM": Family(
+        "deepseek_v3", "DeepseekV3Config", "DeepseekV3Graph", "DeepseekV3Shards"
+    ),
+}
+
+
+def family_of(architecture: str | None, where: str = "config.json") -> Family:
+    """The family of an architecture; an unknown one is refused with the supported list."""
+    if architecture not in ARCHITECTURES:
+        raise ModelError(
+            f"{where}: architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)}",
+            hint=f"a new architecture is a family module behind the registry: see {ADDING_A_MODEL}",
+        )
+    return ARCHITECTURES[architecture]
+
+
+def _part(family: Family, module: str, name: str) -> Any:
+    return getattr(importlib.import_module(f"neffkit.models.{family.package}.{module}"), name)
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """Parse `model_dir/config.json` (+ generation_config.json for EOS ids) by its family."""
+    path = model_dir / "config.json"
+    raw = read_config_json(model_dir)
+    archs = raw.get("architectures") or []
+    family = family_of(archs[0] if archs else None, str(path))
+    try:
+        return _part(family, "config", family.config).from_hf(raw, path)
+    except KeyError as exc:
+        raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc
+
+
+def graph_class(cfg: ModelConfig) -> type[DecoderGraph]:
+    """The graph module class that builds this config's graphs (imports torch)."""
+    family = family_of(cfg.architecture)
+    return _part(family, "model", family.graph)
+
+
+def shards_class(cfg: ModelConfig) -> type[Shards]:
+    """The sharding rules that cut this config's checkpoint into rank shards (imports torch)."""
+    family = family_of(cfg.architecture)
+    return _part(family, "model", family.shards)
+
+
+def build_graph(
+    cfg: ModelConfig,
+    shape: GraphShape,
+    weight_names: list[str],
+    max_top_k: int,
+    par: Parallelism,
+    projection: ProjectionPolicy,
+    fp8_max: float,
+    options: dict[str, str] | None = None,
+) -> DecoderGraph:
+    """The eager module of one graph: what is traced, and the oracle `build --verify` compares
+    artifacts against. `options` are the family's own (DeepSeek: mla_decode)."""
+    return graph_class(cfg)(
+        cfg, shape, weight_names, max_top_k, par, projection, fp8_max, **(options or {})
+    )

@@ -1,0 +1,136 @@
+"""neffkit's own C++ CPU kernel library: `neffkit::blocked_rows` (csrc/blocked_rows.cpp).
+
+Decode projections of a few rows on blocked weights: each weight vector is loaded once for all
+rows (see the source for why Inductor's reductions do not get there). AOTInductor packages call
+the op through the dispatcher, so a process must have the library loaded before it runs them: a
+build compiles it once per source, torch version and CPU (`$NEFFKIT_KERNEL_CACHE`, default
+`~/.cache/neffkit/kernels`), loads it to trace, and ships it in the bundle (`kernels/`); the
+runtime loads the bundle's copy (no compiler there). A leaf: torch only at import; the compiler
+is looked for only when building.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from neffkit.platform import host
+
+SOURCE = Path(__file__).parent / "csrc" / "blocked_rows.cpp"
+LIBRARY_NAME = "libneffkit_cpu.so"
+OP = "blocked_rows"
+# the ISA the kernel needs (AVX-512 foundation and byte/word ops for the bf16 widening)
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw"})
+
+_loaded: set[str] = set()
+
+
+class KernelBuildError(RuntimeError):
+    """The library could not be compiled here (no g++, a compile error)."""
+
+
+def supported() -> bool:
+    """Does this host's CPU run the kernel?"""
+    return REQUIRED_FLAGS <= host.cpu_flags()
+
+
+def is_loaded() -> bool:
+    return hasattr(torch.ops, "neffkit") and hasattr(torch.ops.neffkit, OP)
+
+
+def load_library(path: Path | str) -> None:
+    """Register the op from a built library, once per process (a second registration of the
+    same op would be refused by the dispatcher)."""
+    if is_loaded() or str(path) in _loaded:
+        return
+    torch.ops.load_library(str(path))
+    _loaded.add(str(path))
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise KernelBuildError(f"no C++ compiler ({cxx}) on PATH to build {SOURCE.name}")
+    return cxx
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        # no build or venv path in the library (TORCH_CHECK records __FILE__): same bytes from
+        # any checkout and venv
+        f"-ffile-prefix-map={SOURCE.parent}=neffkit/platform/csrc",
+        f"-ffile-prefix-map={Path(torch.__file__).parent}=torch",
+        *(f"-I{p}" for p in include_paths()),
+        str(SOURCE), "-o", str(out),
+        *(f"-L{p}" for p in library_paths()), "-ltorch", "-ltorch_cpu", "-lc10",
+    ]  # fmt: skip
+
+
+def library_key(cxx: str) -> str:
+    """What the compiled library depends on: source, command, torch, compiler, the CPU's ISA."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    command = " ".join(_command(cxx, Path(LIBRARY_NAME)))
+    parts = [SOURCE.read_bytes().hex(), command, torch.__version__, version,
+             *sorted(host.cpu_flags())]  # fmt: skip
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    default = Path.home() / ".cache" / "neffkit" / "kernels"
+    return Path(os.environ.get("NEFFKIT_KERNEL_CACHE", default))
+
+
+def build_library() -> Path:
+    """The library for this host, compiled once and kept (written whole, then renamed: two
+    builds at once each compile, and one rename wins). Found once per process and cache
+    directory: a build asks for it at every graph's trace."""
+    return _library_in(cache_dir())
+
+
+@functools.cache
+def _library_in(cache: Path) -> Path:
+    cxx = _compiler()
+    out = cache / library_key(cxx) / LIBRARY_NAME
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        proc = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
+        os.replace(tmp, out)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+def ensure_for_tracing() -> Path:
+    """Build (once) and load the library, with the op's shape function for torch.export."""
+    path = build_library()
+    load_library(path)
+    _register_fake()
+    return path
+
+
+@functools.cache
+def _register_fake() -> None:
+    torch.library.register_fake(f"neffkit::{OP}")(_blocked_rows_fake)
+
+
+def _blocked_rows_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]), dtype=torch.float32)

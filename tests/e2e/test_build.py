@@ -1,0 +1,407 @@
+"""Incremental, explainable, interruptible builds (content-addressed cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neffkit.compile.cache.local import KEY_JSON, ArtifactCache
+from neffkit.compile.units import CacheKey
+from tests.conftest import EXTRA, MODELS, REPO, artifact_cache, bundle_json, write_manifest
+
+
+def _build_cmd(manifest: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "build",
+        str(manifest),
+        "-o",
+        str(out),
+        "--cache",
+        str(cache),
+        *extra,
+    ]
+
+
+def _cli_build(manifest: Path, out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+    # one worker, in the build's own process: no pool to start on a machine the tests share
+    cmd = _build_cmd(manifest, out, cache, *extra, *(() if "-j" in extra else ("-j", "1")))
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+
+
+def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp_path):
+    first = bundle("llama_tied")
+    manifest = session_dir / "llama_tied.yaml"
+    proc = _cli_build(manifest, tmp_path / "again", artifact_cache(), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    # the early key (DESIGN.md "Cache"): nothing changed, so nothing is traced either
+    assert report["counters"] == {
+        "graphs": 3,
+        "traced": 0,
+        "trace_hits": 3,
+        "spmd_groups": 0,
+        "per_rank_graphs": 0,
+        "compiled": 0,
+        "cache_hits": 3,
+        # the weight shard is not cut again: linked (or copied) from the cache
+        next(k for k in report["counters"] if k.startswith("weights_")): 1,
+    }
+    assert "weights_cut" not in report["counters"]
+    assert all(g["cache"] == "hit" for g in report["graphs"])
+    assert set(report["seconds"]) >= {"plan", "trace", "compile", "write"}
+    assert report["peak_rss_mb"]["main"] > 0
+    second = Path(report["bundle"])
+    assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
+    # the projection form each graph was written with (cpu: blocked weights; llama_tied's
+    # decode rows through neffkit's kernel, cpu_kernel: on; prefill as bmm over the blocks)
+    forms = {g["name"]: g["projection"] for g in bundle_json(second)["graphs"]}
+    kernel = EXTRA["llama_tied"]["compiler"]["cpu_kernel"] == "on"
+    decode = "kernel-rows" if kernel else "blocked-rows"
+    assert forms == {
+        "prefill_t16_c64": "blocked-bmm",
+        "decode_b1_c64": decode,
+        "decode_b4_c64": decode,
+    }
+    assert (first / "kernels").exists() == kernel
+    for ir in (first / "ir").iterdir():
+        assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """An S3-compatible endpoint for this test: moto's server, started here and stopped here
+    (no real object store is reachable from CI). Yields the environment a client needs."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "NEFFKIT_CACHE_MIRROR": str(tmp_path / "mirror"),
+        "NEFFKIT_BUNDLES": str(tmp_path / "unpacked"),
+    }
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, "moto server did not start"
+                time.sleep(0.2)
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _s3fs(env: dict[str, str]) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"],
+        secret=env["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        use_listings_cache=False,
+    )
+
+
+def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
+    bundle, session_dir, tmp_path, s3
+):
+    """`--shard 1/2` and `--shard 2/2` run as separate processes (a CI matrix) into one fresh
+    cache on an S3 endpoint, each tracing and compiling only its share and writing no bundle;
+    the build without a shard then traces and compiles nothing, and its bundle.json and ir/
+    are byte-identical to a local build's (packages made reproducible: inductor's
+    make_reproducible). Then: an entry whose upload stopped before its key.json is compiled
+    again, `--cache-readonly` writes nothing, and the pack is read back from the bucket."""
+    first = bundle("llama_tied")
+    manifest = session_dir / "llama_tied.yaml"
+    fs = _s3fs(s3)
+    fs.mkdir("neffkit-ci")
+    cache = "s3://neffkit-ci/cache"
+    env = {**os.environ, **s3}
+
+    def cli_build(out: Path | None, *extra: str) -> dict[str, Any]:
+        cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "--cache", cache]
+        cmd += [*(["-o", str(out)] if out else []), *extra, "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "neffkit",
+                "build",
+                str(manifest),
+                "--cache",
+                cache,
+                "--shard",
+                f"{k}/2",
+                "-j",
+                "1",
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )  # fmt: skip
+        for k in (1, 2)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+        reports.append(json.loads(out))
+    shares = [{g["name"] for g in r["graphs"]} for r in reports]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == {"prefill_t16_c64", "decode_b1_c64", "decode_b4_c64"}
+    for r, share in zip(reports, shares, strict=True):
+        assert r["bundle"] is None and r["counters"]["compiled"] == len(share)
+        assert r["counters"]["traced"] == len(share)
+    report = cli_build(tmp_path / "assembled", "--pack")
+    assert report["counters"]["traced"] == 0 and report["counters"]["compiled"] == 0
+    second = Path(report["bundle"])
+    assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
+    for ir in (first / "ir").iterdir():
+        assert ir.read_bytes() == (second / "ir" / ir.name).read_bytes()
+
+    # an upload interrupted before its key.json: the object is there, the entry is not
+    graph_entries = [
+        k.rsplit("/", 1)[0]
+        for k in fs.find("neffkit-ci/cache/entries")
+        if k.endswith(KEY_JSON) and "artifact_metadata" in json.loads(fs.cat_file(k))
+    ]
+    assert len(graph_entries) == 3
+    fs.rm_file(f"{graph_entries[0]}/{KEY_JSON}")
+    objects = {k: fs.info(k)["ETag"] for k in fs.find("neffkit-ci")}
+    readonly = cli_build(tmp_path / "ro", "--cache-readonly")
+    assert readonly["counters"]["compiled"] == 1 and readonly["counters"]["cache_hits"] == 2
+    assert {k: fs.info(k)["ETag"] for k in fs.find("neffkit-ci")} == objects  # nothing written
+    again = cli_build(tmp_path / "again")
+    assert again["counters"]["compiled"] == 1 and again["counters"]["traced"] == 0
+    assert fs.exists(f"{graph_entries[0]}/{KEY_JSON}")  # published again
+    bad = _cli_build(manifest, tmp_path / "x", tmp_path / "c", "--shard", "3/2")
+    assert bad.returncode == 2 and "expected K/N with 1 <= K <= N" in bad.stderr
+
+    # the pack, uploaded and read back by URL: inspect equals the directory's
+    fs.put_file(report["pack"], "neffkit-ci/bundles/llama_tied.tar.zst")
+    inspected = [
+        subprocess.run(
+            [sys.executable, "-m", "neffkit", "inspect", target, "--verify", "--json"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=300,
+        )  # fmt: skip
+        for target in (str(second), "s3://neffkit-ci/bundles/llama_tied.tar.zst")
+    ]
+    assert all(p.returncode == 0 for p in inspected), inspected[1].stderr
+    from_dir, from_url = (json.loads(p.stdout) for p in inspected)
+    from_dir.pop("bundle", None), from_url.pop("bundle", None)
+    assert from_dir == from_url
+    missing = subprocess.run(
+        [sys.executable, "-m", "neffkit", "inspect", "s3://neffkit-ci/bundles/none.tar.zst"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "none.tar.zst: no such pack" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir, tmp_path):
+    """A checkpoint file's stamp is part of the early key: touching it retraces every graph;
+    the traced graphs are unchanged, so nothing recompiles."""
+
+    bundle("llama_tied")  # the cache holds this model's artifacts
+    model = tmp_path / "model"
+    shutil.copytree(hf_model_dir("llama_tied"), model)
+    manifest = write_manifest(
+        tmp_path / "m.yaml", model, buckets=MODELS["llama_tied"][2], **EXTRA["llama_tied"]
+    )
+    cache = artifact_cache()
+    first = json.loads(_cli_build(manifest, tmp_path / "a", cache, "--json").stdout)
+    weights = model / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    again = json.loads(_cli_build(manifest, tmp_path / "b", cache, "--json").stdout)
+    for report in (first, again):
+        assert report["counters"]["traced"] == 3 and report["counters"]["compiled"] == 0
+    warm = json.loads(_cli_build(manifest, tmp_path / "c", cache, "--json").stdout)
+    assert warm["counters"]["traced"] == 0 and warm["counters"]["compiled"] == 0
+
+
+def _evict(cache: Path, options: dict[str, Any]) -> None:
+    """Drop the cache's entries compiled with these options: a test that must see them
+    compiled again (the test cache persists across runs) starts without them."""
+    for key_json in (cache / "entries").glob(f"*/{KEY_JSON}"):
+        factors = json.loads(key_json.read_text()).get("factors", {})
+        if options.items() <= (factors.get("options") or {}).items():
+            shutil.rmtree(key_json.parent, ignore_errors=True)
+
+
+def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_model_dir, tmp_path):
+    bundle("llama_tied")  # the cache holds this manifest's graphs
+    rule = {"match": {"phase": "decode", "batch": 4}, "inductor": {"epilogue_fusion": False}}
+    _evict(artifact_cache(), rule["inductor"])
+    extra = EXTRA["llama_tied"]  # the session bundle's fields, the rule added
+    manifest = write_manifest(
+        tmp_path / "llama_tied.yaml",
+        hf_model_dir("llama_tied"),
+        buckets=MODELS["llama_tied"][2],
+        **{**extra, "compiler": {**extra["compiler"], "per_graph": [rule]}},
+    )
+    proc = _cli_build(manifest, tmp_path / "out", artifact_cache(), "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["counters"]["compiled"] == 1
+    rows = {g["name"]: g for g in report["graphs"]}
+    assert rows["decode_b4_c64"]["cache"] == "miss"
+    assert rows["decode_b1_c64"]["cache"] == rows["prefill_t16_c64"]["cache"] == "hit"
+    assert (
+        "decode_b4_c64: recompiling, options changed: epilogue_fusion=(unset) → False"
+        in proc.stderr
+    )
+    graph = next(g for g in bundle_json(tmp_path / "out")["graphs"] if g["name"] == "decode_b4_c64")
+    assert graph["options"] == {"epilogue_fusion": False, "realize_opcount_threshold": 16}
+    assert graph["option_origins"] == {
+        "epilogue_fusion": "rule 0",
+        "realize_opcount_threshold": "base",
+    }
+    # inspect --diff names exactly that graph and that option
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "inspect",
+            str(bundle("llama_tied")),
+            "--diff",
+            str(tmp_path / "out"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    diff = json.loads(proc.stdout)
+    assert diff["graphs_changed"] == [
+        {"graph": "decode_b4_c64", "options": [{}, {"epilogue_fusion": False}]}
+    ]
+    assert diff["graphs_added"] == diff["graphs_removed"] == diff["weights_changed"] == []
+    assert diff["versions"] == {} and diff["layout"] == {}
+
+
+def test_dry_run_writes_nothing(bundle, session_dir, tmp_path):
+    bundle("llama_tied")
+    out = tmp_path / "never"
+    proc = _cli_build(session_dir / "llama_tied.yaml", out, artifact_cache(), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "decode_b4_c64" in proc.stdout and "hit" in proc.stdout
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def _entries_valid(cache: Path) -> int:
+    entries = list((cache / "entries").iterdir()) if (cache / "entries").exists() else []
+    for entry in entries:
+        meta = json.loads((entry / KEY_JSON).read_text())
+        assert (entry / meta["artifact"]).exists()
+    ArtifactCache(cache)  # opening it validates nothing away
+    for entry in entries:
+        key = CacheKey(json.loads((entry / KEY_JSON).read_text())["factors"])
+        assert ArtifactCache(cache).lookup(key) is not None, entry
+    return len(entries)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_killed_build_leaves_nothing_half_written(sig, hf_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    manifest = write_manifest(
+        tmp_path / "kill.yaml",
+        hf_model_dir("llama_tied"),
+        buckets={"prefill": [32], "decode": [2], "context": [64]},
+    )
+    out = tmp_path / "bundles" / "kill"
+    log = tmp_path / "log.txt"
+    # SIGINT handled as Python does by default, whatever the test process inherited: a
+    # process started while SIGINT is ignored keeps ignoring it (here: after the Ray cluster
+    # test ran in the same worker), and the build would run to the end
+    restore = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'neffkit'; runpy.run_module('neffkit', run_name='__main__')"
+    )
+    cmd = [sys.executable, "-c", restore, *_build_cmd(manifest, out, cache, "-j", "2")[3:]]
+    # Inductor's own cache in a directory of this test's: a graph another test (or the other
+    # signal's run) compiled would otherwise come back in a second, before the signal lands
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env=env
+        )
+    deadline = time.time() + 300
+    while "compile:" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert "compile:" in log.read_text(), log.read_text()
+    time.sleep(3)  # g++ is running now
+    os.killpg(proc.pid, sig)
+    rc = proc.wait(timeout=60)
+    assert rc != 0
+    assert not out.exists()
+    if sig == signal.SIGINT:
+        text = log.read_text()
+        assert "interrupted: nothing was written" in text and "Traceback" not in text
+        assert "leaked" not in text
+        assert [p.name for p in out.parent.iterdir()] == []  # staging dir removed
+        assert not list((cache / "tmp").iterdir())
+    _entries_valid(cache)
+    # the next build succeeds and clears what a SIGKILL left behind
+    again = _cli_build(manifest, out, cache, "--json")
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in out.parent.iterdir()] == ["kill"]
+    assert not list((cache / "tmp").iterdir())
+    assert _entries_valid(cache) == 3  # two graphs and the weight shard
+
+
+def test_cache_entry_corruption_is_a_miss(tmp_path):
+    cache = ArtifactCache(tmp_path / "c")
+    artifact = tmp_path / "a.pt2"
+    artifact.write_bytes(b"compiled")
+    key = CacheKey({"graph": "x", "flags": ["-O2"]})
+    stored = cache.store(key, artifact)
+    assert cache.lookup(key) == stored
+    stored.write_bytes(b"damaged")
+    assert cache.lookup(key) is None and not stored.parent.exists()
+    # storing the same key twice (two builds racing) keeps one valid entry
+    cache.store(key, artifact)
+    cache.store(key, artifact)
+    assert cache.lookup(key) is not None
+    assert list((tmp_path / "c" / "tmp").iterdir()) == []

@@ -1,0 +1,116 @@
+"""neffkit's C++ decode-projection kernel (neffkit/platform/csrc/blocked_rows.cpp) against torch's
+matmul, and its way into a bundle: built at `neffkit build`, shipped in kernels/, loaded by
+the runtime from there (no compiler on the serving host)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from neffkit.models.projection import to_blocked
+from neffkit.platform import cpu_kernels, host
+from tests.conftest import REPO, bundle_json
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-512")
+
+
+@pytest.fixture(scope="module")
+def op():
+    cpu_kernels.ensure_for_tracing()
+    return torch.ops.neffkit.blocked_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16])
+def test_blocked_rows_equals_matmul(op, dtype, rows):
+    """Every row count (tiles of 8, 4 and 2 blocks, and their remainders: 13 blocks), both
+    weight dtypes (bf16 widened in-register), over K steps past the prefetch distance."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(13 * 16, 96, generator=gen).to(dtype)
+    x = torch.randn(rows, 96, generator=gen)
+    got = op(x, to_blocked(weight, 16))
+    want = x.float() @ weight.float().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, 13 * 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(params=[True, False], ids=["amx", "fma"])
+def amx(request, op):
+    """Both paths of bf16 rows: AMX tiles (where the host has them) and the FMA fallback."""
+    yield torch.ops.neffkit.set_amx(request.param)
+    torch.ops.neffkit.set_amx(True)
+
+
+def test_amx_is_used_where_the_cpu_has_it(op):
+    assert torch.ops.neffkit.set_amx(True) == ({"amx_tile", "amx_bf16"} <= host.cpu_flags())
+    assert torch.ops.neffkit.set_amx(False) is False
+    torch.ops.neffkit.set_amx(True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17])
+def test_bf16_rows_on_bf16_weights(op, amx, rows):
+    """bf16 x bf16 products are exact in float32 on either path; only the summation order
+    differs. 17 rows: two tile row groups; K = 160: five 32-wide chunks, odd and even tiles."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(5 * 16, 160, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 160, generator=gen).to(torch.bfloat16)
+    want = x.float() @ weight.float().t()
+    torch.testing.assert_close(op(x, to_blocked(weight, 16)), want, rtol=1e-5, atol=1e-4)
+
+
+def test_blocked_rows_odd_width_and_bf16_rows(op):
+    """An odd K, and bf16 rows (converted to float32 by the kernel)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 33, generator=gen).to(torch.bfloat16)
+    for x in (torch.randn(3, 33, generator=gen), torch.randn(3, 33, generator=gen).bfloat16()):
+        want = x.float() @ weight.float().t()
+        torch.testing.assert_close(op(x, to_blocked(weight, 16)), want, rtol=1e-5, atol=1e-4)
+
+
+def test_bundle_ships_the_kernel_and_the_runtime_needs_no_compiler(bundle, tmp_path):
+    """llama_tied is built with cpu_kernel: on: every decode graph records the kernel form and
+    the library travels in kernels/; a run with no compiler and an empty kernel cache loads it
+    from there (its HF parity is test_runtime's)."""
+    path = bundle("llama_tied")
+    data = bundle_json(path)
+    assert data["kernels"] == ["kernels/libneffkit_cpu.so"]
+    assert "kernels/libneffkit_cpu.so" in data["files"]
+    forms = {g["name"]: g["projection"] for g in data["graphs"]}
+    assert {f for n, f in forms.items() if n.startswith("decode_")} == {"kernel-rows"}
+    assert all(f == "blocked-bmm" for n, f in forms.items() if n.startswith("prefill_"))
+    env = {**os.environ, "CXX": "/nonexistent/g++", "NEFFKIT_KERNEL_CACHE": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "neffkit", "run", str(path), "--prompt-ids", "1,2,3",
+         "--max-tokens", "4", "--json"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(json.loads(proc.stdout)["outputs"][0]["token_ids"]) == 4
+    assert list(tmp_path.iterdir()) == []  # nothing compiled
+
+
+def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
+    """The blocked-rows form through AOTInductor, the weight a graph input: x @ W.T."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    from neffkit.models.forms import LANES, ProjectionPolicy
+    from neffkit.models.projection import project, to_blocked
+
+    policy = ProjectionPolicy(max_rows=8, lanes=LANES)
+
+    class Proj(torch.nn.Module):
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return project(x, w, policy)
+
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 96, generator=gen), torch.randn(4, 96, generator=gen)
+    blocked = to_blocked(weight, LANES)
+    program = torch.export.export(Proj(), (x, blocked))
+    package = aoti_compile_and_package(program, package_path=str(tmp_path / "proj.pt2"))
+    out = aoti_load_package(package)(x, blocked)
+    torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,84 @@
+"""The docs a user is sent to exist: every docs page (and anchor) an error hint, a comment or a
+page names, every relative link of the README and docs/; the README stays short and for users."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+DOCS = REPO / "docs"
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+NAMED = re.compile(r"(?<![\w/.])(docs/[\w.-]+\.md)(#[\w-]+)?")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    found: set[str] = set()
+    in_code = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            base = slug(line.lstrip("#"))
+            name, n = base, 1
+            while name in found:  # repeated headings get -1, -2, ...
+                name, n = f"{base}-{n}", n + 1
+            found.add(name)
+    return found
+
+
+def check(target: Path, anchor: str | None, where: str) -> list[str]:
+    if not target.exists():
+        return [f"{where}: {target.relative_to(REPO)} does not exist"]
+    if anchor and target.suffix == ".md" and anchor not in anchors(target):
+        return [f"{where}: {target.relative_to(REPO)} has no heading #{anchor}"]
+    return []
+
+
+def test_every_docs_page_the_code_names_exists() -> None:
+    """Hints and comments in neffkit/ (and the Makefile, bench/, tools/) name pages that exist."""
+    sources = [*REPO.joinpath("neffkit").rglob("*.py"), *REPO.joinpath("bench").rglob("*.py"),
+               *REPO.joinpath("tools").rglob("*.py"), REPO / "Makefile"]  # fmt: skip
+    bad = []
+    for path in sources:
+        for m in NAMED.finditer(path.read_text()):
+            anchor = m.group(2)[1:] if m.group(2) else None
+            bad += check(REPO / m.group(1), anchor, str(path.relative_to(REPO)))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_relative_links_resolve(page: Path) -> None:
+    bad = []
+    for m in LINK.finditer(page.read_text()):
+        link = m.group(1)
+        if "://" in link or link.startswith("mailto:"):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        bad += check(target, anchor or None, page.name)
+    for m in NAMED.finditer(page.read_text()):  # pages named in prose: `docs/builds.md`
+        bad += check(REPO / m.group(1), m.group(2)[1:] if m.group(2) else None, page.name)
+    assert not bad, bad
+
+
+def test_readme_is_short_and_for_users() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for page in [*PAGES, *REPO.joinpath("neffkit").rglob("*.py")]:
+        text = page.read_text().lower()
+        for word in ("closing note", 'design.md"', "field notes"):
+            assert word not in text, f"{page.relative_to(REPO)}: {word!r}"
+        assert not re.search(r"\bstop 2\d\b", text), page
+    assert not re.search(r"(?<!docs/)DESIGN\.md", readme)
