@@ -31,9 +31,10 @@ demo: setup
 	$(PY) -m neffkit inspect bundles/demo-llama
 	$(PY) -m neffkit run bundles/demo-llama --prompt "def main(" --max-tokens 48
 
-# unit and e2e tests; the tp=2 matrix of every family is test-all's
+# unit and e2e tests (the workers first build the shared bundles side by side); test-all adds
+# the tp=2 matrix of every family, configuration variants, Ray cluster builds, per-rank artifacts
 test: setup-test
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not matrix" --durations=25
+	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not matrix" --durations=25
 
 # tests/unit: nothing built, no server (manifest, plan, flags, audit rules, scheduler, ...)
 test-fast: setup-test
@@ -41,7 +42,7 @@ test-fast: setup-test
 
 # everything, the tp=2 matrix included
 test-all: setup-test
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: setup-test
 	.venv/bin/ruff check neffkit tests bench tools

@@ -20,6 +20,7 @@ builds nothing; `matrix` tests (the tp=2 matrix of every family) run only in `ma
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -161,11 +162,35 @@ MAX_NEW = 12
 E2E = REPO / "tests" / "e2e"
 
 
+# tests that compile for real on every run (their caches start empty on purpose): scheduled
+# first, so the two workers share them instead of one running them at the end
+COMPILE_EVERY_RUN = (
+    "test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing",
+    "test_killed_builds_leave_nothing_half_written",
+    "test_one_rule_change_recompiles_exactly_its_graphs",
+    "test_a_changed_checkpoint_is_traced_again",
+    "test_hlo_protos_are_byte_identical_across_builds",
+    "test_build_pack_round_trips_through_run_and_inspect",
+    "test_build_with_compiler_compiles_and_caches",
+    "test_cluster_build_equals_local_and_survives_a_lost_node",
+    "test_per_rank_artifacts_opt_in",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A build or run a test starts without naming a cache uses the test cache's, never the
+    user's ~/.cache/neffkit (subprocesses inherit these)."""
+    os.environ.setdefault("NEFFKIT_CACHE", str(cache_root() / "default-cache"))
+    os.environ.setdefault("NEFFKIT_BUNDLES", str(cache_root() / "unpacked"))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests under tests/e2e/ build bundles or start servers: marked `e2e` by where they are."""
+    """Tests under tests/e2e/ build bundles or start servers: marked `e2e` by where they are.
+    The tests that compile on every run go first (a stable sort keeps the rest in order)."""
     for item in items:
         if E2E in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.e2e)
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in COMPILE_EVERY_RUN)
 
 
 def cache_root() -> Path:
@@ -175,8 +200,10 @@ def cache_root() -> Path:
 
 
 def artifact_cache() -> Path:
-    """neffkit's artifact cache inside the test cache: every test build reads and fills it."""
-    return cache_root() / "artifacts"
+    """neffkit's artifact cache inside the test cache: every test build reads and fills it. One
+    per compile environment, so the tests that compare fresh compiles with cached ones compare
+    bytes made alike."""
+    return cache_root() / "artifacts" / environment_digest()
 
 
 def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -194,7 +221,29 @@ def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess
 
 
 def run_json(*args: str) -> dict[str, Any]:
+    """The CLI's --json output. `neffkit run` of a one-rank cpu bundle runs in this process
+    (click's test runner: the same command, argument parsing to report, without starting a
+    Python and torch); everything else, and every test of exit codes and messages, through a
+    real subprocess (run_cli)."""
+    if _runs_here(args):
+        from click.testing import CliRunner
+
+        from neffkit.cli import cli
+
+        result = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
     return json.loads(run_cli(*args, "--json", check=True).stdout)
+
+
+def _runs_here(args: tuple[str, ...]) -> bool:
+    if len(args) < 2 or args[0] != "run" or "--executor" in args:
+        return False
+    meta = Path(args[1]) / "bundle.json"
+    if not meta.is_file():
+        return False
+    record = json.loads(meta.read_text())
+    return record["target"] == "cpu" and record["layout"]["world_size"] == 1
 
 
 def run_ids(path: Path, prompts: list[list[int]], max_tokens: int = MAX_NEW, *extra: str):
@@ -258,6 +307,7 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+@functools.cache
 def model_digest(kind: str, seed: int = 0) -> str:
     """Everything a test checkpoint is made from: its config, the seed, transformers' version,
     the tokenizer files, the chat template and the code that makes it."""
@@ -298,26 +348,31 @@ def cached_dir(name: str, make: Callable[[Path], object]) -> Path:
     return out
 
 
-def in_fresh_process(kind: str, out: Path) -> None:
-    """make_hf_model in a process of its own: transformers saves nothing on a process whose
-    torch.distributed group says rank != 0, and a test worker may hold tracing's fake group."""
-    code = "import sys, pathlib; from tests.conftest import make_hf_model as make; "
-    code += "make(sys.argv[1], pathlib.Path(sys.argv[2]))"
-    cmd = [sys.executable, "-c", code, kind, str(out)]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+def model_dir_name(kind: str) -> str:
+    return f"models/{kind}-{model_digest(kind)}"
+
+
+def make_missing_models() -> None:
+    """Every MODELS checkpoint the test cache lacks, made by one process of its own (one import
+    of transformers for all): transformers saves nothing in a process whose torch.distributed
+    group says rank != 0, and a test worker may hold tracing's fake group."""
+    code = (
+        "from tests.conftest import MODELS, cached_dir, make_hf_model, model_dir_name\n"
+        "for kind in MODELS:\n"
+        "    cached_dir(model_dir_name(kind), lambda d, k=kind: make_hf_model(k, d))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True)
 
 
 @pytest.fixture(scope="session")
 def hf_model_dir() -> Callable[[str], Path]:
     """kind → its tiny random HF checkpoint (persistent: see the module docstring)."""
-    made: dict[str, Path] = {}
 
     def get(kind: str) -> Path:
-        if kind not in made:
-            made[kind] = cached_dir(
-                f"models/{kind}-{model_digest(kind)}", lambda d: in_fresh_process(kind, d)
-            )
-        return made[kind]
+        out = cache_root() / model_dir_name(kind)
+        if not (out / ".complete").exists():
+            make_missing_models()
+        return out
 
     return get
 
@@ -332,7 +387,9 @@ def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
         "sampling": {"max_top_k": 16},
     }
     data.update(overrides)
-    path.write_text(yaml.safe_dump(data))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole or not at all: workers share it
+    tmp.write_text(yaml.safe_dump(data))
+    os.replace(tmp, path)
     return path
 
 
@@ -353,7 +410,30 @@ def bundle_key(manifest_path: Path, *flags: str) -> str:
         for spec in make_plan(manifest).graphs
         for rank in range(manifest.parallel.tp)
     ]
-    return hashlib.sha256(json.dumps([keys, sorted(flags)]).encode()).hexdigest()[:16]
+    env = environment_digest()
+    return hashlib.sha256(json.dumps([keys, sorted(flags), env]).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _compiler_version() -> str:
+    proc = subprocess.run(["c++", "--version"], capture_output=True, text=True)
+    return proc.stdout.splitlines()[0] if proc.returncode == 0 and proc.stdout else "none"
+
+
+@functools.cache
+def environment_digest() -> str:
+    """What an artifact's bytes depend on beyond its graph (docs/builds.md, reproducible
+    packages): the host the product's own cache keys by, the C++ compiler, and the paths the
+    compiled library records (torch's headers, Inductor's cache directory). A test cache carried
+    to another machine or venv then builds its bundles again instead of comparing old bytes."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from neffkit.compile.backends import get_backend
+
+    host = get_backend("cpu").host_requirements().to_json()
+    env = [host, _compiler_version(), str(Path(torch.__file__).parent), cache_dir()]
+    return hashlib.sha256(json.dumps(env).encode()).hexdigest()[:16]
 
 
 def cached_bundle(
@@ -431,6 +511,48 @@ def tp_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callabl
         return built[kind]
 
     return get
+
+
+# configuration variants of a family already in `make test`: their HF parity runs in
+# `make test-all` (DeepSeek without q-LoRA: its q_proj path; Qwen2 with yarn, which GPT-OSS and
+# DeepSeek also use)
+VARIANTS = ("deepseek_noq", "qwen2_yarn")
+TP2_IN_TEST = ("llama", "qwen3")  # their tp=2 bundles serve runtime, server and audit tests
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt(session_dir: Path, bundle, tp_bundle, lowered) -> None:
+    """With NEFFKIT_TEST_PREBUILD=1 (`make test`), every worker starts by building the bundles
+    most tests share, each taking the next one no other worker has claimed: builds run side by
+    side from the start instead of one worker waiting on the build another started."""
+    if os.environ.get("NEFFKIT_TEST_PREBUILD") != "1":
+        return
+    jobs: list[tuple[str, Callable[[], object]]] = [
+        (kind, lambda k=kind: bundle(k)) for kind in MODELS if kind not in VARIANTS
+    ]
+    jobs += [(f"{k}_tp2", lambda k=k: tp_bundle(k)) for k in TP2_IN_TEST]
+    jobs += [(f"{k}_neuron_tp{tp}", lambda k=k, tp=tp: lowered(k, tp)) for k, tp in LOWERED]
+    for name, build in jobs:
+        with claimed(session_dir, name) as mine:
+            if mine:
+                build()
+
+
+@contextmanager
+def claimed(session_dir: Path, name: str) -> Iterator[bool]:
+    """Claim job NAME for this worker, without waiting: yields False if another holds it."""
+    claims = session_dir / "claims"
+    claims.mkdir(parents=True, exist_ok=True)
+    with (claims / f"{name}.lock").open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

@@ -31,10 +31,11 @@ from tests.conftest import (
 )
 from tests.conftest import run_ids as _run
 
-BUCKETS = {"prefill": [16], "decode": [1, 4], "context": [64]}
 # one decode graph: the scale layouts' projections run as mm in prefill and as the fused
-# reduction in decode either way (a test budget of 8 minutes: every graph costs a compile)
+# reduction in decode either way (every graph costs a compile of the suite's budget); more
+# prompts than decode rows take turns
 ONE_DECODE = {"prefill": [16], "decode": [1], "context": [64]}
+BUCKETS = ONE_DECODE
 SHAPE = {"hidden_size": 72, "head_dim": 16, "intermediate_size": 128}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -125,11 +126,11 @@ def test_a_tp_cut_inside_an_fp8_block_is_refused_naming_the_tensor(session_dir):
 def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bundle):
     """kv_cache.dtype float8_e4m3fn: K/V inputs are fp8 (a byte per value), inspect says so, and
     greedy tokens stay close to the unquantized cache's (the agreement is printed)."""
-    from tests.conftest import MODELS, bundle_json, run_json
+    from tests.conftest import bundle_json, run_json
 
     kind = "llama_tied"
     result = build_session_bundle(
-        session_dir, hf_model_dir(kind), f"{kind}_kvfp8", buckets=MODELS[kind][2],
+        session_dir, hf_model_dir(kind), f"{kind}_kvfp8", buckets=ONE_DECODE,
         kv_cache={"block_size": 16, "dtype": "float8_e4m3fn"},
     )  # fmt: skip
     record = bundle_json(result.bundle)

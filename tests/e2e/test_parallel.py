@@ -13,14 +13,11 @@ import torch
 import torch.distributed as dist
 
 from neffkit.compile.spmd import SPMDMismatchError
-from tests.conftest import LONG, MAX_NEW, MIXED, PARALLEL, REPO, SHORT, write_manifest
+from tests.conftest import LONG, MAX_NEW, MIXED, PARALLEL, REPO, SHORT, TP2_IN_TEST, write_manifest
 from tests.conftest import run_ids as _run
 
-# tp=2 of llama and qwen3 (their bundles also serve the multi-rank runtime, server and audit
-# tests) in `make test`; every other family's tp=2 bundle in `make test-all`
-TP2_IN_TEST = ("llama", "qwen3")
 
-
+# tp=2 of llama and qwen3 in `make test` (TP2_IN_TEST); every other family's in `make test-all`
 @pytest.mark.parametrize(
     "kind",
     [k if k in TP2_IN_TEST else pytest.param(k, marks=pytest.mark.matrix) for k in PARALLEL],
