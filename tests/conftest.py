@@ -83,6 +83,9 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [32, 64],
                                   "prefill_batch": [1, 4]}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
+    # GELU (exact erf) and every bias: hidden_act and attention/mlp_bias change the function
+    "llama_gelu": ("LlamaConfig", {"hidden_act": "gelu", "attention_bias": True, "mlp_bias": True},
+                   SMALL),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
     # MQA + qkv bias; a vocabulary tp=2 does not divide: the last vocab shard is padded
@@ -127,6 +130,33 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     # experts, a shared expert; decode b1 gathers its routed experts
     "deepseek": ("DeepseekV3Config", DEEPSEEK, ONE_DECODE),
     "deepseek_noq": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None}, SMALL),
+    # Gemma 3: a sliding (window 8) and a full layer with their own rope (default / linear),
+    # q/k norms, four norms a layer, sqrt(hidden) embedding scale, query_pre_attn_scalar
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                               "rope_theta": 1000000.0}}}, SMALL),
+    # Phi-3: fused qkv_proj and gate_up_proj; longrope (short factors: context <= original 64)
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                            "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}},
+        SMALL),
+    # Granite: embedding, attention, residual and logit multipliers
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+                                  "residual_multiplier": 0.22, "logits_scaling": 8.0}, SMALL),
+    # OLMo: weightless LayerNorms and clip_qkv; OLMo 2: norms after, q/k norms over all heads
+    "olmo": ("OlmoConfig", {"clip_qkv": 0.5, "pad_token_id": 0}, SMALL),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}, SMALL),
+    # Cohere: parallel attention and MLP, LayerNorms, interleaved rope, per-head q/k norms
+    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.5, "pad_token_id": 0},
+               SMALL),
+    # Gemma 2: soft-capped attention scores and logits (caps small enough to bite)
+    "gemma2": ("Gemma2Config", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}, SMALL),
 }  # fmt: skip
 # kind → manifest fields beyond buckets. llama_tied runs the runtime tests whose rows move
 # between sequences and buckets: there, decode reads its tokens from the device state
@@ -150,6 +180,13 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "gpt_oss": ({"tp": 2, "ep": 2}, TWO_DECODE),
     "deepseek": ({"tp": 2, "ep": 2}, TWO_DECODE),
     "deepseek_noq": ({"tp": 2, "ep": 2}, SMALL),  # q_proj's heads split over the ranks
+    "phi3": ({"tp": 2}, SMALL),
+    "granite": ({"tp": 2}, SMALL),
+    "olmo": ({"tp": 2}, SMALL),
+    "olmo2": ({"tp": 2}, SMALL),
+    "cohere": ({"tp": 2}, SMALL),
+    "gemma3": ({"tp": 2}, SMALL),
+    "gemma2": ({"tp": 2}, SMALL),
 }
 
 
@@ -299,6 +336,8 @@ def make_hf_model(kind: str, out: Path, seed: int = 0) -> Path:
         for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if "bias" in name and param.is_floating_point() and not param.any():
                 param.normal_(0.0, 0.2)  # e_score_correction_bias (a buffer) included
+            if "norm" in name and param.is_floating_point() and not param.any():
+                param.normal_(0.0, 0.2)  # Gemma's norms start at 0 (they scale by 1 + w)
     model.save_pretrained(out)
     assert (out / "model.safetensors").exists(), f"{kind}: transformers wrote no weights"
     for name in TOKENIZER_FILES:
@@ -589,6 +628,10 @@ LOWERED = {  # kind, tp → buckets
     ("deepseek", 1): {"prefill": [16], "decode": [1], "context": [64], "prefill_batch": [1, 2]},
     # experts over 2 groups (ep=2), each expert's intermediate dimension whole (tp/ep = 1)
     ("mixtral", 2): {"prefill": [16], "decode": [2], "context": [64]},
+    # Gemma 3: two rotations, q/k norms, scaled embedding, sliding + full layers
+    ("gemma3", 1): {"prefill": [16], "decode": [2], "context": [64]},
+    # OLMo 2 at tp=2: its q/k norms all-reduce their sums of squares over the ranks
+    ("olmo2", 2): {"prefill": [16], "decode": [2], "context": [64]},
 }
 EP = {"mixtral": 2}  # kind → ep at tp > 1
 

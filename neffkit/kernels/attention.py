@@ -59,6 +59,7 @@ def paged_attention(
     mask: torch.Tensor,  # [B, T, C] bool
     scale: float,
     sinks: torch.Tensor | None = None,  # [H]: GPT-OSS's learned logit per head
+    softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [B, T, H * Dv]
     """Grouped-query attention: query head h reads KV head h // (H // KV), like HF repeat_kv.
 
@@ -72,6 +73,8 @@ def paged_attention(
     k = keys.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
     v = values.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KV, G, T, C]
+    if softcap is not None:  # as HF: after the scale, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
     scores = torch.where(mask[:, None, None], scores.float(), MASK_VALUE)
     if sinks is not None:
         sink = sinks.float().reshape(1, kv_heads, group, 1, 1).expand(rows, -1, -1, tokens, 1)

@@ -49,12 +49,25 @@ TOP_LEVEL = (
 DECODE_STATES = ("host", "device")
 
 
+def _looks_like_hub_id(value: str) -> bool:
+    """`org/name`, as the Hub spells a model: one slash, no leading dot, slash or tilde."""
+    parts = value.split("/")
+    return len(parts) == 2 and all(parts) and value[0] not in "./~"
+
+
 def _model_dir(value: Any, base: Path) -> tuple[Path, ModelConfig]:
     if not isinstance(value, str) or not value:
         raise ManifestError(
             f"model: expected a path to an HF model directory, got {describe(value)}"
         )
     path = (base / value).resolve()
+    if not path.is_dir() and _looks_like_hub_id(value):
+        raise ManifestError(
+            f"model: {value!r} is not a directory; neffkit reads local HF model directories, "
+            "not Hub ids",
+            hint=f"download it first: hf download {value} --local-dir models/"
+            f"{value.rsplit('/', 1)[-1]} (then model: models/{value.rsplit('/', 1)[-1]})",
+        )
     if not path.is_dir():
         raise ManifestError(f"model: directory {path} does not exist")
     if not (path / "config.json").exists():

@@ -11,13 +11,37 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from neffkit.errors import ModelError
 from neffkit.models.parallel import Parallelism
 from neffkit.models.quantization import fp8_scheme
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# `hidden_act` values the gated MLP computes as transformers' ACT2FN does (kernels/activation.py)
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+MODELS_DOC = "docs/models.md"
+
+# Config fields that change what a family's HF class computes, with the values neffkit
+# implements; any other value is refused naming the field (never built as something else). A
+# field absent or null means HF's default, which every family implements. The fields HF's class
+# for an architecture does not read change nothing and are not checked. Families extend it.
+FieldRules = dict[str, tuple[Any, ...]]
+COMMON_RULES: FieldRules = {"hidden_act": ACTIVATIONS}
+
+
+def refuse_unimplemented(raw: dict[str, Any], rules: FieldRules, path: Path) -> None:
+    """A ModelError naming the first field of `raw` whose value `rules` does not implement."""
+    arch = (raw.get("architectures") or ["this architecture"])[0]
+    for field, implemented in rules.items():
+        value = raw.get(field)
+        if value is None or value in implemented:
+            continue
+        raise ModelError(
+            f"{path}: {field} = {value!r} is not implemented for {arch}; implemented: "
+            f"{', '.join(map(repr, implemented))}",
+            hint=f"what each family implements: {MODELS_DOC}",
+        )
 
 
 @dataclass(frozen=True)
@@ -46,6 +70,8 @@ class ModelConfig:
     # (DeepSeek: weight_scale_inv; compressed-tensors, fbgemm: weight_scale), multiplied in.
     fp8_block: tuple[int, ...] = ()
     fp8_scale_suffix: str = ""
+    # the gated MLP's activation, by its HF name (ACTIVATIONS)
+    hidden_act: str = "silu"
 
     # the KV cache's kind: "mha" (a K and a V tensor per layer) or "mla" (one latent tensor)
     kv_kind = "mha"
@@ -120,10 +146,19 @@ class ModelConfig:
                 field="parallel.ep", message=f"{par.ep} > 1 needs a mixture-of-experts model"
             )
 
+    # the function-changing fields this family implements (refuse_unimplemented)
+    RULES: ClassVar[FieldRules] = COMMON_RULES
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
         """The config from a parsed config.json (`path` names it in errors)."""
         return cls(**common_fields(raw, path))
+
+    @classmethod
+    def read(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+        """from_hf, after refusing every field value the family does not implement."""
+        refuse_unimplemented(raw, cls.RULES, path)
+        return cls.from_hf(raw, path)
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -170,6 +205,7 @@ def common_fields(raw: dict[str, Any], path: Path, uniform_window: bool = False)
             "bos_token_id": raw.get("bos_token_id"),
             "fp8_block": fp8_block,
             "fp8_scale_suffix": fp8_scale_suffix,
+            "hidden_act": str(raw.get("hidden_act") or "silu"),
         }
     except KeyError as exc:
         raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc
@@ -194,7 +230,11 @@ def layer_windows(
     if uniform and window:
         return (int(window),) * num_layers
     if raw.get("use_sliding_window") and window:
-        raise ModelError("config.json: use_sliding_window without layer_types is not supported")
+        raise ModelError(
+            "config.json: use_sliding_window = true without layer_types is not implemented "
+            "(give layer_types: which layers slide)",
+            hint=f"what each family implements: {MODELS_DOC}",
+        )
     return (None,) * num_layers
 
 
@@ -219,11 +259,17 @@ def rope_parameters(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         params["rope_theta"] = cfg.get("rope_theta", 10000.0)
     if params["rope_type"] not in ROPE_TYPES:
         raise ModelError(
-            f"{where}: rope type {params['rope_type']!r} is not supported; supported: "
-            f"{', '.join(ROPE_TYPES)}"
+            f"{where}: rope_parameters.rope_type = {params['rope_type']!r} is not implemented; "
+            f"implemented: {', '.join(ROPE_TYPES)}",
+            hint=f"what each family implements: {MODELS_DOC}",
         )
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelError(f"{where}: partial_rotary_factor != 1 is not supported")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise ModelError(
+            f"{where}: partial_rotary_factor = {partial} is not implemented (rotary embedding "
+            "over the whole head only)",
+            hint=f"what each family implements: {MODELS_DOC}",
+        )
     params["max_position_embeddings"] = cfg.get("max_position_embeddings")
     return params
 

@@ -22,6 +22,7 @@ import torch
 
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
+from neffkit.kernels.activation import gated
 from neffkit.kernels.attention import context_mask, packed_context_mask, paged_attention
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
 from neffkit.kernels.norm import rms_norm
@@ -50,6 +51,8 @@ class Step:
     masks: dict[int | None, torch.Tensor]  # window → [B, T, C] (packed: [1, T, S*C])
     slots: torch.Tensor  # [B*T]
     block_tables: torch.Tensor  # [B, C/bs] (packed: [1, S*C/bs])
+    # a second rotation some layers use instead of (cos, sin) (Gemma 3's sliding layers)
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DecoderGraph(torch.nn.Module):
@@ -153,17 +156,17 @@ class DecoderGraph(torch.nn.Module):
             last = m[abi.LAST_TOKEN_INDEX].clamp(0, tokens - 1)
             last_pos = positions[0].index_select(0, last)  # [S]
             if shape.prompt_logprobs:
-                h_all = self.norm(h[0], w["model.norm.weight"])
+                h_all = self.norm(h[0], w.get("model.norm.weight"))
                 all_logits = self.logits(h_all, head, rank)  # [T, vocab]
                 targets = m[abi.TARGET_IDS][0].clamp(0, cfg.vocab_size - 1)  # [T]
                 prompt = target_logprobs(all_logits, targets, shape.logprobs)
                 logits = all_logits.index_select(0, last)  # [1, vocab]
             else:
-                h_last = self.norm(h[0].index_select(0, last), w["model.norm.weight"])
+                h_last = self.norm(h[0].index_select(0, last), w.get("model.norm.weight"))
                 logits = self.logits(h_last, head, rank)  # [1, vocab]
         else:
             last_pos = positions[:, -1]  # [B]
-            h_last = self.norm(h[:, -1], w["model.norm.weight"])
+            h_last = self.norm(h[:, -1], w.get("model.norm.weight"))
             logits = self.logits(h_last, head, rank)  # [B, vocab]
         sampled = sample(
             logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
@@ -190,7 +193,8 @@ class DecoderGraph(torch.nn.Module):
         k = self.linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         v = self.linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         q, k = self.qk_norm(q, k, w, p)
-        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        cos, sin = self.rope(layer, step)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
         fp8_max = self.fp8_max
         write_kv(
@@ -205,14 +209,28 @@ class DecoderGraph(torch.nn.Module):
         if self.projection.buffer_queries:
             q = materialized(q)
         mask = step.masks[cfg.sliding_windows[layer]]
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-        out = paged_attention(q, keys, values, mask, scale, self.sinks(w, p))
+        out = paged_attention(
+            q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap
+        )
         partial = self.project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel
         return self.reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
 
     def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms on q and k before RoPE (none here; Qwen3's per-head RMSNorm in the family)."""
         return q, k
+
+    # tanh soft-capping of the attention scores (Gemma 2): none here
+    softcap: float | None = None
+    # how q and k are rotated: rotate-half here (Cohere: interleaved pairs)
+    rotary = staticmethod(apply_rope)
+
+    def attention_scale(self) -> float:
+        """What q·k is multiplied by: 1/sqrt(head_dim) here."""
+        return 1.0 / math.sqrt(self.cfg.head_dim)
+
+    def rope(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin layer `layer` rotates q and k by: one set for every layer here."""
+        return step.cos, step.sin
 
     def sinks(self, w: dict[str, torch.Tensor], p: str) -> torch.Tensor | None:
         """A learned logit per head in each softmax denominator (GPT-OSS); none here."""
@@ -230,8 +248,8 @@ class DecoderGraph(torch.nn.Module):
         return self.project(self.activation(gate, up), w[f"{prefix}.down_proj.weight"])
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: silu(gate) * up."""
-        return torch.nn.functional.silu(gate) * up
+        """act(gate) * up, act the config's `hidden_act` (SwiGLU for most checkpoints)."""
+        return gated(self.cfg.hidden_act, gate, up)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.cfg.rms_norm_eps)

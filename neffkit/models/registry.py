@@ -59,6 +59,13 @@ ARCHITECTURES: dict[str, Family] = {
     "MixtralForCausalLM": Family("moe", "MoeConfig", "MoeGraph", "MixtralShards"),
     "Qwen3MoeForCausalLM": Family("moe", "MoeConfig", "MoeGraph", "MoeShards"),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssConfig", "GptOssGraph", "GptOssShards"),
+    "Phi3ForCausalLM": Family("phi3", "Phi3Config", "Phi3Graph", "Phi3Shards"),
+    "CohereForCausalLM": Family("cohere", "CohereConfig", "CohereGraph", "CohereShards"),
+    "GraniteForCausalLM": Family("granite", "GraniteConfig", "GraniteGraph", "GraniteShards"),
+    "OlmoForCausalLM": Family("olmo", "OlmoConfig", "OlmoGraph", "OlmoShards"),
+    "Olmo2ForCausalLM": Family("olmo", "OlmoConfig", "OlmoGraph", "OlmoShards"),
+    "Gemma2ForCausalLM": Family("gemma", "GemmaConfig", "GemmaGraph", "GemmaShards"),
+    "Gemma3ForCausalLM": Family("gemma", "GemmaConfig", "GemmaGraph", "GemmaShards"),
     "DeepseekV3ForCausalLM": Family(
         "deepseek_v3", "DeepseekV3Config", "DeepseekV3Graph", "DeepseekV3Shards"
     ),
@@ -87,7 +94,7 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     family = family_of(archs[0] if archs else None, str(path))
     try:
-        return _part(family, "config", family.config).from_hf(raw, path)
+        return _part(family, "config", family.config).read(raw, path)
     except KeyError as exc:
         raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc
 

@@ -29,8 +29,9 @@ from neffkit.models.parallel import Parallelism
 from neffkit.models.rope_scaling import rope_frequencies
 
 ROPE_INV_FREQ = "rope.inv_freq"  # a graph input like the weights; float32 in every bundle dtype
+ROPE_LOCAL_INV_FREQ = "rope.local_inv_freq"  # the sliding layers' own (Gemma 3)
 FP8_SCALE = ".scale"  # `<weight>.scale`: the float32 block scales beside an fp8 weight input
-FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ})
+FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ, ROPE_LOCAL_INV_FREQ})
 # DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales
 FLOAT32_SUFFIXES = (".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale")
 
@@ -84,7 +85,8 @@ class Shards:
         yield "model.embed_tokens.weight", self.vocab_shard(self.need("model.embed_tokens.weight"))
         for layer in range(cfg.num_layers):
             yield from self.layer(layer)
-        yield "model.norm.weight", self.need("model.norm.weight")
+        if self.final_norm:
+            yield "model.norm.weight", self.need("model.norm.weight")
         if not cfg.tie_word_embeddings:
             yield "lm_head.weight", self.vocab_shard(self.need("lm_head.weight"))
         # computed, not read: the rope frequencies as HF derives them (float32, never cast)
@@ -95,16 +97,23 @@ class Shards:
         p = f"model.layers.{layer}"
         yield f"{p}.input_layernorm.weight", self.need(f"{p}.input_layernorm.weight")
         yield from self.attention(p)
-        if self.kv_scales:
-            for kind in ("k", "v"):
-                name = kv_scale_name(p, kind, self.available)
-                yield f"{p}.self_attn.{kind}_scale", self.need(name).reshape(1)
+        yield from self.kv_scale_tensors(p)
         yield from self.attention_extras(p)
         yield (
             f"{p}.post_attention_layernorm.weight",
             self.need(f"{p}.post_attention_layernorm.weight"),
         )
         yield from self.feed_forward(layer, p)
+
+    # the final norm has a weight (OLMo's has none)
+    final_norm = True
+
+    def kv_scale_tensors(self, p: str) -> Named:
+        """The layer's fp8 KV cache scales, where the build asked for them (replicated)."""
+        if self.kv_scales:
+            for kind in ("k", "v"):
+                name = kv_scale_name(p, kind, self.available)
+                yield f"{p}.self_attn.{kind}_scale", self.need(name).reshape(1)
 
     def attention(self, p: str) -> Named:
         """q, k, v column-parallel (this rank's heads), o row-parallel; biases where present."""

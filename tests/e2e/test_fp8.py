@@ -123,6 +123,7 @@ def test_a_tp_cut_inside_an_fp8_block_is_refused_naming_the_tensor(session_dir):
     assert len(list(iter_rank_weights(fp8, cfg, "float32", Parallelism(tp=1), 0))) > 0
 
 
+@pytest.mark.matrix  # fp8 KV without checkpoint scales; the scaled cache stays in `make test`
 def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bundle):
     """kv_cache.dtype float8_e4m3fn: K/V inputs are fp8 (a byte per value), inspect says so, and
     greedy tokens stay close to the unquantized cache's (the agreement is printed)."""
@@ -158,6 +159,7 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
 # ---------------------------------------------------------------- per-channel and per-tensor scales
 
 
+@pytest.mark.matrix  # per-channel fp8 at tp=1 (the KV-scale test's checkpoint) in `make test`
 def test_per_channel_fp8_at_tp2_equals_hf(channel_model, session_dir, hf_greedy):
     """compressed-tensors per-channel fp8 at tp=2: o/down are cut across their input, which a
     per-channel scale survives; each rank stores [rows, 1] scales. The checkpoint's k/v scales
@@ -307,6 +309,7 @@ def _rank0(bundle: Path) -> dict[str, torch.Tensor]:
     return load_file(str(bundle / "weights" / "rank0.safetensors"))
 
 
+@pytest.mark.matrix  # trn2's fp8 range stays in `make test` (the clamp-to-240 test)
 def test_trn2_and_trn3_builds_differ_by_the_240_rescale_and_the_flag(
     fp8_model, session_dir, hf_greedy, tmp_path
 ):

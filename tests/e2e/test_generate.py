@@ -94,6 +94,7 @@ def test_mla_latent_cache_bytes_per_token(bundle):
     assert "mla float32: 40 values per token per layer, 320 bytes per token" in text
 
 
+@pytest.mark.matrix  # an option's variant: DeepSeek's default (absorbed) decode is in `make test`
 def test_mla_expanded_decode_matches_hf(session_dir, hf_model_dir, hf_greedy):
     """`mla.decode: expanded` (per-head K/V from the latent every step, bench/mla.py's baseline)
     gives HF's tokens too; its prefill graph is the absorbed bundle's (a cache hit)."""

@@ -180,7 +180,10 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, model_dir):
 @pytest.mark.parametrize(
     ("rope", "message"),
     [
-        ({"rope_type": "su", "rope_theta": 1e4}, "rope type 'su' is not supported"),
+        (
+            {"rope_type": "su", "rope_theta": 1e4},
+            "rope_parameters.rope_type = 'su' is not implemented",
+        ),
         # HF recomputes these from the longest sequence seen: not static past the bound
         ({"rope_type": "dynamic", "factor": 2.0}, "dynamic NTK rope recomputes"),
         (
@@ -252,9 +255,17 @@ def test_kv_memory_budget_sizes_num_blocks_by_the_cache_width(tmp_path, model_di
 
 @pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_manifests_are_valid(path):
-    """Every manifest in manifests/ loads against its shipped checkpoint (models/)."""
+    """Every manifest in manifests/ loads against its shipped checkpoint (models/); the demo's
+    checkpoint is converted by `make demo`, and until then its manifest names the missing
+    directory."""
+    from neffkit.errors import ManifestError
     from neffkit.manifest import load_manifest
 
+    converted = REPO / "models" / "smollm2-135m-instruct"
+    if path.stem == "smollm2" and not converted.is_dir():
+        with pytest.raises(ManifestError, match="smollm2-135m-instruct does not exist"):
+            load_manifest(path)
+        return
     manifest = load_manifest(path)
     assert manifest.model.is_dir() and manifest.model_config.vocab_size > 0
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from neffkit.errors import ModelError
-from neffkit.models.config import common_fields
+from neffkit.models.config import FieldRules, common_fields
 from neffkit.models.moe.config import MoeConfig
 
 
@@ -17,10 +17,12 @@ class GptOssConfig(MoeConfig):
     # sigmoid(alpha * gate), then multiplies by (up + 1)
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    # HF's GptOss class reads no hidden_act: its experts' activation is the clamped SwiGLU
+    RULES: ClassVar[FieldRules] = {}
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], path: Path) -> GptOssConfig:
-        fields = common_fields(raw, path)
+        fields = {**common_fields(raw, path), "hidden_act": "silu"}
         if fields["fp8_block"]:
             raise ModelError(f"{path}: fp8 GPT-OSS checkpoints are not supported")
         layers = fields["num_layers"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from neffkit.kernels.activation import gated
 from neffkit.models.decoder import Step
 from neffkit.models.experts import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.llama.model import LlamaGraph, LlamaShards
@@ -88,8 +89,8 @@ class MoeGraph(LlamaGraph):
         return Routing(top_i, top_w)
 
     def expert_activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The experts' SwiGLU."""
-        return torch.nn.functional.silu(gate) * up
+        """The experts' gated activation (the config's `hidden_act`, as the dense MLP's)."""
+        return gated(self.cfg.hidden_act, gate, up)
 
     def shared(self, routed: torch.Tensor, x: torch.Tensor, w: W, p: str) -> torch.Tensor:
         """Experts every token runs beside the routed ones: none here (DeepSeek has them)."""

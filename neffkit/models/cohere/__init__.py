@@ -1,0 +1,1 @@
+"""Cohere Command R (dense)."""

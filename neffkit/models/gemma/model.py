@@ -1,0 +1,81 @@
+"""Gemma 2 and Gemma 3 (text): the dense family's graph and shards with Gemma's parts (its config
+module says what differs from Llama)."""
+
+from __future__ import annotations
+
+import torch
+
+from neffkit.contract import abi
+from neffkit.kernels.norm import rms_norm
+from neffkit.kernels.rope import rope_cos_sin
+from neffkit.models.decoder import Step
+from neffkit.models.gemma.config import GemmaConfig
+from neffkit.models.llama.model import LlamaGraph, LlamaShards
+from neffkit.models.rope_scaling import rope_frequencies
+from neffkit.models.shards import ROPE_LOCAL_INV_FREQ, Named
+
+
+class GemmaGraph(LlamaGraph):
+    cfg: GemmaConfig
+
+    def __init__(self, cfg: GemmaConfig, *args, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        self.softcap = cfg.attn_softcap
+        local = cfg.local_rope_params
+        self.local_attention_factor = rope_frequencies(local, cfg.head_dim)[1] if local else 1.0
+
+    def _step(self, m, w, rank, caches, dtype) -> Step:
+        step = super()._step(m, w, rank, caches, dtype)
+        if ROPE_LOCAL_INV_FREQ in w:  # the sliding layers' own rotation (Gemma 3)
+            positions = m[abi.POSITIONS]
+            step.local_rope = rope_cos_sin(
+                positions, w[ROPE_LOCAL_INV_FREQ], self.local_attention_factor, dtype
+            )
+        return step
+
+    def rope(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        sliding = self.cfg.sliding_windows[layer] is not None
+        return step.local_rope if sliding and step.local_rope is not None else (step.cos, step.sin)
+
+    def attention_scale(self) -> float:
+        return self.cfg.query_pre_attn_scalar**-0.5
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Gemma's RMSNorm: x * (1 + w), in float32, then cast back."""
+        return rms_norm(x, 1.0 + weight.float(), self.cfg.rms_norm_eps, weight_in_float32=True)
+
+    def embed(self, ids, w, rank) -> torch.Tensor:
+        """The embedding times sqrt(hidden_size), the scale rounded to the table's dtype first."""
+        h = super().embed(ids, w, rank)
+        scale = torch.tensor(self.cfg.embed_scale, dtype=h.dtype).item()
+        return h * scale
+
+    def layer(self, h: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """Norms before and after both attention and the MLP (the after-norms on the branch)."""
+        p, w = f"model.layers.{layer}", step.w
+        x = self.attention(self.norm(h, w[f"{p}.input_layernorm.weight"]), layer, step)
+        h = h + self.norm(x, w[f"{p}.post_attention_layernorm.weight"])
+        x = self.norm(h, w[f"{p}.pre_feedforward_layernorm.weight"])
+        x = self.feed_forward(x, layer, step)
+        return h + self.norm(x, w[f"{p}.post_feedforward_layernorm.weight"])
+
+    def logits(self, x, head, rank) -> torch.Tensor:
+        logits = super().logits(x, head, rank)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+class GemmaShards(LlamaShards):
+    cfg: GemmaConfig
+
+    def __iter__(self) -> Named:
+        yield from super().__iter__()
+        local = self.cfg.local_rope_params
+        if local:
+            yield ROPE_LOCAL_INV_FREQ, rope_frequencies(local, self.cfg.head_dim)[0]
+
+    def layer(self, layer: int) -> Named:
+        yield from super().layer(layer)
+        p = f"model.layers.{layer}"
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            yield f"{p}.{norm}.weight", self.need(f"{p}.{norm}.weight")

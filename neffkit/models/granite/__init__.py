@@ -1,0 +1,1 @@
+"""IBM Granite (dense)."""

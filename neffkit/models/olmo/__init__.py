@@ -1,0 +1,1 @@
+"""OLMo and OLMo 2 (dense)."""

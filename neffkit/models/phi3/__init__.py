@@ -1,0 +1,1 @@
+"""Phi-3 and Phi-4 (dense)."""

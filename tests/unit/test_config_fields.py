@@ -1,0 +1,97 @@
+"""Nothing silently ignored: every config field value that changes what a family's HF class
+computes is implemented or refused naming the field (a table of family, field, value)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neffkit.errors import ManifestError, ModelError
+from neffkit.models.registry import read_model_config
+from tests.conftest import write_manifest
+
+REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
+    # (test model, config.json changes, the field named, what else the error says)
+    ("llama", {"hidden_act": "gelu_fast"}, "hidden_act", "not implemented for LlamaForCausalLM"),
+    ("qwen3", {"hidden_act": "tanh"}, "hidden_act", "not implemented for Qwen3ForCausalLM"),
+    ("mistral", {"hidden_act": "quick_gelu"}, "hidden_act", "for MistralForCausalLM"),
+    ("qwen2", {"hidden_act": "sigmoid"}, "hidden_act", "not implemented for Qwen2ForCausalLM"),
+    ("mixtral", {"hidden_act": "mish"}, "hidden_act", "not implemented for MixtralForCausalLM"),
+    ("qwen3_moe", {"hidden_act": "elu"}, "hidden_act", "for Qwen3MoeForCausalLM"),
+    ("deepseek", {"hidden_act": "leaky_relu"}, "hidden_act", "for DeepseekV3ForCausalLM"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor", "the whole head only"),
+    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                   "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor", "the whole head only"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "layer_types": None},
+     "use_sliding_window", "without layer_types is not implemented"),
+    ("llama", {"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
+     "rope_parameters.rope_type", "'su'"),
+    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config.quant_method", "'gptq'"),
+    ("qwen3", {"quantization_config": {"quant_method": "awq"}},
+     "quantization_config.quant_method", "'awq'"),
+]  # fmt: skip
+IMPLEMENTED: list[tuple[str, str, Any]] = [
+    ("llama", "hidden_act", "gelu"),
+    ("llama", "hidden_act", "gelu_pytorch_tanh"),
+    ("qwen2", "hidden_act", "gelu_new"),
+    ("qwen3_moe", "hidden_act", "relu"),
+    ("mixtral", "hidden_act", "silu"),
+    ("gpt_oss", "hidden_act", "gelu"),  # HF's GptOss reads no hidden_act: its SwiGLU is fixed
+]
+
+
+def _config_dir(tmp_path: Path, source: Path, **changes: Any) -> Path:
+    raw = json.loads((source / "config.json").read_text())
+    raw.update(changes)
+    if "rope_parameters" in changes:
+        raw.pop("rope_scaling", None)
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.mark.parametrize(("kind", "changes", "field", "says"), REFUSED)
+def test_unimplemented_values_are_refused_naming_the_field(
+    kind, changes, field, says, hf_model_dir, tmp_path
+):
+    model = _config_dir(tmp_path, hf_model_dir(kind), **changes)
+    with pytest.raises(ModelError) as err:
+        read_model_config(model)
+    message = err.value.message
+    assert field in message and says in message and "config.json" in message, message
+
+
+@pytest.mark.parametrize(("kind", "field", "value"), IMPLEMENTED)
+def test_implemented_values_are_read(kind, field, value, hf_model_dir, tmp_path):
+    cfg = read_model_config(_config_dir(tmp_path, hf_model_dir(kind), **{field: value}))
+    expected = "silu" if kind == "gpt_oss" else value
+    assert cfg.hidden_act == expected
+
+
+def test_unsupported_architecture_lists_the_supported_and_points_at_the_guide(
+    hf_model_dir, tmp_path
+):
+    model = _config_dir(tmp_path, hf_model_dir("llama"), architectures=["BloomForCausalLM"])
+    with pytest.raises(ModelError) as err:
+        read_model_config(model)
+    assert "'BloomForCausalLM' is not supported" in err.value.message
+    assert "LlamaForCausalLM" in err.value.message and "Qwen3MoeForCausalLM" in err.value.message
+    assert "docs/adding-a-model.md" in (err.value.hint or "")
+
+
+def test_a_hub_id_is_told_to_download_first(tmp_path):
+    from neffkit.manifest import load_manifest
+
+    path = write_manifest(tmp_path / "m.yaml", tmp_path / "unused")
+    text = path.read_text().replace(str(tmp_path / "unused"), "HuggingFaceTB/SmolLM2-135M")
+    path.write_text(text)
+    with pytest.raises(ManifestError) as err:
+        load_manifest(path)
+    assert "neffkit reads local HF model directories" in str(err.value.message)
+    assert "hf download HuggingFaceTB/SmolLM2-135M" in (err.value.hint or "")
