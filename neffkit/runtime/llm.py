@@ -50,6 +50,8 @@ class LLM:
 class GenerateRequest:
     texts: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
+    # user messages, each a one-turn conversation rendered through the bundle's chat template
+    chats: list[str] = field(default_factory=list)
     params: SamplingParams = OFFLINE
 
 
@@ -64,8 +66,10 @@ def run_offline(
     A bundle built for several ranks runs one process per rank (rank 0 returns the report, other
     ranks of a torchrun launch return None).
     """
-    if not request.texts and not request.token_ids:
-        raise RequestError("nothing to generate: give --prompt TEXT or --prompt-ids 1,2,3")
+    if not request.texts and not request.token_ids and not request.chats:
+        raise RequestError(
+            "nothing to generate: give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3"
+        )
     return run_on_ranks(
         bundle_path, lambda loaded: _report(loaded, request), executor, dist_timeout_s
     )
@@ -73,10 +77,12 @@ def run_offline(
 
 def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
     tok = loaded.tokenizer
-    if request.texts and tok is None:
+    if (request.texts or request.chats) and tok is None:
         raise RequestError("this bundle has no tokenizer: use --prompt-ids")
     prompts = [tok.encode(t) for t in request.texts] if tok and request.texts else []
     prompts += request.token_ids
+    if tok is not None:
+        prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in request.chats]
     llm = LLM(loaded)
     t0 = time.perf_counter()
     seqs = llm.generate(prompts, request.params)
