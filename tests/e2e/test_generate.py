@@ -107,3 +107,18 @@ def test_mla_expanded_decode_matches_hf(session_dir, hf_model_dir, hf_greedy):
     )
     outs = _run(result.bundle, [SHORT, LONG])["outputs"]
     assert [o["token_ids"] for o in outs] == [hf_greedy(model, p, MAX_NEW) for p in (SHORT, LONG)]
+
+
+def test_chat_renders_the_bundles_chat_template(bundle, hf_model_dir):
+    """`--chat TEXT` is a one-turn conversation through the bundle's chat template: the same
+    tokens as the rendered prompt's ids given directly."""
+    from neffkit.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(hf_model_dir("llama"))
+    assert tok is not None
+    ids = tok.encode_chat([{"role": "user", "content": "hello there"}])
+    assert tok.render_chat([{"role": "user", "content": "x"}]).startswith("### user: x")
+    chat = run_json("run", str(bundle("llama")), "--chat", "hello there", "--max-tokens", "8")
+    direct = run_json("run", str(bundle("llama")), "--prompt-ids", ",".join(map(str, ids)),
+                      "--max-tokens", "8")  # fmt: skip
+    assert chat["outputs"][0]["token_ids"] == direct["outputs"][0]["token_ids"]
