@@ -92,19 +92,25 @@ def _hf_chat_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]
     return outs
 
 
+def _real_bundle(session_dir: Path, model: Path, name: str, tp: int) -> Path:
+    """A float32 bundle of a real checkpoint at `tp` (prefill 64, decode 1 and 4, context 256),
+    from the test cache."""
+    return build_session_bundle(
+        session_dir, model, name, dtype="float32",
+        buckets={"prefill": [64], "decode": [1, 4], "context": [256]},
+        parallel={"tp": tp}, sampling={"max_top_k": 16},
+    ).bundle  # fmt: skip
+
+
 @pytest.mark.parametrize("tp", [1, 3])
 def test_smollm2_greedy_equals_hf_through_its_chat_template(smollm2, session_dir, tp):
     """float32, 64 tokens, 5 chat prompts; tp=3 splits its 9 heads / 3 KV heads."""
     from neffkit.runtime.tokenizer import Tokenizer
 
-    result = build_session_bundle(
-        session_dir, smollm2, f"smollm2_tp{tp}", dtype="float32",
-        buckets={"prefill": [64], "decode": [1, 4], "context": [256]},
-        parallel={"tp": tp}, sampling={"max_top_k": 16},
-    )  # fmt: skip
+    bundle = _real_bundle(session_dir, smollm2, f"smollm2_tp{tp}", tp)
     tok = Tokenizer.from_dir(smollm2)
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    args = ["run", str(result.bundle), "--max-tokens", str(TOKENS)]
+    args = ["run", str(bundle), "--max-tokens", str(TOKENS)]
     for q in QUESTIONS:
         args += ["--chat", q]
     outputs = run_json(*args)["outputs"]
@@ -163,14 +169,10 @@ def test_gemma3_greedy_equals_hf(gemma3, session_dir, tp):
     """float32, 64 tokens, 5 prompts; tp=2 replicates its one KV head on both ranks."""
     from neffkit.runtime.tokenizer import Tokenizer
 
-    result = build_session_bundle(
-        session_dir, gemma3, f"gemma3_270m_tp{tp}", dtype="float32",
-        buckets={"prefill": [64], "decode": [1, 4], "context": [256]},
-        parallel={"tp": tp}, sampling={"max_top_k": 16},
-    )  # fmt: skip
+    bundle = _real_bundle(session_dir, gemma3, f"gemma3_270m_tp{tp}", tp)
     tok = Tokenizer.from_dir(gemma3)
     prompts = [tok.encode(p) for p in GEMMA_PROMPTS]
-    args = ["run", str(result.bundle), "--max-tokens", str(TOKENS)]
+    args = ["run", str(bundle), "--max-tokens", str(TOKENS)]
     for prompt in prompts:
         args += ["--prompt-ids", ",".join(map(str, prompt))]
     outputs = run_json(*args)["outputs"]
