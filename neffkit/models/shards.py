@@ -99,10 +99,7 @@ class Shards:
         yield from self.attention(p)
         yield from self.kv_scale_tensors(p)
         yield from self.attention_extras(p)
-        yield (
-            f"{p}.post_attention_layernorm.weight",
-            self.need(f"{p}.post_attention_layernorm.weight"),
-        )
+        yield from self.feed_forward_norm(p)
         yield from self.feed_forward(layer, p)
 
     # the final norm has a weight (OLMo's has none)
@@ -125,6 +122,13 @@ class Shards:
         for proj in ("q_proj", "k_proj", "v_proj"):
             yield from self.column(f"{p}.self_attn.{proj}", *spans[proj])
         yield from self.row(f"{p}.self_attn.o_proj", self.q0, self.heads * self.cfg.head_dim)
+
+    def feed_forward_norm(self, p: str) -> Named:
+        """The norm between attention and the MLP (Cohere runs both off one norm: none)."""
+        yield (
+            f"{p}.post_attention_layernorm.weight",
+            self.need(f"{p}.post_attention_layernorm.weight"),
+        )
 
     def attention_extras(self, p: str) -> Named:
         """Per-layer attention tensors beyond the projections (q/k norms, sinks): none here."""

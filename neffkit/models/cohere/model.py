@@ -60,10 +60,5 @@ class CohereShards(LlamaShards):
                 self.need(f"{p}.self_attn.k_norm.weight")[k0 : k0 + kv],
             )
 
-    def layer(self, layer: int) -> Named:
-        p = f"model.layers.{layer}"
-        yield f"{p}.input_layernorm.weight", self.need(f"{p}.input_layernorm.weight")
-        yield from self.attention(p)
-        yield from self.kv_scale_tensors(p)
-        yield from self.attention_extras(p)
-        yield from self.feed_forward(layer, p)
+    def feed_forward_norm(self, p: str) -> Named:
+        return iter(())  # attention and the MLP share the input norm
