@@ -157,6 +157,14 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "gemma2": ("Gemma2Config", {
         "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
         "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}, SMALL),
+    # Llama 4: a chunked (8 tokens < the test prompts) RoPE layer with L2 q/k norms and a dense
+    # MLP, then a NoPE full layer (temperature-tuned from position 3: floor_scale 4) with top-1
+    # sigmoid-routed experts scaling their inputs and a shared expert (buckets: ONE_DECODE)
+    "llama4": ("Llama4TextConfig", {
+        "intermediate_size": 32, "intermediate_size_mlp": 128, "head_dim": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+        "no_rope_layers": [1, 0], "attention_chunk_size": 8, "floor_scale": 4,
+        "attn_scale": 0.1, "pad_token_id": None}, ONE_DECODE),
 }  # fmt: skip
 # kind → manifest fields beyond buckets. llama_tied runs the runtime tests whose rows move
 # between sequences and buckets: there, decode reads its tokens from the device state
@@ -187,6 +195,8 @@ PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
     "cohere": ({"tp": 2}, SMALL),
     "gemma3": ({"tp": 2}, SMALL),
     "gemma2": ({"tp": 2}, SMALL),
+    # ep=2: two experts a rank, each whole; the shared expert and dense MLP split over tp
+    "llama4": ({"tp": 2, "ep": 2}, TWO_DECODE),
 }
 
 
@@ -632,6 +642,8 @@ LOWERED = {  # kind, tp → buckets
     ("gemma3", 1): {"prefill": [16], "decode": [2], "context": [64]},
     # OLMo 2 at tp=2: its q/k norms all-reduce their sums of squares over the ranks
     ("olmo2", 2): {"prefill": [16], "decode": [2], "context": [64]},
+    # Llama 4: chunked and NoPE layers, sigmoid top-1 routing into input-scaled experts
+    ("llama4", 1): {"prefill": [16], "decode": [1], "context": [64]},
 }
 EP = {"mixtral": 2}  # kind → ep at tp > 1
 

@@ -8,21 +8,33 @@ import torch
 MASK_VALUE = -1e30
 
 
+def visible_from(positions: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """The first key a query at each position sees: 0, the window's start, or its chunk's."""
+    lo = torch.zeros_like(positions)
+    if window is not None:
+        lo = (positions - window + 1).clamp(min=0)
+    if chunk is not None:  # integer arithmetic: floor lowers through float64, which Trainium lacks
+        lo = torch.maximum(lo, positions - torch.remainder(positions, chunk))
+    return lo
+
+
 def context_mask(
     positions: torch.Tensor,  # [B, T] int64
     context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
     context: int,
     window: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [B, T, C] bool
     """Key j is visible to a query at position p iff lo <= j <= hi, lo = max(0, p - window + 1),
-    hi = min(p, context_len - 1).
+    hi = min(p, context_len - 1); with `chunk` (Llama 4's chunked attention) lo is the start of
+    p's chunk, p - p % chunk.
 
     Written as one comparison |2j - lo - hi| <= hi - lo instead of an AND of two broadcast masks:
     neuronx-cc miscompiles a broadcast boolean AND of a large mask with a [1, N] mask (CHRS-985).
     Padding rows (context_len 0) get hi = -1 < lo, so nothing is visible.
     """
     hi = torch.minimum(positions, (context_lens - 1).unsqueeze(1))  # [B, T]
-    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+    lo = visible_from(positions, window, chunk)
     keys = torch.arange(context, device=positions.device)  # [C]
     centre = (lo + hi).unsqueeze(-1)  # [B, T, 1]
     radius = (hi - lo).unsqueeze(-1)  # [B, T, 1]
@@ -35,6 +47,7 @@ def packed_context_mask(
     context_lens: torch.Tensor,  # [S] int64, 0 for padding sequences
     context: int,
     window: int | None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [1, T, S * C] bool
     """context_mask for a packed prefill row: the S sequences' contexts lie side by side
     (sequence s's key j at s * C + j), and a token sees keys lo..hi of its own sequence only.
@@ -44,7 +57,7 @@ def packed_context_mask(
     seqs = context_lens.shape[0]
     own = seq_ids.clamp(0, seqs - 1)  # host-given index: clamped (audit NK303)
     hi = torch.minimum(positions, context_lens.index_select(0, own[0]).unsqueeze(0) - 1)
-    lo = torch.zeros_like(positions) if window is None else (positions - window + 1).clamp(min=0)
+    lo = visible_from(positions, window, chunk)
     offset = own * context
     keys = torch.arange(seqs * context, device=positions.device)  # [S*C]
     centre = (lo + hi + 2 * offset).unsqueeze(-1)  # [1, T, 1]

@@ -39,7 +39,7 @@ def refuse_unimplemented(raw: dict[str, Any], rules: FieldRules, path: Path) -> 
             continue
         raise ModelError(
             f"{path}: {field} = {value!r} is not implemented for {arch}; implemented: "
-            f"{', '.join(map(repr, implemented))}",
+            f"{', '.join(map(repr, implemented)) or 'none (leave it out)'}",
             hint=f"what each family implements: {MODELS_DOC}",
         )
 

@@ -37,6 +37,9 @@ from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
 from neffkit.targets import E4M3FN_MAX
 
+# which keys a layer's queries see: (sliding window, attention chunk), None for unbounded
+Span = tuple[int | None, int | None]
+
 
 @dataclass
 class Step:
@@ -48,9 +51,10 @@ class Step:
     caches: tuple[torch.Tensor, ...]  # per layer: (k, v), or (latent,) for MLA
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor
-    masks: dict[int | None, torch.Tensor]  # window → [B, T, C] (packed: [1, T, S*C])
+    masks: dict[Span, torch.Tensor]  # (window, chunk) → [B, T, C] (packed: [1, T, S*C])
     slots: torch.Tensor  # [B*T]
     block_tables: torch.Tensor  # [B, C/bs] (packed: [1, S*C/bs])
+    positions: torch.Tensor  # [B, T] int64 (packed: [1, T])
     # a second rotation some layers use instead of (cos, sin) (Gemma 3's sliding layers)
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -127,19 +131,19 @@ class DecoderGraph(torch.nn.Module):
         cos, sin = rope_cos_sin(
             positions, w[ROPE_INV_FREQ], self.rope_attention_factor, dtype
         )  # [B, T, 1, D]
+        spans = dict.fromkeys(self.span(layer) for layer in range(cfg.num_layers))  # in order
         if seq_ids is not None:  # packed: one row attending to every sequence's context
             masks = {
-                window: packed_context_mask(positions, seq_ids, context_lens, shape.context, window)
-                for window in set(cfg.sliding_windows)
-            }  # [1, T, S*C] per distinct window
+                span: packed_context_mask(positions, seq_ids, context_lens, shape.context, *span)
+                for span in spans
+            }  # [1, T, S*C] per distinct span
             block_tables = block_tables.reshape(1, -1)  # [1, S*C/bs]: the contexts side by side
         else:
             masks = {
-                window: context_mask(positions, context_lens, shape.context, window)
-                for window in set(cfg.sliding_windows)
-            }  # [B, T, C] per distinct window
+                span: context_mask(positions, context_lens, shape.context, *span) for span in spans
+            }  # [B, T, C] per distinct span
         slots = m[abi.SLOT_MAPPING].reshape(-1)  # [B*T]
-        return Step(w, rank, tuple(caches), cos, sin, masks, slots, block_tables)
+        return Step(w, rank, tuple(caches), cos, sin, masks, slots, block_tables, positions)
 
     def _sample(self, h, m, w, rank) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The final norm and LM head where sampling needs them, then on-device sampling; prefill
@@ -193,8 +197,7 @@ class DecoderGraph(torch.nn.Module):
         k = self.linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         v = self.linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
         q, k = self.qk_norm(q, k, w, p)
-        cos, sin = self.rope(layer, step)
-        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        q, k = self.positional(q, k, layer, step)
         k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
         fp8_max = self.fp8_max
         write_kv(
@@ -208,7 +211,7 @@ class DecoderGraph(torch.nn.Module):
         values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
         if self.projection.buffer_queries:
             q = materialized(q)
-        mask = step.masks[cfg.sliding_windows[layer]]
+        mask = step.masks[self.span(layer)]
         out = paged_attention(
             q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap
         )
@@ -218,6 +221,15 @@ class DecoderGraph(torch.nn.Module):
     def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms on q and k before RoPE (none here; Qwen3's per-head RMSNorm in the family)."""
         return q, k
+
+    def positional(self, q, k, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where positions enter q and k: RoPE on every layer here (Llama 4: NoPE layers)."""
+        cos, sin = self.rope(layer, step)
+        return self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+
+    def span(self, layer: int) -> Span:
+        """The keys layer `layer` sees: its sliding window (None: all), no chunking here."""
+        return self.cfg.sliding_windows[layer], None
 
     # tanh soft-capping of the attention scores (Gemma 2): none here
     softcap: float | None = None

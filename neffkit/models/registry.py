@@ -58,6 +58,7 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": _LLAMA,
     "MixtralForCausalLM": Family("moe", "MoeConfig", "MoeGraph", "MixtralShards"),
     "Qwen3MoeForCausalLM": Family("moe", "MoeConfig", "MoeGraph", "MoeShards"),
+    "Llama4ForCausalLM": Family("llama4", "Llama4Config", "Llama4Graph", "Llama4Shards"),
     "GptOssForCausalLM": Family("gpt_oss", "GptOssConfig", "GptOssGraph", "GptOssShards"),
     "Phi3ForCausalLM": Family("phi3", "Phi3Config", "Phi3Graph", "Phi3Shards"),
     "CohereForCausalLM": Family("cohere", "CohereConfig", "CohereGraph", "CohereShards"),

@@ -34,6 +34,25 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
      "quantization_config.quant_method", "'gptq'"),
     ("qwen3", {"quantization_config": {"quant_method": "awq"}},
      "quantization_config.quant_method", "'awq'"),
+    ("gemma3", {"hidden_activation": "gelu_fast"}, "hidden_activation", "for Gemma3ForCausalLM"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention",
+     "not implemented for Gemma3ForCausalLM"),
+    ("gemma2", {"hidden_activation": "silu_fast"}, "hidden_activation", "for Gemma2ForCausalLM"),
+    ("phi3", {"hidden_act": "gelu_fast"}, "hidden_act", "not implemented for Phi3ForCausalLM"),
+    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                  "partial_rotary_factor": 0.75}},  # Phi-4-mini's
+     "partial_rotary_factor", "the whole head only"),
+    ("granite", {"hidden_act": "tanh"}, "hidden_act", "not implemented for GraniteForCausalLM"),
+    ("olmo", {"hidden_act": "tanh"}, "hidden_act", "not implemented for OlmoForCausalLM"),
+    ("olmo2", {"hidden_act": "tanh"}, "hidden_act", "not implemented for Olmo2ForCausalLM"),
+    ("cohere", {"hidden_act": "tanh"}, "hidden_act", "not implemented for CohereForCausalLM"),
+    ("llama4", {"hidden_act": "tanh"}, "hidden_act", "not implemented for Llama4ForCausalLM"),
+    ("llama4", {"quantization_config": {"quant_method": "fbgemm_fp8"}}, "quantization_config",
+     "not implemented for Llama4ForCausalLM"),
+    ("llama4", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types",
+     "'sliding_attention' is not implemented for Llama4ForCausalLM"),
+    ("llama4", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers", "3 entries for 2 layers"),
+    ("llama4", {"attention_chunk_size": None}, "attention_chunk_size", "layer_types has chunked"),
 ]  # fmt: skip
 IMPLEMENTED: list[tuple[str, str, Any]] = [
     ("llama", "hidden_act", "gelu"),
@@ -42,6 +61,7 @@ IMPLEMENTED: list[tuple[str, str, Any]] = [
     ("qwen3_moe", "hidden_act", "relu"),
     ("mixtral", "hidden_act", "silu"),
     ("gpt_oss", "hidden_act", "gelu"),  # HF's GptOss reads no hidden_act: its SwiGLU is fixed
+    ("llama4", "hidden_act", "gelu"),
 ]
 
 

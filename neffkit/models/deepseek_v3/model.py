@@ -35,7 +35,7 @@ class DeepseekV3Graph(MoeGraph):
         the attended latent, so a step reads the latent cache, not per-head K/V.
         """
         cfg, w, a = self.cfg, step.w, f"model.layers.{layer}.self_attn"
-        cache, mask = step.caches[layer], step.masks[cfg.sliding_windows[layer]]
+        cache, mask = step.caches[layer], step.masks[self.span(layer)]
         rows, tokens, _ = x.shape
         nope, rope, vdim, latent = (
             cfg.qk_nope_head_dim,
@@ -158,14 +158,6 @@ class DeepseekV3Shards(MoeShards):
         yield from super().experts(p)
         yield f"{p}.moe.router_score_bias", self.need(f"{p}.mlp.gate.e_score_correction_bias")
         if self.cfg.shared_intermediate_size:
-            inter = self.cfg.shared_intermediate_size // self.par.tp
-            i0, source, target = self.rank * inter, f"{p}.mlp.shared_experts", f"{p}.moe.shared"
-            for proj in ("gate_proj", "up_proj"):
-                yield (
-                    f"{target}.{proj}.weight",
-                    self.need(f"{source}.{proj}.weight")[i0 : i0 + inter],
-                )
-            yield (
-                f"{target}.down_proj.weight",
-                self.need(f"{source}.down_proj.weight")[:, i0 : i0 + inter],
+            yield from self.shared_experts(
+                f"{p}.mlp.shared_experts", f"{p}.moe.shared", self.cfg.shared_intermediate_size
             )

@@ -28,6 +28,9 @@ W = dict[str, torch.Tensor]
 
 class MoeGraph(LlamaGraph):
     cfg: MoeConfig
+    # the routing weight scales each expert's input, not its output (Llama 4; an expert is not
+    # linear, so the two differ); an expert then reads 0 where its weight is 0
+    scales_expert_inputs = False
 
     def feed_forward(self, x: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         if not self.cfg.sparse_layers[layer]:
@@ -41,38 +44,59 @@ class MoeGraph(LlamaGraph):
         rows, tokens, hidden = x.shape
         x2 = x.reshape(-1, hidden)  # [N, hidden]
         routing = self.route(x2, w, p)
-        gate_up, down = w[f"{p}.moe.gate_up"], w[f"{p}.moe.down"]  # [E_local, 2*I, hidden], ...
-        gate_up_b, down_b = w.get(f"{p}.moe.gate_up_bias"), w.get(f"{p}.moe.down_bias")
-        local = gate_up.shape[0]
+        local = w[f"{p}.moe.gate_up"].shape[0]  # [E_local, 2*I, hidden]
         first: torch.Tensor | int = 0
         if step.rank is not None:  # this rank's experts, chosen by a tensor: SPMD-identical
             # trunc (= floor: ranks are >= 0) stays in integers; floor lowers through float64,
             # which Trainium lacks
             first = torch.div(step.rank, self.par.moe_tp, rounding_mode="trunc") * local
         if self.routed(x2.shape[0], local):
-            mine = local_slots(routing, local, first)
-            reduce = self.projection.form(x2.shape[0], blocked=False) == "reduction"
+            out = self.gathered_experts(x2, local_slots(routing, local, first), w, p)
+        else:
+            dense = dense_weights(routing, self.cfg.num_experts, first, local)  # [N, E_local]
+            out = self.dense_experts(x2, dense, w, p)
+        return self.shared(out.to(x.dtype).reshape(rows, tokens, hidden), x, w, p)
+
+    def gathered_experts(self, x2: torch.Tensor, mine: Routing, w: W, p: str) -> torch.Tensor:
+        """[N, hidden]: each token through its k routed experts only (their weights gathered)."""
+        gate_up, down = w[f"{p}.moe.gate_up"], w[f"{p}.moe.down"]
+        gate_up_b, down_b = w.get(f"{p}.moe.gate_up_bias"), w.get(f"{p}.moe.down_bias")
+        reduce = self.projection.form(x2.shape[0], blocked=False) == "reduction"
+        n, k, hidden = *mine.ids.shape, x2.shape[-1]
+        if self.scales_expert_inputs:  # each of a token's k experts reads x * its weight
+            xk = (x2.unsqueeze(1) * mine.weights.unsqueeze(-1).to(x2.dtype)).reshape(-1, hidden)
+            h = gather_rows(xk, gate_up, mine.ids.reshape(-1, 1), reduce).reshape(n, k, -1)
+        else:
             h = gather_rows(x2, gate_up, mine.ids, reduce)  # [N, k, 2*I]
-            if gate_up_b is not None:
-                h = h + gate_up_b[mine.ids]
-            act = self.expert_activation(*h.chunk(2, dim=-1))  # [N, k, I]
-            out = gather_rows(act.reshape(-1, act.shape[-1]), down,
-                              mine.ids.reshape(-1, 1), reduce)  # fmt: skip
-            out = out.reshape(*mine.ids.shape, hidden)  # [N, k, hidden]
-            if down_b is not None:
-                out = out + down_b[mine.ids]
-            out = (out.to(mine.weights.dtype) * mine.weights.unsqueeze(-1)).sum(1).to(x.dtype)
-            return self.shared(out.reshape(rows, tokens, hidden), x, w, p)
-        dense = dense_weights(routing, self.cfg.num_experts, first, local)  # [N, E_local]
-        h = torch.einsum("nh,eih->eni", x2, gate_up)  # [E_local, N, 2*I]
+        if gate_up_b is not None:
+            h = h + gate_up_b[mine.ids]
+        act = self.expert_activation(*h.chunk(2, dim=-1))  # [N, k, I]
+        out = gather_rows(act.reshape(-1, act.shape[-1]), down, mine.ids.reshape(-1, 1), reduce)
+        out = out.reshape(n, k, hidden)
+        if down_b is not None:
+            out = out + down_b[mine.ids]
+        if self.scales_expert_inputs:  # weighted on the way in; others' slots read 0
+            return out.sum(1)
+        return (out.to(mine.weights.dtype) * mine.weights.unsqueeze(-1)).sum(1)
+
+    def dense_experts(self, x2: torch.Tensor, dense: torch.Tensor, w: W, p: str) -> torch.Tensor:
+        """[N, hidden]: every local expert on every token, weighted by `dense` [N, E_local]."""
+        gate_up, down = w[f"{p}.moe.gate_up"], w[f"{p}.moe.down"]
+        gate_up_b, down_b = w.get(f"{p}.moe.gate_up_bias"), w.get(f"{p}.moe.down_bias")
+        if self.scales_expert_inputs:
+            xe = x2.unsqueeze(0) * dense.t().unsqueeze(-1).to(x2.dtype)  # [E_local, N, hidden]
+            h = torch.einsum("enh,eih->eni", xe, gate_up)  # [E_local, N, 2*I]
+        else:
+            h = torch.einsum("nh,eih->eni", x2, gate_up)  # [E_local, N, 2*I]
         if gate_up_b is not None:
             h = h + gate_up_b.unsqueeze(1)
         act = self.expert_activation(*h.chunk(2, dim=-1))  # [E_local, N, I]
         out = torch.einsum("eni,ehi->enh", act, down)  # [E_local, N, hidden]
         if down_b is not None:
             out = out + down_b.unsqueeze(1)
-        out = torch.einsum("enh,ne->nh", out.to(dense.dtype), dense).to(x.dtype)
-        return self.shared(out.reshape(rows, tokens, hidden), x, w, p)
+        if self.scales_expert_inputs:
+            return out.sum(0)
+        return torch.einsum("enh,ne->nh", out.to(dense.dtype), dense)
 
     def route(self, x2: torch.Tensor, w: W, p: str) -> Routing:
         """Each token's experts and weights: softmax in float32, top-k, optional
@@ -126,6 +150,18 @@ class MoeShards(LlamaShards):
         yield f"{p}.moe.router", self.need(self.router_name(p))
         yield f"{p}.moe.gate_up", torch.stack(gate_up)  # [E_local, 2*I_local, hidden]
         yield f"{p}.moe.down", torch.stack(down)  # [E_local, hidden, I_local]
+
+    def shared_experts(self, source: str, target: str, intermediate: int) -> Named:
+        """A shared expert (a gated MLP every token runs) from `source` as `target`, its
+        intermediate dimension split over all tp ranks like the dense MLP's."""
+        inter = intermediate // self.par.tp
+        i0 = self.rank * inter
+        for proj in ("gate_proj", "up_proj"):
+            yield f"{target}.{proj}.weight", self.need(f"{source}.{proj}.weight")[i0 : i0 + inter]
+        yield (
+            f"{target}.down_proj.weight",
+            self.need(f"{source}.down_proj.weight")[:, i0 : i0 + inter],
+        )
 
     def expert_names(self, p: str, expert: int) -> tuple[str, str, str]:
         """HF names of (gate, up, down) for one expert."""

@@ -1,0 +1,1 @@
+"""Llama 4 (text): interleaved MoE layers, chunked local attention, NoPE layers."""
