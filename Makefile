@@ -69,10 +69,12 @@ lint: setup-test
 	.venv/bin/ruff check neffkit tests bench tools
 	.venv/bin/ruff format --check neffkit tests bench tools
 
-# lm-eval (its own venv: its pins are not neffkit's) through `neffkit run`, checked against HF
-lm-eval: setup-test
+# lm-eval (its own venv: its pins are not neffkit's) on SmolLM2-135M-Instruct through
+# `neffkit run`, checked against HF on the same token ids
+lm-eval: setup-test $(DEMO_STAMP)
 	test -x .venv-lmeval/bin/lm_eval || (python3 -m venv .venv-lmeval && \
 		.venv-lmeval/bin/pip install -q 'lm-eval[api]==0.4.13' transformers)
+	$(PY) -m neffkit convert "$(DEMO_GGUF)" -o $(DEMO_MODEL)
 	$(PY) bench/lm_eval.py
 
 # the ahead-of-time CPU peers (ONNX Runtime GenAI, OpenVINO GenAI) in their own venv: optimum-intel

@@ -1,7 +1,8 @@
-"""lm-eval against `neffkit run`: the repo's small multiple-choice task through the server, checked
-against HF transformers computing the same loglikelihoods.
+"""lm-eval against `neffkit run`: a multiple-choice task written for the repo through the server,
+checked against HF transformers computing the same loglikelihoods.
 
-    make lm-eval            # or: .venv/bin/python bench/lm_eval.py
+    make lm-eval            # SmolLM2-135M-Instruct, 50 general-knowledge questions
+    .venv/bin/python bench/lm_eval.py --demo    # the toy model, 20 Python fill-ins
 
 lm-eval (`lm_eval --model local-completions`) scores each choice with one request of the shape
 its loglikelihood path sends: the context + continuation token ids, `echo: true`,
@@ -9,7 +10,7 @@ its loglikelihood path sends: the context + continuation token ids, `echo: true`
 token was the greedy one. lm-eval lives in a venv of its own (`.venv-lmeval`, made by
 `make lm-eval`), as the CPU peers do: its pins are not neffkit's. The oracle is HF's forward on
 the same token ids: the summed log-softmax of each choice, its argmax per document. Writes
-bench/results/lm_eval.json.
+bench/results/lm_eval_smollm2.json (--demo: lm_eval.json).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, ensure_bundle, write_result  # noqa: E402
 
-TASK = "neffkit_demo_mc"
 TASKS_DIR = REPO / "eval" / "tasks"
 LM_EVAL = REPO / ".venv-lmeval" / "bin" / "lm_eval"
 
@@ -57,7 +57,7 @@ def start_server(bundle: Path, port: int) -> subprocess.Popen:
     raise SystemExit("the server did not become healthy in 120 s")
 
 
-def run_lm_eval(port: int, tokenizer: Path, out: Path) -> dict[str, Any]:
+def run_lm_eval(task: str, port: int, tokenizer: Path, out: Path) -> dict[str, Any]:
     """lm_eval through the server; returns its results and logged samples."""
     model_args = ",".join([
         "model=demo", f"base_url=http://127.0.0.1:{port}/v1/completions",
@@ -65,12 +65,12 @@ def run_lm_eval(port: int, tokenizer: Path, out: Path) -> dict[str, Any]:
         "max_retries=1",
     ])  # fmt: skip
     cmd = [str(LM_EVAL), "--model", "local-completions", "--model_args", model_args,
-           "--tasks", TASK, "--include_path", str(TASKS_DIR), "--output_path", str(out),
+           "--tasks", task, "--include_path", str(TASKS_DIR), "--output_path", str(out),
            "--log_samples"]  # fmt: skip
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     subprocess.run(cmd, check=True, cwd=REPO, env=env)
     results = next(out.rglob("results_*.json"))
-    samples = next(out.rglob(f"samples_{TASK}_*.jsonl"))
+    samples = next(out.rglob(f"samples_{task}_*.jsonl"))
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     return {"results": json.loads(results.read_text()), "samples": rows}
 
@@ -103,24 +103,34 @@ def hf_loglikelihoods(model_dir: Path, tokenizer: Path, docs: list[dict]) -> lis
     return scores
 
 
+RUNS = {  # what --demo / the default evaluate: task, manifest, bundle, model, result name
+    "smollm2": ("neffkit_general_mc", "smollm2-eval.yaml", "smollm2-135m-instruct-eval",
+                "smollm2-135m-instruct", "lm_eval_smollm2"),
+    "demo": ("neffkit_demo_mc", "demo-serve.yaml", "demo-llama-serve", "demo-llama", "lm_eval"),
+}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--manifest", type=Path, default=REPO / "manifests" / "demo-serve.yaml")
-    parser.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama-serve")
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "demo-llama")
+    parser.add_argument("--demo", action="store_true", help="the toy model and its Python task")
     args = parser.parse_args()
+    task, manifest, bundle_name, model_name, result_name = RUNS["demo" if args.demo else "smollm2"]
+    model = REPO / "models" / model_name
     if not LM_EVAL.exists():
         raise SystemExit(f"{LM_EVAL} is missing: run `make lm-eval` (it makes the venv)")
-    record = json.loads((args.bundle / "bundle.json").read_text()) if args.bundle.exists() else {}
+    if not (model / "config.json").exists():
+        raise SystemExit(f"{model} is missing: `make demo` converts it")
+    bundle_dir = REPO / "bundles" / bundle_name
+    record = json.loads((bundle_dir / "bundle.json").read_text()) if bundle_dir.exists() else {}
     if not record.get("layout", {}).get("prompt_logprobs"):  # built before prompt logprobs
-        subprocess.run(["rm", "-rf", str(args.bundle)], check=True)
-    bundle = ensure_bundle(args.manifest, args.bundle)
+        subprocess.run(["rm", "-rf", str(bundle_dir)], check=True)
+    bundle = ensure_bundle(REPO / "manifests" / manifest, bundle_dir)
     port = _free_port()
     server = start_server(bundle, port)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            got = run_lm_eval(port, bundle / "tokenizer", Path(tmp))
+            got = run_lm_eval(task, port, bundle / "tokenizer", Path(tmp))
             seconds = time.perf_counter() - t0
     finally:
         server.terminate()
@@ -128,14 +138,15 @@ def main() -> None:
     samples = sorted(got["samples"], key=lambda s: s["doc_id"])
     docs = [s["doc"] for s in samples]
     served = [[float(r[0][0]) for r in s["resps"]] for s in samples]
-    oracle = hf_loglikelihoods(args.model, bundle / "tokenizer", docs)
+    oracle = hf_loglikelihoods(model, bundle / "tokenizer", docs)
     diff = max(abs(a - b) for sr, hr in zip(served, oracle, strict=True)
                for a, b in zip(sr, hr, strict=True))  # fmt: skip
     hf_acc = sum(max(range(len(r)), key=r.__getitem__) == d["answer"]
                  for r, d in zip(oracle, docs, strict=True)) / len(docs)  # fmt: skip
-    acc = got["results"]["results"][TASK]["acc,none"]
+    acc = got["results"]["results"][task]["acc,none"]
     result = {
-        "task": TASK,
+        "model": model_name,
+        "task": task,
         "documents": len(docs),
         "acc_through_server": acc,
         "acc_hf_oracle": hf_acc,
@@ -144,7 +155,7 @@ def main() -> None:
         "lm_eval_version": got["results"].get("lm_eval_version"),
     }
     print(json.dumps(result, indent=2))
-    write_result("lm_eval", result)
+    write_result(result_name, result)
     for doc, sr, hr in zip(docs, served, oracle, strict=True):
         if max(abs(a - b) for a, b in zip(sr, hr, strict=True)) > 1e-3:
             print(f"differs: {doc['context']!r}: server {sr}, HF {hr}")

@@ -404,7 +404,8 @@ def mla(d: dict[str, Any]) -> str:
 def lm_eval(d: dict[str, Any]) -> str:
     return (
         f"**lm-eval through the server** (`bench/lm_eval.py`, lm-eval {d['lm_eval_version']}): "
-        f"`{d['task']}`, {d['documents']} documents, acc {d['acc_through_server']:.2f} through "
+        f"{d.get('model', 'demo-llama')}, `{d['task']}`, {d['documents']} documents, "
+        f"acc {d['acc_through_server']:.2f} through "
         f"`neffkit run` and {d['acc_hf_oracle']:.2f} from HF's forward on the same token ids; "
         f"largest loglikelihood difference {d['max_loglikelihood_difference']:.1e}."
     )
@@ -429,6 +430,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("batch", batch),
     ("moe", moe),
     ("mla", mla),
+    ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),
 ]
 

@@ -138,7 +138,8 @@ def test_hlo_protos_are_byte_identical_across_builds(
 
 
 @pytest.mark.parametrize(
-    ("kind", "tp"), [("llama", 1), ("gpt_oss", 1), ("deepseek", 1), ("llama", 2), ("mixtral", 2)]
+    ("kind", "tp"),
+    [("llama", 1), ("gpt_oss", 1), ("deepseek", 1), ("llama4", 1), ("llama", 2), ("mixtral", 2)],
 )
 def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind, tp) -> None:
     """tp=2 (and tp=2 ep=2): the one HLO module runs as SPMD over two host devices in one

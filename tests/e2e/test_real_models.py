@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import build_session_bundle, cached_dir, run_json
+from tests.conftest import build_session_bundle, cached_dir, lowered_build, run_json
 
 pytestmark = pytest.mark.matrix
 
@@ -79,14 +79,16 @@ def test_conversion_equals_transformers_gguf_loader(smollm2):
         assert bundle_tok.encode(text, False) == tok.encode(text, add_special_tokens=False)
 
 
-def _hf_chat_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+def _hf_chat_greedy(
+    model_dir: Path, prompts: list[list[int]], tokens: int = TOKENS
+) -> list[list[int]]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, max_new_tokens=TOKENS, do_sample=False,
+        out = model.generate(ids, max_new_tokens=tokens, do_sample=False,
                              attention_mask=torch.ones_like(ids))  # fmt: skip
         outs.append(out[0, len(prompt) :].tolist())
     return outs
@@ -177,3 +179,48 @@ def test_gemma3_greedy_equals_hf(gemma3, session_dir, tp):
         args += ["--prompt-ids", ",".join(map(str, prompt))]
     outputs = run_json(*args)["outputs"]
     assert [o["token_ids"] for o in outputs] == _hf_chat_greedy(gemma3, prompts)
+
+
+def _prompts(model: str, model_dir: Path) -> list[list[int]]:
+    """SmolLM2's questions through its chat template; Gemma 3's completions as plain text."""
+    from neffkit.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    if model == "smollm2":
+        return [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    return [tok.encode(p) for p in GEMMA_PROMPTS]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_real_model_lowered_for_neuron_runs_on_xla_cpu_as_hf(model, request, session_dir):
+    """The HLO neuronx-cc would read, run on XLA:CPU at tp=1: float32 greedy = HF's, 5 prompts
+    x 64 tokens."""
+    model_dir = request.getfixturevalue(model)
+    bundle = lowered_build(
+        session_dir, model_dir, f"{model}_neuron_tp1", "--lower-only", dtype="float32",
+        buckets={"prefill": [64], "decode": [1], "context": [256]}, sampling={"max_top_k": 16},
+    )  # fmt: skip
+    prompts = _prompts(model, model_dir)
+    args = ["run", str(bundle), "--executor", "xla-cpu", "--max-tokens", str(TOKENS)]
+    for prompt in prompts:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    outputs = run_json(*args)["outputs"]
+    assert [o["token_ids"] for o in outputs] == _hf_chat_greedy(model_dir, prompts)
+
+
+def test_gemma3_sliding_window_bites_past_512_tokens(gemma3, session_dir):
+    """A 700-token prompt: the sliding layers (window 512) see only their window, the full
+    layers everything; greedy over 16 tokens = HF's."""
+    from neffkit.runtime.tokenizer import Tokenizer
+
+    bundle = build_session_bundle(
+        session_dir, gemma3, "gemma3_270m_long", dtype="float32",
+        buckets={"prefill": [256], "decode": [1], "context": [1024]}, sampling={"max_top_k": 16},
+    ).bundle  # fmt: skip
+    tok = Tokenizer.from_dir(gemma3)
+    text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(100))
+    prompt = tok.encode(text + " Item 7 is a")[:700]
+    assert len(prompt) > 600
+    out = run_json("run", str(bundle), "--max-tokens", "16", "--prompt-ids",
+                   ",".join(map(str, prompt)))["outputs"][0]  # fmt: skip
+    assert out["token_ids"] == _hf_chat_greedy(gemma3, [prompt], 16)[0]
