@@ -1,6 +1,6 @@
 """TTFT / TPOT matrix, batch 1: random prompts, 128 output tokens, ignore_eos, greedy.
 
-The method of vllm-neuron#71's bench (see ../shared/seeds): for each input length, time to the
+The method of the vllm-neuron project's TTFT/TPOT bench: for each input length, time to the
 first token (prefill, chunked through the prefill bucket) and time per output token after it,
 medians over a few prompts. Input lengths are scaled to this machine and to the demo model.
 
