@@ -1,11 +1,13 @@
 """A stand-in for compiled graphs that honours the paged-KV contract, for scheduler tests in ms.
 
 Each graph entry is a real `runner.GraphEntry` whose `run` reads the metadata the real runner
-builds: every real token is written to its slot of a shared cache (`slot_mapping`, -1 = padding,
-which lands in the null block as the real kernels do), and a row's next token is the sum of the
-context it attends (`block_tables` + `context_lens`) modulo the vocabulary, plus the row's seed
-when it samples (`temperature > 0`). So a wrong slot, block table, length or sampling row changes
-the tokens, and `oracle` computes the right ones straight from the sequence.
+builds. Like a real layer's K/V, what a token writes to its slot of the shared cache
+(`slot_mapping`, -1 = padding, which lands in the null block as the real kernels do) depends on
+the whole prefix: kv[p] = (token[p] + 3 * kv[p - 1]) mod the vocabulary, kv[p - 1] read back
+through the block table. A row's next token is the sum of the kv it attends (`block_tables` +
+`context_lens`) modulo the vocabulary, plus the row's seed when it samples (`temperature > 0`).
+So a wrong slot, block table, length or sampling row, or a cached block shared between different
+prefixes, changes the tokens; `oracle` computes the right ones straight from the sequence.
 """
 
 from __future__ import annotations
@@ -21,10 +23,19 @@ VOCAB = 97
 EOS = 96
 
 
+def kv_values(tokens: list[int]) -> list[int]:
+    """What each position of a sequence holds in the fake cache: a rolling hash of its prefix."""
+    kv, prev = [], 0
+    for t in tokens:
+        prev = (t + 3 * prev) % VOCAB
+        kv.append(prev)
+    return kv
+
+
 def oracle(prompt: list[int], n: int, seed: int = 0, sampled: bool = False) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(n):
-        token = (sum(seq) + (seed if sampled else 0)) % VOCAB
+        token = (sum(kv_values(seq)) + (seed if sampled else 0)) % VOCAB
         out.append(token)
         seq.append(token)
     return out
@@ -64,8 +75,7 @@ class PagedSumModel:
         meta = {spec[0]: a.copy() for spec, a in zip(specs, arrays, strict=True)}
         self.calls.append((name, meta))
         bs = self.layout.block_size
-        slots = np.maximum(meta["slot_mapping"], 0)  # padding → the null block's slot 0
-        self.cache[slots] = np.where(meta["slot_mapping"] >= 0, meta["input_ids"], 0)
+        self._write(meta, bs)
         out = np.zeros(len(meta["context_lens"]), dtype=np.int64)
         for row, length in enumerate(meta["context_lens"]):
             positions = np.arange(length)
@@ -75,6 +85,22 @@ class PagedSumModel:
             seed = meta["seed"][row] if meta["temperature"][row] > 0 else 0
             out[row] = (total + seed) % VOCAB
         return [out]
+
+    def _write(self, meta: dict[str, np.ndarray], bs: int) -> None:
+        """Each real token's kv, in order (a chunk reads its own earlier tokens back)."""
+        lines, tokens = meta["input_ids"].shape
+        for line in range(lines):
+            for i in range(tokens):
+                slot = meta["slot_mapping"][line, i]
+                if slot < 0:
+                    continue
+                pos = meta["positions"][line, i]
+                row = meta["seq_ids"][0, i] if "seq_ids" in meta else line
+                prev = 0
+                if pos > 0:
+                    table = meta["block_tables"][row]
+                    prev = self.cache[table[(pos - 1) // bs] * bs + (pos - 1) % bs]
+                self.cache[slot] = (meta["input_ids"][line, i] + 3 * prev) % VOCAB
 
     def graph(self, phase: str, rows: int, tokens: int, context: int) -> GraphEntry:
         specs = _specs(phase, rows, tokens, context, self.layout.block_size)

@@ -51,6 +51,12 @@ def _parse_ids(text: str) -> list[int]:
     show_default=True,
     help="How graphs run; xla-cpu runs a neuron bundle's HLO modules on this CPU.",
 )
+@click.option(
+    "--no-prefix-caching",
+    "no_prefix_caching",
+    is_flag=True,
+    help="Compute every prompt whole (the bundle shares cached prompt blocks by default).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
 @click.option(
@@ -82,6 +88,7 @@ def run(
     as_json: bool,
     dist_timeout: float,
     executor: str,
+    no_prefix_caching: bool,
     host: str,
     port: int,
     api_key: str | None,
@@ -105,6 +112,7 @@ def run(
             api_key=api_key,
             model_name=served_model_name,
             max_waiting=max_waiting,
+            prefix_caching=not no_prefix_caching,
         )
         sys.exit(status)
 
@@ -113,6 +121,7 @@ def run(
         token_ids=[_parse_ids(p) for p in prompt_ids],
         chats=list(chats),
         params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
+        prefix_caching=not no_prefix_caching,
     )
     report = run_offline(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints

@@ -151,6 +151,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         max_top_k=layout.max_top_k,
         max_logprobs=layout.max_logprobs,
         prompt_logprobs=layout.prompt_logprobs,
+        prefix_caching=manifest.kv_cache.prefix_caching,
         kv_kind=layout.config.kv_kind,
         kv_dtype=layout.kv_dtype,
         decode_state=layout.decode_state,

@@ -166,6 +166,8 @@ class LayoutRecord(Record):
     # logprobs the graphs return per sampled token
     max_logprobs: int = 0
     prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs (echo)
+    # the runtime shares full prompt blocks across requests by default (kv_cache.prefix_caching)
+    prefix_caching: bool = True
     # "mha": a K and a V tensor per layer; "mla": one latent tensor per layer (DeepSeek), whose
     # head_dim is the per-token width kv_lora_rank + qk_rope_head_dim, with one "head"
     kv_kind: str = "mha"

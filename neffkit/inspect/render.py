@@ -80,7 +80,8 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             "layout",
             f"tp={lay['tp']} ep={lay['ep']} dtype={lay['dtype']} "
             f"kv={lay['num_blocks']}x{lay['block_size']} tokens, "
-            f"decode state on the {lay.get('decode_state', 'host')}",
+            f"decode state on the {lay.get('decode_state', 'host')}, prefix caching "
+            + ("on" if lay.get("prefix_caching", True) else "off"),
         ),
         ("kv cache", _kv_line(summary["kv_cache"])),
         *([("fp8", _fp8_line(summary["fp8"]))] if summary.get("fp8") else []),

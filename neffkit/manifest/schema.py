@@ -39,6 +39,9 @@ class KVCache:
     dtype: str
     # num_blocks from a per-rank memory budget (MiB) instead, sized by the cache dtype's width
     memory_mb: int | None = None
+    # full prompt blocks shared across requests (a runtime choice: no graph changes; `neffkit
+    # run --no-prefix-caching` turns it off for one server)
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

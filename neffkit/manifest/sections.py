@@ -185,7 +185,14 @@ def read_kv_cache(
     value: Any, buckets: Buckets, dtype: str, cfg: ModelConfig, par: Parallelism
 ) -> KVCache:
     raw = mapping(value, "kv_cache")
-    no_unknown(raw, ("block_size", "num_blocks", "dtype", "memory_mb"), "kv_cache")
+    no_unknown(
+        raw, ("block_size", "num_blocks", "dtype", "memory_mb", "prefix_caching"), "kv_cache"
+    )
+    prefix_caching = raw.get("prefix_caching", True)
+    if not isinstance(prefix_caching, bool):
+        raise ManifestError(
+            f"kv_cache.prefix_caching: expected true or false, got {prefix_caching!r}"
+        )
     kv_dtype = raw.get("dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ManifestError(
@@ -228,7 +235,11 @@ def read_kv_cache(
             hint=f"use num_blocks >= {buckets.context[-1] // block_size + 1}",
         )
     return KVCache(
-        block_size=block_size, num_blocks=num_blocks, dtype=kv_dtype, memory_mb=memory_mb
+        block_size=block_size,
+        num_blocks=num_blocks,
+        dtype=kv_dtype,
+        memory_mb=memory_mb,
+        prefix_caching=prefix_caching,
     )
 
 

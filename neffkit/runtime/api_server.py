@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -85,7 +86,7 @@ class App:
         refused, the ones already sent are aborted."""
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        choices = Choices(queue, sum(map(len, prompts)))
+        choices = Choices(queue, sum(map(len, prompts)), parsed.n)
         try:
             for i, ids in enumerate(prompts):
                 for j in range(parsed.n):
@@ -168,18 +169,22 @@ class Choices:
 
     queue: asyncio.Queue[tuple[int, Event]]
     prompt_tokens: int  # each prompt counted once, whatever n
+    n: int = 1  # choices per prompt
     streams: list[Stream] = field(default_factory=list)
 
     def abort(self, client: EngineClient) -> None:
         for stream in self.streams:
             client.abort(stream)
 
-    def usage(self, events: list[Event]) -> dict[str, int]:
+    def usage(self, events: list[Event]) -> dict[str, Any]:
+        """OpenAI's usage; `cached_tokens` counts each prompt's first choice (as its tokens)."""
         completion = sum(e.completion_tokens for e in events)
+        cached = sum(e.cached_tokens for e in events[:: self.n])
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
 
@@ -289,6 +294,7 @@ def serve(
     max_waiting: int = 256,
     executor: str = "auto",
     dist_timeout_s: float = 60.0,
+    prefix_caching: bool = True,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
     in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
@@ -300,7 +306,7 @@ def serve(
     name = model_name or record.name
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
-    core, conn = start_core(bundle_path, executor, dist_timeout_s)
+    core, conn = start_core(bundle_path, executor, dist_timeout_s, prefix_caching)
     server: list[uvicorn.Server] = []  # the running server, for shut_down
 
     def shut_down(detail: str) -> None:  # the reader thread: uvicorn polls should_exit

@@ -25,9 +25,10 @@ from typing import NamedTuple
 import numpy as np
 
 from neffkit.errors import RequestError
+from neffkit.runtime.limits import output_budget
 from neffkit.runtime.runner import ModelRunner
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs, output_budget
+from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -41,14 +42,19 @@ class CoreOutput(NamedTuple):
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # the first output only
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class EngineCore:
     """Continuous batching over fixed-shape graphs. Not thread-safe: one caller drives `step`."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, prefix_caching: bool = True) -> None:
+        """`prefix_caching`: False turns off the bundle's prefix caching for this engine."""
         self.runner = runner
-        self.scheduler = Scheduler(runner.config)
+        config = runner.config
+        if not prefix_caching:
+            config = replace(config, prefix_caching=False)
+        self.scheduler = Scheduler(config)
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
 
@@ -93,7 +99,9 @@ def new_output(rid: int, seq: SequenceState, sent: int) -> CoreOutput:
     """What the server has not seen of a sequence; its prompt logprobs go with the first."""
     logprobs = seq.output_logprobs[sent:] if seq.params.logprobs is not None else None
     prompt = seq.prompt_logprobs if sent == 0 and seq.params.prompt_logprobs is not None else None
-    return CoreOutput(rid, seq.output_ids[sent:], seq.finish_reason, logprobs, prompt)
+    return CoreOutput(
+        rid, seq.output_ids[sent:], seq.finish_reason, logprobs, prompt, seq.num_cached
+    )
 
 
 def serve_engine(core: EngineCore, conn: Connection) -> None:
@@ -136,7 +144,8 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
                     del live[rid], sent[rid]
         if outputs or changed:
             s = core.scheduler
-            conn.send((STEP, (outputs, (len(s.running), s.num_waiting, s.kv_usage))))
+            stats = (len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits)
+            conn.send((STEP, (outputs, stats)))
 
 
 def engine_threads() -> int:
@@ -149,7 +158,9 @@ def engine_threads() -> int:
     return int(os.environ.get("NEFFKIT_ENGINE_THREADS", 0)) or os.cpu_count() or 1
 
 
-def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: float) -> None:
+def core_main(
+    conn: Connection, bundle: str, executor: str, dist_timeout_s: float, prefix_caching: bool
+) -> None:
     """Entry point of the core process (spawned by the server)."""
     try:
         import torch
@@ -159,7 +170,7 @@ def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: floa
 
         run_on_ranks(
             bundle,
-            lambda loaded: serve_engine(EngineCore(loaded.runner), conn),
+            lambda loaded: serve_engine(EngineCore(loaded.runner, prefix_caching), conn),
             executor=executor,
             timeout_s=dist_timeout_s,
         )
@@ -178,13 +189,13 @@ def core_main(conn: Connection, bundle: str, executor: str, dist_timeout_s: floa
 
 
 def start_core(
-    bundle: Path, executor: str, dist_timeout_s: float
+    bundle: Path, executor: str, dist_timeout_s: float, prefix_caching: bool = True
 ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(
         target=core_main,
-        args=(theirs, str(bundle), executor, dist_timeout_s),
+        args=(theirs, str(bundle), executor, dist_timeout_s, prefix_caching),
         name="neffkit-engine-core",
         daemon=True,
     )

@@ -21,9 +21,10 @@ from multiprocessing.process import BaseProcess
 from neffkit.errors import BundleError, NeffkitError, RequestError
 from neffkit.runtime.core import FAILED, READY, STEP, CoreOutput
 from neffkit.runtime.detokenizer import IncrementalDetokenizer
+from neffkit.runtime.limits import check_fits
 from neffkit.runtime.metrics import Metrics
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import SchedulerConfig, TokenLogprobs, check_fits
+from neffkit.runtime.scheduler import SchedulerConfig, TokenLogprobs
 from neffkit.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Event:
     completion_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # echo: prompt tokens after the first
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 @dataclass
@@ -228,7 +230,7 @@ class EngineClient:
             elif finish is not None:
                 delta += stream.detok.finish()
         event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids),
-                      out.logprobs, out.prompt_logprobs)  # fmt: skip
+                      out.logprobs, out.prompt_logprobs, out.cached_tokens)  # fmt: skip
         if finish is not None:
             if stopped:
                 self.abort(stream, "stop")  # the core has not finished it: free its blocks

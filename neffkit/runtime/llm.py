@@ -15,17 +15,18 @@ from neffkit.contract.codec import JsonObject
 from neffkit.errors import RequestError
 from neffkit.runtime.core import EngineCore
 from neffkit.runtime.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
+from neffkit.runtime.limits import check_fits
 from neffkit.runtime.loader import LoadedBundle
 from neffkit.runtime.sampling_params import OFFLINE, SamplingParams
-from neffkit.runtime.scheduler import SequenceState, check_fits
+from neffkit.runtime.scheduler import SequenceState
 
 
 class LLM:
     """Generation over one loaded bundle."""
 
-    def __init__(self, loaded: LoadedBundle) -> None:
+    def __init__(self, loaded: LoadedBundle, prefix_caching: bool = True) -> None:
         self.loaded = loaded
-        self.core = EngineCore(loaded.runner)
+        self.core = EngineCore(loaded.runner, prefix_caching)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -53,6 +54,7 @@ class GenerateRequest:
     # user messages, each a one-turn conversation rendered through the bundle's chat template
     chats: list[str] = field(default_factory=list)
     params: SamplingParams = OFFLINE
+    prefix_caching: bool = True  # False: the bundle's prefix caching off for this run
 
 
 def run_offline(
@@ -83,7 +85,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
     prompts += request.token_ids
     if tok is not None:
         prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in request.chats]
-    llm = LLM(loaded)
+    llm = LLM(loaded, request.prefix_caching)
     t0 = time.perf_counter()
     seqs = llm.generate(prompts, request.params)
     wall = time.perf_counter() - t0
@@ -94,6 +96,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
                 "token_ids": s.output_ids,
                 "text": tok.decode(s.output_ids) if tok else None,
                 "finish_reason": s.finish_reason,
+                "cached_tokens": s.num_cached,
             }
             for s in seqs
         ],
@@ -107,5 +110,6 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
             # metadata a decode step rewrote (what a device executor uploads), bytes per step
             "decode_meta_bytes_per_step": round(t.decode_meta_bytes / max(t.decode_steps, 1), 1),
             "wall_s": round(wall, 4),
+            "cached_prompt_tokens": sum(s.num_cached for s in seqs),
         },
     }

@@ -2,7 +2,8 @@
 
 Dashboards and alerts written for vLLM (`vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:num_requests_running`,
-`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, token and request counters) work against
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries` and
+`vllm:prefix_cache_hits` (in tokens), token and request counters) work against
 neffkit unchanged; every series carries `model_name`. One registry per server, not the global one.
 """
 
@@ -47,17 +48,33 @@ class Metrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r
         ).labels(**label)
+        self.cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.",
+            ["model_name"], registry=r,
+        ).labels(**label)  # fmt: skip
+        self.cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.",
+            ["model_name"], registry=r,
+        ).labels(**label)  # fmt: skip
+        self._seen_cache = (0, 0)
         self._success = Counter(
             "vllm:request_success", "Finished requests by reason.",
             ["model_name", "finished_reason"], registry=r,
         )  # fmt: skip
         self._label = label
 
-    def observe_stats(self, running: int, waiting: int, kv_usage: float) -> None:
-        """The scheduler's state after an engine step (sent by the engine core)."""
+    def observe_stats(
+        self, running: int, waiting: int, kv_usage: float, queries: int = 0, hits: int = 0
+    ) -> None:
+        """The scheduler's state after an engine step (sent by the engine core); the prefix
+        cache's queries and hits come as running totals."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+        seen_queries, seen_hits = self._seen_cache
+        self.cache_queries.inc(queries - seen_queries)
+        self.cache_hits.inc(hits - seen_hits)
+        self._seen_cache = (queries, hits)
 
     def finished(self, reason: str, e2e_seconds: float) -> None:
         self._success.labels(finished_reason=reason, **self._label).inc()

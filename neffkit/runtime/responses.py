@@ -98,10 +98,10 @@ class CompletionChunks(ChoiceShapes):
     def chunk(self, index: int, e: Event) -> JsonObject:
         return {**self.base, "choices": [self._choice(index, e)]}
 
-    def usage(self, usage: dict[str, int]) -> JsonObject:
+    def usage(self, usage: JsonObject) -> JsonObject:
         return {**self.base, "choices": [], "usage": usage}
 
-    def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
+    def whole(self, events: list[Event], usage: JsonObject) -> JsonObject:
         choices = [self._choice(i, e) for i, e in enumerate(events)]
         return {**self.base, "choices": choices, "usage": usage}
 
@@ -136,10 +136,10 @@ class ChatChunks(ChoiceShapes):
         body["choices"][0] |= self.token_ids(index, e)  # type: ignore[index]
         return body
 
-    def usage(self, usage: dict[str, int]) -> JsonObject:
+    def usage(self, usage: JsonObject) -> JsonObject:
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
-    def whole(self, events: list[Event], usage: dict[str, int]) -> JsonObject:
+    def whole(self, events: list[Event], usage: JsonObject) -> JsonObject:
         choices = [
             {"index": i, "message": {"role": "assistant", "content": e.text},
              "logprobs": self._logprobs(i, e), "finish_reason": e.finish_reason}

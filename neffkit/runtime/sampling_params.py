@@ -5,7 +5,7 @@ protocol.py, so the engine imports nothing of HTTP.
 `SamplingParams` checks itself when it is made (as vLLM's `_verify_args` does) and names the field
 at fault, so the server, the offline CLI and the engine core share one set of rules; what depends
 on the bundle (prompt length against the context buckets, KV blocks) is the scheduler's check
-(`scheduler.check_fits`). Errors are RequestErrors carrying the field in `param`. Imports no torch.
+(`limits.check_fits`). Errors are RequestErrors carrying the field in `param`. Imports no torch.
 """
 
 from __future__ import annotations

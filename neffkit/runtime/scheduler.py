@@ -10,6 +10,12 @@ request's whole budget (prompt + max_tokens) are reserved when it is admitted, s
 request never runs out of cache and nothing is ever preempted. Block 0 is the null block: padding
 slots and -1 block-table entries land there, so it is never handed out.
 
+Prefix caching (vLLM's semantics, kv_blocks.py): at admission a prompt takes the cached blocks of
+its longest cached prefix and its prefill starts at the first uncached token; the last prompt
+token is always computed, so the first sampled token comes from a graph. A request asking for
+prompt logprobs computes every position. Each block is cached once all its tokens are in the
+cache (after a prefill chunk or a decode step), generated tokens included.
+
 Pure Python (and numpy), no graphs: the runner (runner.py) turns what is scheduled here into
 metadata, and the scheduler's tests run against a fake runner in milliseconds.
 """
@@ -23,50 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from neffkit.contract.records import BundleRecord
-from neffkit.errors import RequestError
+from neffkit.runtime.kv_blocks import BlockHash, BlockPool, extend_hashes
+from neffkit.runtime.limits import SchedulerConfig, check_fits
 from neffkit.runtime.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's view of a bundle: buckets, KV blocks, end-of-sequence ids."""
-
-    block_size: int  # tokens per KV block
-    num_blocks: int  # block 0 included (the null block, never handed out)
-    prefill_buckets: tuple[int, ...]  # tokens per prefill chunk
-    decode_buckets: tuple[int, ...]  # sequences per decode step
-    context_buckets: tuple[int, ...]  # tokens attended; the largest is max_model_len
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int  # prompt token ids must lie in [0, vocab_size)
-    max_top_k: int | None = None  # the bundle's candidates for top-k / top-p (None: no limit)
-    max_logprobs: int = 0  # top logprobs the graphs return per token
-    prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs
-    prefill_batch: tuple[int, ...] = (1,)  # rows per prefill call (packed prompts)
-
-    @classmethod
-    def of(cls, record: BundleRecord) -> SchedulerConfig:
-        lay = record.layout
-        return cls(
-            block_size=lay.block_size,
-            num_blocks=lay.num_blocks,
-            prefill_buckets=lay.buckets.prefill,
-            decode_buckets=lay.buckets.decode,
-            context_buckets=lay.buckets.context,
-            eos_token_ids=record.model.eos_token_ids,
-            vocab_size=record.model.vocab_size,
-            max_top_k=lay.max_top_k,
-            max_logprobs=lay.max_logprobs,
-            prompt_logprobs=lay.prompt_logprobs,
-            prefill_batch=lay.buckets.prefill_batch,
-        )
-
-    @property
-    def max_model_len(self) -> int:
-        return self.context_buckets[-1]
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -115,6 +80,9 @@ class SequenceState:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_prefilled: int = 0
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of its full blocks so far
+    num_registered: int = 0  # its leading blocks that are in the prefix cache
     finish_reason: str | None = None
     # with params.logprobs: one entry per output token
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -159,96 +127,9 @@ class DecodeBatch:
     context: int
 
 
-class BlockAllocator:
-    """Free-list of KV blocks 1..num_blocks-1."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_usable(self) -> int:
-        return self.num_blocks - 1
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(f"{count} KV blocks requested, {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-
-
 def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
     i = bisect.bisect_left(buckets, need)
     return buckets[i] if i < len(buckets) else None
-
-
-def output_budget(config: SchedulerConfig, prompt_len: int, params: SamplingParams) -> int:
-    """Tokens a request may generate: its max_tokens, or (unset) up to the largest context."""
-    if params.max_tokens is not None:
-        return params.max_tokens
-    return config.max_model_len - prompt_len
-
-
-def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingParams) -> None:
-    """Refuse what no bucket can serve, with the buckets in the message."""
-    if not prompt_ids:
-        raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-    bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < config.vocab_size), None)
-    if bad is not None:
-        raise RequestError(
-            f"prompt[{bad}]: token id {prompt_ids[bad]} is outside the vocabulary "
-            f"[0, {config.vocab_size})",
-            param="prompt",
-        )
-    cap = config.max_top_k
-    if cap is not None and params.top_k > cap:
-        raise RequestError(
-            f"top_k {params.top_k} exceeds this bundle's sampling candidates "
-            f"(sampling.max_top_k: {cap})",
-            hint="ask for top_k <= that, or build with a larger sampling.max_top_k",
-            param="top_k",
-        )
-    _check_logprobs(config, params)
-    budget = output_budget(config, len(prompt_ids), params)
-    budget = budget if params.max_tokens == 0 else max(budget, 1)  # 0: prompt logprobs only
-    total = len(prompt_ids) + budget
-    if total > config.max_model_len:
-        raise RequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({budget}) = {total} "
-            f"exceeds the largest context bucket ({config.max_model_len}); context buckets: "
-            f"{list(config.context_buckets)}",
-            hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
-            param="prompt",
-        )
-    if config.blocks_for(total) > config.num_blocks - 1:
-        raise RequestError(
-            f"request needs {config.blocks_for(total)} KV blocks; the bundle has "
-            f"{config.num_blocks - 1}",
-            param="prompt",
-        )
-
-
-def _check_logprobs(config: SchedulerConfig, params: SamplingParams) -> None:
-    for top in (params.logprobs, params.prompt_logprobs):
-        if top is not None and top > config.max_logprobs:
-            raise RequestError(
-                f"logprobs {top} exceeds this bundle's sampling.max_logprobs "
-                f"({config.max_logprobs})",
-                hint="ask for fewer, or build with a larger sampling.max_logprobs",
-                param="logprobs",
-            )
-    if params.prompt_logprobs is not None and not config.prompt_logprobs:
-        raise RequestError(
-            "prompt logprobs (echo with logprobs) need a bundle built with "
-            "sampling.prompt_logprobs: true",
-            param="echo",
-        )
 
 
 class Scheduler:
@@ -256,7 +137,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks)
+        self.allocator = BlockPool(config.num_blocks, config.prefix_caching)
+        # prompt tokens looked up in the prefix cache, and found (vLLM's prefix_cache_queries
+        # and prefix_cache_hits)
+        self.cache_queries = 0
+        self.cache_hits = 0
         self.waiting: deque[SequenceState] = deque()
         self.prefilling: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -286,14 +171,47 @@ class Scheduler:
 
     def admit(self) -> None:
         """Waiting requests whose whole budget fits in the free blocks, in arrival order."""
+        pool = self.allocator
         while self.waiting:
             seq = self.waiting[0]
             need = self.config.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
-            if need > self.allocator.num_free:
+            hits = self._cached_prefix(seq)
+            if need - len(hits) + pool.free_among(hits) > pool.num_free:
                 return
             self.waiting.popleft()
-            seq.blocks = self.allocator.allocate(need)
+            pool.take(hits)
+            seq.blocks = hits + pool.allocate(need - len(hits))
+            seq.num_cached = seq.num_prefilled = len(hits) * self.config.block_size
+            seq.num_registered = len(hits)
+            if self._looks_up(seq):
+                self.cache_queries += len(seq.prompt_ids)
+                self.cache_hits += seq.num_cached
             self.prefilling.append(seq)
+
+    def _looks_up(self, seq: SequenceState) -> bool:
+        return self.config.prefix_caching and seq.params.prompt_logprobs is None
+
+    def _cached_prefix(self, seq: SequenceState) -> list[int]:
+        """The cached blocks the prompt can start from: full blocks before its last token."""
+        if not self._looks_up(seq):
+            return []
+        bs = self.config.block_size
+        extend_hashes(seq.block_hashes, seq.prompt_ids, bs)
+        return self.allocator.lookup(seq.block_hashes[: (len(seq.prompt_ids) - 1) // bs])
+
+    def _register(self, seq: SequenceState, computed: int) -> None:
+        """Cache the blocks whose tokens are all in the cache now (`computed` tokens)."""
+        bs = self.config.block_size
+        full = computed // bs
+        if not self.config.prefix_caching or full <= seq.num_registered:
+            return
+        tokens = (
+            seq.prompt_ids if computed <= len(seq.prompt_ids) else seq.prompt_ids + seq.output_ids
+        )
+        extend_hashes(seq.block_hashes, tokens[:computed], bs)
+        for i in range(seq.num_registered, full):
+            self.allocator.register(seq.blocks[i], seq.block_hashes[i])
+        seq.num_registered = full
 
     def next_prefill(self) -> PrefillBatch | None:
         """The prefilling prompts' next chunks, packed into one call: the first prompt's chunk
@@ -333,6 +251,7 @@ class Scheduler:
                 last = min(chunk.length, len(seq.prompt_ids) - 1 - chunk.start)
                 seq.prompt_logprobs += out.prompt_logprobs(range(0, last), top)
             seq.num_prefilled += chunk.length
+            self._register(seq, seq.num_prefilled)
             if seq.num_prefilled < len(seq.prompt_ids):
                 continue
             self.prefilling.remove(seq)
@@ -360,6 +279,7 @@ class Scheduler:
 
     def decoded(self, batch: DecodeBatch, out: StepOutput) -> list[SequenceState]:
         for row, seq in enumerate(batch.rows):  # padding rows last
+            self._register(seq, seq.length)  # this step wrote the K/V of its last token
             self._append(seq, out, row)
         return batch.rows
 
@@ -385,5 +305,5 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         if seq.blocks:
-            self.allocator.free(seq.blocks)
+            self.allocator.free(seq.blocks[::-1])  # the tail evicted before the shared head
             seq.blocks = []

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from neffkit.errors import RequestError
+from neffkit.runtime.limits import check_fits
 from neffkit.runtime.protocol import parse_body, parse_chat, parse_completion
-from neffkit.runtime.scheduler import check_fits
 from tests.fake_model import fake_runner
 
 OK = {"model": "m", "prompt": "hi"}

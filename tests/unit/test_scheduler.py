@@ -14,9 +14,9 @@ import pytest
 
 from neffkit.errors import RequestError
 from neffkit.runtime.core import EngineCore
+from neffkit.runtime.limits import check_fits
 from neffkit.runtime.llm import LLM
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import check_fits
 from tests.fake_model import EOS, fake_runner, oracle
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -122,7 +122,7 @@ def test_abort_frees_blocks_wherever_the_request_is(where: str) -> None:
 
 def test_stop_conditions() -> None:
     engine, _ = llm()
-    prompt = [5, 6, 7]
+    prompt = [4, 6, 7]  # its 8 tokens hold no EOS
     ref = oracle(prompt, 8)
     (seq,) = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=(ref[2],),
                                                       temperature=0.0))  # fmt: skip
