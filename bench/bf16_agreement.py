@@ -96,7 +96,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], dtype: torch.dtype) -> 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, object]:
     prefixes = []
     for x, y in zip(a, b, strict=True):
-        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        same = (i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q)
+        n = next(same, min(len(x), len(y)))
         prefixes.append(n)
     return {
         "common_prefix": prefixes,

@@ -109,7 +109,8 @@ def test_inspect_lists_graphs(bundle):
     # K and V of 2 layers, and llama_tied's decode state (decode_state: device)
     assert all(len(g["io_alias"]) == 5 for g in summary["graphs"])
     text = run_cli("inspect", str(bundle("llama_tied")), check=True).stdout
-    assert "decode_b4_c64" in text and "tp=1" in text
+    assert "decode_b4_c64" in text and "tp=1" in text and "prefix caching on" in text
+    assert summary["layout"]["prefix_caching"] is True
 
 
 def test_load_hashes_what_the_rank_reads(bundle_copy):

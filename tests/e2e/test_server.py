@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_json
 
 # one worker runs this module, so its tests share one server (pytest-xdist --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("server")
@@ -602,3 +602,30 @@ def test_sampled_tokens_logprobs_equal_hf(server: Server, hf_model_dir) -> None:
     assert "".join(c.token for c in content) == chat.choices[0].message.content
     refused = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": 6})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+
+
+def test_prefix_cache_hits_in_usage_and_metrics(server: Server, serve_bundle: Path) -> None:
+    """A shared prefix: the second request reports its cached tokens (OpenAI's
+    usage.prompt_tokens_details.cached_tokens) and generates what an uncached run does; the
+    server counts queries and hits in tokens, as vLLM names them."""
+    client = server.client()
+    before = server.metrics()
+    prefix = list(range(500, 540))  # 40 tokens: 2 full blocks of 16, in no other test
+    first = client.completions.create(model="tiny", prompt=prefix + [7], max_tokens=4,
+                                      temperature=0)  # fmt: skip
+    second = client.completions.create(model="tiny", prompt=prefix + [8, 9], max_tokens=4,
+                                       temperature=0)  # fmt: skip
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    alone = run_json("run", str(serve_bundle), "--max-tokens", "4", "--prompt-ids",
+                     ",".join(map(str, prefix + [8, 9])))["outputs"][0]  # fmt: skip
+    assert second.choices[0].text == alone["text"]
+    after = server.metrics()
+    queries = _counter(after, "vllm:prefix_cache_queries_total")
+    hits = _counter(after, "vllm:prefix_cache_hits_total")
+    assert queries - _counter(before, "vllm:prefix_cache_queries_total") == 41 + 42
+    assert hits - _counter(before, "vllm:prefix_cache_hits_total") == 32
+    chat = [{"role": "system", "content": "Be terse. Be terse."}, {"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="tiny", messages=chat, max_tokens=2)
+    again = client.chat.completions.create(model="tiny", messages=chat, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16

@@ -92,6 +92,11 @@ BAD = [
     ),
     ("kv memory too small", _with("kv_cache.memory_mb", 0), "kv_cache.memory_mb: expected a"),
     (
+        "prefix caching not a bool",
+        _with("kv_cache.prefix_caching", "yes"),
+        "kv_cache.prefix_caching: expected true or false, got 'yes'",
+    ),
+    (
         "bad block size",
         _with("kv_cache.block_size", 0),
         "kv_cache.block_size: expected a positive int, got 0",
@@ -233,6 +238,7 @@ def test_defaults_and_relative_model_path(tmp_path, model_dir):
     assert (m.parallel.tp, m.parallel.ep) == (1, 1)
     # largest context x largest decode bucket, plus the null block
     assert m.kv_cache.num_blocks == 32 * 2 // 16 + 1
+    assert m.kv_cache.prefix_caching  # on unless the manifest says false
     assert m.model_config.num_kv_heads == 2
 
 
