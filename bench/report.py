@@ -401,6 +401,64 @@ def mla(d: dict[str, Any]) -> str:
     )
 
 
+def serve_prefix(d: dict[str, Any]) -> str:
+    rows = []
+    for on, off in zip(d["prefix_caching_on"], d["prefix_caching_off"], strict=True):
+        rows.append([
+            on["concurrency"], f"{on['output_tokens_per_s']:.0f}",
+            f"{off['output_tokens_per_s']:.0f}", f"{on['ttft']['median_ms']:.1f}",
+            f"{off['ttft']['median_ms']:.1f}",
+        ])  # fmt: skip
+    return (
+        f"**Serving a shared prefix** (`bench/serve.py --shared-prefix {d['shared_prefix']}`, "
+        f"bundle `{_bundle_name(d['bundle'])}`): each prompt one of {d['prefixes']} shared "
+        f"{d['shared_prefix']}-token prefixes and {d['input_len']} tokens of its own, "
+        f"{d['output_len']} output tokens; the same requests against a server with prefix "
+        "caching and one with `--no-prefix-caching`, in one run.\n\n"
+        + _table(
+            [
+                "streams",
+                "tok/s cached",
+                "tok/s uncached",
+                "TTFT median ms cached",
+                "TTFT median ms uncached",
+            ],
+            rows,
+        )  # fmt: skip
+    )
+
+
+def prefix_cache(d: dict[str, Any]) -> str:
+    return (
+        f"**Prefix cache hit** (`bench/prefix_cache.py`, `{_bundle_name(d['bundle'])}`): a "
+        f"{d['question_tokens']}-token question after a {d['system_prompt_tokens']}-token "
+        f"system prompt, time to first token through the engine, median of {d['pairs']} "
+        f"alternating pairs: {d['ttft_cold_ms']:.0f} ms cold, {d['ttft_hit_ms']:.0f} ms with "
+        f"the system prompt cached ({d['speedup']:.1f}x); the hits' tokens equal uncached "
+        f"runs': {'yes' if d['hit_tokens_equal_uncached'] else 'no'}."
+    )
+
+
+def bf16_agreement(d: dict[str, Any]) -> str:
+    rows = []
+    for m in d["models"]:
+        cells = [m["model"]]
+        for key in ("neffkit_bf16_vs_hf_bf16", "neffkit_bf16_vs_hf_fp32", "hf_bf16_vs_hf_fp32"):
+            a = m[key]
+            cells.append(f"{a['mean_agreement']:.0%} ({a['prompts_equal_to_the_end']}/"
+                         f"{m['prompts']})")  # fmt: skip
+        rows.append(cells)
+    return (
+        "**bf16 agreement** (`bench/bf16_agreement.py`): greedy tokens of a bf16 bundle against "
+        "HF transformers in bf16 and in float32, 5 prompts x 64 tokens; each cell the mean "
+        "common prefix over 64 tokens (prompts equal to the end).\n\n"
+        + _table(
+            ["model", "neffkit bf16 vs HF bf16", "neffkit bf16 vs HF fp32", "HF bf16 vs HF fp32"],
+            rows,
+        )  # fmt: skip
+    )
+
+
 def lm_eval(d: dict[str, Any]) -> str:
     return (
         f"**lm-eval through the server** (`bench/lm_eval.py`, lm-eval {d['lm_eval_version']}): "
@@ -430,6 +488,9 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("batch", batch),
     ("moe", moe),
     ("mla", mla),
+    ("serve_prefix", serve_prefix),
+    ("prefix_cache", prefix_cache),
+    ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),
 ]

@@ -10,6 +10,12 @@ fixed length, outputs a fixed length with ignore_eos, so every request does the 
     python bench/serve.py --bundle bench/work/batch/bundle-float32-kernel --name serve_125m \
                                                   --concurrency 1 8 --requests-per-client 4
                                                   # the 125M model of bench/batch.py
+    python bench/serve.py --shared-prefix 128 --name serve_prefix
+                                                  # shared prefixes, prefix caching on and off
+
+With --shared-prefix N each prompt is one of --prefixes shared N-token prefixes followed by its
+own --input-len tokens (a system prompt and a question), and the run serves the same requests
+twice, from a server with prefix caching and one started with --no-prefix-caching.
 """
 
 from __future__ import annotations
@@ -73,11 +79,23 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-async def run_level(
-    url: str, model: str, concurrency: int, requests: int, in_len: int, out_len: int, vocab: int
-) -> dict[str, Any]:
+def workload(
+    concurrency: int, requests: int, in_len: int, vocab: int, shared: int = 0, prefixes: int = 4
+) -> list[list[int]]:
+    """Random prompts of in_len tokens, each after one of `prefixes` shared ones (shared > 0);
+    the same for every server a run compares."""
     rng = random.Random(concurrency)
-    prompts = [[rng.randrange(3, vocab) for _ in range(in_len)] for _ in range(requests)]
+    heads = [[rng.randrange(3, vocab) for _ in range(shared)] for _ in range(prefixes)]
+    return [
+        (rng.choice(heads) if shared else []) + [rng.randrange(3, vocab) for _ in range(in_len)]
+        for _ in range(requests)
+    ]
+
+
+async def run_level(
+    url: str, model: str, concurrency: int, prompts: list[list[int]], out_len: int
+) -> dict[str, Any]:
+    requests = len(prompts)
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -125,6 +143,42 @@ def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab
     return concurrency * out_len / (time.perf_counter() - t0)
 
 
+def start_server(bundle: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.terminate()
+    proc.wait()
+    raise SystemExit("the server did not become healthy")
+
+
+def serve_levels(url: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    levels = []
+    for c in args.concurrency:
+        prompts = workload(c, c * args.requests_per_client, args.input_len, vocab,
+                           args.shared_prefix, args.prefixes)  # fmt: skip
+        level = asyncio.run(run_level(url, model, c, prompts, args.output_len))
+        levels.append(level)
+        print(
+            f"concurrency {c:>2}: {level['output_tokens_per_s']:8.1f} output tok/s, "
+            f"TTFT median {level['ttft']['median_ms']:.1f} ms, "
+            f"TPOT median {level['tpot']['median_ms']:.2f} ms, "
+            f"ITL p99 {level['itl']['p99_ms']:.2f} ms"
+        )
+    base = levels[0]["output_tokens_per_s"]
+    for level in levels:
+        level["throughput_vs_first"] = level["output_tokens_per_s"] / base
+    return levels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="A running server; default: start one on the demo bundle.")
@@ -133,45 +187,37 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a shared prefix")
+    ap.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
     ap.add_argument("--name", default="serve", help="result file: bench/results/NAME.json")
     args = ap.parse_args()
-
-    proc = None
-    url = args.url
-    if url is None:
-        ensure_bundle(REPO / "manifests" / "demo-serve.yaml", args.bundle)
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "neffkit", "run", str(args.bundle), "--port", str(port)],
-            cwd=REPO,
-        )
-        for _ in range(600):
+    vocab = 1000
+    result: dict[str, Any] = {
+        "bundle": str(
+            args.bundle.relative_to(REPO) if args.bundle.is_relative_to(REPO) else args.bundle
+        ),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+    }
+    if args.url is not None:
+        result["levels"] = serve_levels(args.url, args, vocab)
+    else:
+        if args.bundle == REPO / "bundles" / "demo-llama-serve":
+            ensure_bundle(REPO / "manifests" / "demo-serve.yaml", args.bundle)
+        runs = [("levels", ())]
+        if args.shared_prefix:  # the same requests with the cache and without
+            result.update(shared_prefix=args.shared_prefix, prefixes=args.prefixes)
+            runs = [("prefix_caching_on", ()), ("prefix_caching_off", ("--no-prefix-caching",))]
+        for key, flags in runs:
+            print(f"{key}:")
+            proc, url = start_server(args.bundle, *flags)
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-    try:
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        vocab = 1000
-        levels = []
-        for c in args.concurrency:
-            level = asyncio.run(
-                run_level(url, model, c, c * args.requests_per_client, args.input_len,
-                          args.output_len, vocab)
-            )  # fmt: skip
-            levels.append(level)
-            print(
-                f"concurrency {c:>2}: {level['output_tokens_per_s']:8.1f} output tok/s, "
-                f"TTFT median {level['ttft']['median_ms']:.1f} ms, "
-                f"TPOT median {level['tpot']['median_ms']:.2f} ms, "
-                f"ITL p99 {level['itl']['p99_ms']:.2f} ms"
-            )
-        base = levels[0]["output_tokens_per_s"]
-        for level in levels:
-            level["throughput_vs_first"] = level["output_tokens_per_s"] / base
-            if args.url is None:
+                result[key] = serve_levels(url, args, vocab)
+            finally:
+                proc.terminate()
+                proc.wait()
+        if not args.shared_prefix:
+            for level in result["levels"]:
                 level["engine_only_tokens_per_s"] = engine_only(
                     args.bundle, level["concurrency"], args.input_len, args.output_len, vocab
                 )
@@ -179,24 +225,7 @@ def main() -> None:
                     f"concurrency {level['concurrency']:>2}: engine alone (no HTTP) "
                     f"{level['engine_only_tokens_per_s']:8.1f} output tok/s"
                 )
-        path = write_result(
-            args.name,
-            {
-                "bundle": str(
-                    args.bundle.relative_to(REPO)
-                    if args.bundle.is_relative_to(REPO)
-                    else args.bundle
-                ),  # fmt: skip
-                "input_len": args.input_len,
-                "output_len": args.output_len,
-                "levels": levels,
-            },
-        )
-        print(f"written {path}")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
+    print(f"written {write_result(args.name, result)}")
 
 
 if __name__ == "__main__":
