@@ -40,7 +40,7 @@ def fp8_max(target: str, neuron_target: str | None) -> float:
     return E4M3FN_MAX
 
 
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "verify")
 # the hazard audit's rules (audit/rules.RULES), in id order; a manifest may waive any of them
 AUDIT_RULE_IDS = (
     "NK101",

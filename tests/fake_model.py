@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from neffkit.contract.records import SpeculationRecord
 from neffkit.runtime.runner import GraphEntry, ModelRunner
 from neffkit.runtime.scheduler import SchedulerConfig
 
@@ -32,10 +33,13 @@ def kv_values(tokens: list[int]) -> list[int]:
     return kv
 
 
-def oracle(prompt: list[int], n: int, seed: int = 0, sampled: bool = False) -> list[int]:
+def oracle(
+    prompt: list[int], n: int, seed: int = 0, sampled: bool = False, period: int | None = None
+) -> list[int]:
     seq, out = list(prompt), []
     for _ in range(n):
-        token = (sum(kv_values(seq)) + (seed if sampled else 0)) % VOCAB
+        base = seq[-period] if period and len(seq) >= period else sum(kv_values(seq))
+        token = (base + (seed if sampled else 0)) % VOCAB
         out.append(token)
         seq.append(token)
     return out
@@ -67,6 +71,9 @@ def _specs(phase: str, rows: int, tokens: int, context: int, block_size: int) ->
 class PagedSumModel:
     layout: SchedulerConfig
     calls: list[tuple[str, dict[str, np.ndarray]]] = field(default_factory=list)
+    # a model that repeats its input with this period (the token `period` back, recovered from
+    # the cache's rolling hashes), so prompt lookup's drafts are often right
+    period: int | None = None
 
     def __post_init__(self) -> None:
         self.cache = np.zeros(self.layout.num_blocks * self.layout.block_size, dtype=np.int64)
@@ -76,15 +83,44 @@ class PagedSumModel:
         self.calls.append((name, meta))
         bs = self.layout.block_size
         self._write(meta, bs)
+        if name.startswith("verify"):
+            return self._verify(meta, bs)
         out = np.zeros(len(meta["context_lens"]), dtype=np.int64)
         for row, length in enumerate(meta["context_lens"]):
-            positions = np.arange(length)
             table = meta["block_tables"][row]
             assert (table[: -(-length // bs)] > 0).all(), "a used block-table entry is null"
-            total = self.cache[table[positions // bs] * bs + positions % bs].sum()
             seed = meta["seed"][row] if meta["temperature"][row] > 0 else 0
-            out[row] = (total + seed) % VOCAB
+            out[row] = self._token(table, int(length), seed, bs)
         return [out]
+
+    def _token(self, table: np.ndarray, length: int, seed: int, bs: int) -> int:
+        """The token after the first `length` positions of a row (read through its table)."""
+        kv = self.cache[table[np.arange(length) // bs] * bs + np.arange(length) % bs]
+        if self.period and length >= self.period:
+            at = length - self.period
+            base = kv[at] - 3 * (kv[at - 1] if at else 0)  # the token there, from the hashes
+        else:
+            base = kv.sum()
+        return int((base + seed) % VOCAB)
+
+    def _verify(self, meta: dict[str, np.ndarray], bs: int) -> list[np.ndarray]:
+        """Every position's token as a decode step there gives it; drafts (a row's tokens after
+        the first) accepted while they equal the token before them, as the real graph does."""
+        rows, tokens = meta["input_ids"].shape
+        out = np.zeros((rows, tokens), dtype=np.int64)
+        emitted = np.ones(rows, dtype=np.int64)
+        for row in range(rows):
+            table = meta["block_tables"][row]
+            seed = meta["seed"][row] if meta["temperature"][row] > 0 else 0
+            for t in range(tokens):
+                length = min(meta["positions"][row, t] + 1, meta["context_lens"][row])
+                out[row, t] = self._token(table, int(length), seed, bs)
+            while (
+                emitted[row] < tokens
+                and out[row, emitted[row] - 1] == meta["input_ids"][row, emitted[row]]
+            ):
+                emitted[row] += 1
+        return [out, emitted]
 
     def _write(self, meta: dict[str, np.ndarray], bs: int) -> None:
         """Each real token's kv, in order (a chunk reads its own earlier tokens back)."""
@@ -105,8 +141,9 @@ class PagedSumModel:
     def graph(self, phase: str, rows: int, tokens: int, context: int) -> GraphEntry:
         specs = _specs(phase, rows, tokens, context, self.layout.block_size)
         name = f"{phase}_{rows}x{tokens}_c{context}"
+        outputs = ("next_tokens", "num_emitted") if phase == "verify" else ("next_tokens",)
         return GraphEntry(
-            name, phase, rows, tokens, context, specs, lambda a: self.run(name, specs, a)
+            name, phase, rows, tokens, context, specs, lambda a: self.run(name, specs, a), outputs
         )
 
 
@@ -118,11 +155,14 @@ def fake_runner(
     block_size: int = 8,
     eos: tuple[int, ...] = (EOS,),
     prefill_batch: tuple[int, ...] = (1,),
+    speculation: SpeculationRecord | None = None,
+    period: int | None = None,
 ) -> tuple[ModelRunner, PagedSumModel]:
     layout = SchedulerConfig(
-        block_size, num_blocks, prefill, decode, context, eos, VOCAB, prefill_batch=prefill_batch
-    )
-    model = PagedSumModel(layout)
+        block_size, num_blocks, prefill, decode, context, eos, VOCAB, prefill_batch=prefill_batch,
+        speculation=speculation,
+    )  # fmt: skip
+    model = PagedSumModel(layout, period=period)
     graphs = [
         model.graph("prefill", r, t, c)
         for r in prefill_batch
@@ -131,4 +171,12 @@ def fake_runner(
         if t <= c
     ]
     graphs += [model.graph("decode", b, 1, c) for b in decode for c in context]
+    if speculation is not None:
+        k = speculation.num_tokens
+        graphs += [
+            model.graph("verify", b, 1 + k, c)
+            for b in decode
+            if b <= speculation.max_batch
+            for c in context
+        ]
     return ModelRunner(graphs, layout), model

@@ -57,6 +57,12 @@ def _parse_ids(text: str) -> list[int]:
     is_flag=True,
     help="Compute every prompt whole (the bundle shares cached prompt blocks by default).",
 )
+@click.option(
+    "--no-speculation",
+    "no_speculation",
+    is_flag=True,
+    help="Decode one token a step in a bundle built with speculation.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
 @click.option(
@@ -89,6 +95,7 @@ def run(
     dist_timeout: float,
     executor: str,
     no_prefix_caching: bool,
+    no_speculation: bool,
     host: str,
     port: int,
     api_key: str | None,
@@ -113,6 +120,7 @@ def run(
             model_name=served_model_name,
             max_waiting=max_waiting,
             prefix_caching=not no_prefix_caching,
+            speculation=not no_speculation,
         )
         sys.exit(status)
 
@@ -122,6 +130,7 @@ def run(
         chats=list(chats),
         params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
         prefix_caching=not no_prefix_caching,
+        speculation=not no_speculation,
     )
     report = run_offline(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints

@@ -2,7 +2,9 @@
 
 One graph per (phase, token-or-batch bucket, context bucket), named `prefill_t128_c1024` and
 `decode_b4_c1024`; prefill graphs of several rows (buckets.prefill_batch: packed prompts) are
-`prefill_b4_t128_c1024`. A prefill chunk of T tokens needs a context bucket of at least T.
+`prefill_b4_t128_c1024`. A prefill chunk of T tokens needs a context bucket of at least T. With
+`speculation`, a verify graph of 1 + K tokens a row per decode bucket up to its max_batch and
+context bucket: `verify_b4_k4_c1024`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from neffkit.manifest import Manifest
 def graph_name(phase: str, bucket: int, context: int, rows: int = 1) -> str:
     if phase == "decode":
         return f"decode_b{bucket}_c{context}"
+    if phase == "verify":  # bucket: the draft tokens K
+        return f"verify_b{rows}_k{bucket}_c{context}"
     return f"prefill_t{bucket}_c{context}" if rows == 1 else f"prefill_b{rows}_t{bucket}_c{context}"
 
 
@@ -31,6 +35,16 @@ def make_plan(manifest: Manifest) -> Plan:
         for n in b.decode
         for c in b.context
     ]
+    spec = manifest.speculation
+    if spec is not None:
+        k = spec.num_tokens
+        graphs += [
+            GraphSpec(graph_name("verify", k, c, n), "verify", n, 1 + k, c)
+            for n in b.decode
+            if n <= spec.max_batch
+            for c in b.context
+            if 1 + k < c
+        ]
     return Plan(manifest=manifest, graphs=tuple(graphs), world_size=manifest.parallel.tp)
 
 

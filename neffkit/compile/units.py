@@ -43,14 +43,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class GraphSpec:
     name: str
-    phase: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode" | "verify"
     rows: int  # sequences per call
     tokens: int  # tokens per sequence (1 for decode)
     context: int  # context bucket: tokens attended at most
 
     @property
     def bucket(self) -> int:
-        """The phase's own bucket value: tokens for prefill, batch for decode."""
+        """The phase's own bucket value: tokens for prefill, batch for decode and verify."""
         return self.tokens if self.phase == "prefill" else self.rows
 
     def matches(self, match: dict) -> bool:

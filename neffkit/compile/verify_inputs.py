@@ -47,10 +47,10 @@ def representative_inputs(
             lens = np.array([valid])
             meta[abi.LAST_TOKEN_INDEX] = np.array([valid - 1])
             live = np.arange(t)[None, :] < valid
-        else:
-            lens = np.array([max(1, capacity - 1 - 3 * r) for r in range(spec.rows)])
-            positions = (lens - 1)[:, None]
-            live = np.ones((spec.rows, 1), dtype=bool)
+        else:  # decode, verify: each row's T tokens end its context
+            lens = np.array([max(t, capacity - 1 - 3 * r) for r in range(spec.rows)])
+            positions = (lens - t)[:, None] + np.arange(t)[None, :]
+            live = np.ones((spec.rows, t), dtype=bool)
         slots = abi.slot(np.take_along_axis(tables, positions // bs, axis=1), positions, bs)
         meta |= {
             abi.POSITIONS: positions.astype(np.int64),

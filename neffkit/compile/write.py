@@ -33,6 +33,7 @@ from neffkit.contract.records import (
     LayoutRecord,
     ManifestRecord,
     ModelRecord,
+    SpeculationRecord,
     Versions,
     WeightsRecord,
 )
@@ -134,6 +135,16 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
     )
 
 
+def _speculation(manifest: Manifest) -> SpeculationRecord | None:
+    spec = manifest.speculation
+    if spec is None:
+        return None
+    return SpeculationRecord(
+        spec.method, spec.num_tokens, spec.max_batch, spec.prompt_lookup_min,
+        spec.prompt_lookup_max,
+    )  # fmt: skip
+
+
 def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
     b = manifest.buckets
     return LayoutRecord(
@@ -152,6 +163,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         max_logprobs=layout.max_logprobs,
         prompt_logprobs=layout.prompt_logprobs,
         prefix_caching=manifest.kv_cache.prefix_caching,
+        speculation=_speculation(manifest),
         kv_kind=layout.config.kv_kind,
         kv_dtype=layout.kv_dtype,
         decode_state=layout.decode_state,

@@ -35,6 +35,7 @@ RANK = "rank"  # [1] int64: this graph's rank, as data (one artifact serves ever
 LAST_TOKENS = "last_tokens"  # [num_blocks] int64: each sequence's last sampled token
 
 NEXT_TOKENS = "next_tokens"
+NUM_EMITTED = "num_emitted"  # [B] verify: tokens each row emits (accepted drafts + 1)
 TOKEN_LOGPROBS = "token_logprobs"
 TOP_LOGPROB_IDS = "top_logprob_ids"
 TOP_LOGPROBS = "top_logprobs"
@@ -80,7 +81,9 @@ class GraphShape:
 
     # "prefill": T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence
     # ids; each sequence has its own block table, length, last token and sampling values), or
-    # "decode": `rows` sequences, one token each
+    # "decode": `rows` sequences, one token each, or
+    # "verify" (speculative decoding): `rows` sequences of T = 1 + K tokens, the last sampled
+    # token and K draft tokens, each position sampled and the drafts accepted in the graph
     phase: str
     rows: int
     tokens: int
@@ -104,7 +107,7 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     and prefill takes `seq_slots` too, to store each sequence's sampled token there."""
     b, t = shape.rows, shape.tokens
     lines = 1 if shape.phase == "prefill" else b  # prefill: every sequence's tokens in one row
-    host_ids = shape.phase == "prefill" or not shape.device_state
+    host_ids = shape.phase != "decode" or not shape.device_state  # verify: drafts from the host
     specs = [TensorSpec(INPUT_IDS, (lines, t), "int64")] if host_ids else []
     specs += [
         TensorSpec(POSITIONS, (lines, t), "int64"),
@@ -127,6 +130,15 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
 def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
     """The user outputs, in order (the K/V mutations precede them in an exported program)."""
     b, n = shape.rows, shape.logprobs
+    if shape.phase == "verify":  # per position, the emitted ones first in each row
+        t = shape.tokens
+        return [
+            TensorSpec(NEXT_TOKENS, (b, t), "int64"),
+            TensorSpec(NUM_EMITTED, (b,), "int64"),
+            TensorSpec(TOKEN_LOGPROBS, (b, t), "float32"),
+            TensorSpec(TOP_LOGPROB_IDS, (b, t, n), "int64"),
+            TensorSpec(TOP_LOGPROBS, (b, t, n), "float32"),
+        ]
     specs = [
         TensorSpec(NEXT_TOKENS, (b,), "int64"),
         TensorSpec(TOKEN_LOGPROBS, (b,), "float32"),

@@ -146,6 +146,18 @@ class BucketLists(Record):
 
 
 @dataclass(frozen=True)
+class SpeculationRecord(Record):
+    """Speculative decoding (the manifest's `speculation`): verify graphs of 1 + num_tokens
+    tokens a row up to max_batch rows, drafts from `method`."""
+
+    method: str
+    num_tokens: int
+    max_batch: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+
+@dataclass(frozen=True)
 class LayoutRecord(Record):
     """What the runtime allocates and schedules by: ranks, KV cache shape, buckets."""
 
@@ -168,6 +180,7 @@ class LayoutRecord(Record):
     prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs (echo)
     # the runtime shares full prompt blocks across requests by default (kv_cache.prefix_caching)
     prefix_caching: bool = True
+    speculation: SpeculationRecord | None = None
     # "mha": a K and a V tensor per layer; "mla": one latent tensor per layer (DeepSeek), whose
     # head_dim is the per-token width kv_lora_rank + qk_rope_head_dim, with one "head"
     kv_kind: str = "mha"

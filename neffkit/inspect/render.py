@@ -47,6 +47,14 @@ def _kv_line(kv: dict[str, Any]) -> str:
     return line
 
 
+def _speculation_line(spec: dict[str, Any]) -> str:
+    return (
+        f"speculation {spec['method']}: {spec['num_tokens']} draft tokens a row, verify graphs "
+        f"up to {spec['max_batch']} rows (prompt lookup {spec['prompt_lookup_min']}-"
+        f"{spec['prompt_lookup_max']} tokens)"
+    )
+
+
 def _fp8_line(fp8: dict[str, Any]) -> str:
     parts = []
     if fp8["weights"]:
@@ -92,6 +100,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"logprobs up to {lay.get('max_logprobs', 0)}"
             + (", prompt logprobs" if lay.get("prompt_logprobs") else ""),
         ),
+        *([("speculation", _speculation_line(spec))] if (spec := lay.get("speculation")) else []),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
         ("total", _mib(summary["total_bytes"])),
         (

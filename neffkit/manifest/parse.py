@@ -25,6 +25,7 @@ from neffkit.manifest.sections import (
     read_neuron,
     read_parallel,
     read_sampling,
+    read_speculation,
 )
 from neffkit.models.config import ModelConfig, check_static
 from neffkit.models.registry import read_model_config
@@ -45,6 +46,7 @@ TOP_LEVEL = (
     "audit",
     "mla",
     "decode_state",
+    "speculation",
 )
 DECODE_STATES = ("host", "device")
 
@@ -133,6 +135,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
             DECODE_STATES,
             "decode_state",
         ),
+        speculation=read_speculation(data.get("speculation"), buckets),
     )
 
 

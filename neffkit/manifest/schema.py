@@ -98,6 +98,23 @@ class Audit:
     waive: tuple[str, ...] = ()  # rule ids whose errors do not fail the build (recorded)
 
 
+SPECULATION_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding: verify graphs of 1 + num_tokens tokens a row (the last token and K
+    proposed ones), for the decode buckets up to max_batch; the drafts come from `method`
+    ("ngram": prompt lookup on the host, the longest suffix of prompt_lookup_max down to
+    prompt_lookup_min tokens found earlier in the sequence proposes what followed it)."""
+
+    method: str
+    num_tokens: int
+    max_batch: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+
 @dataclass(frozen=True)
 class Manifest:
     name: str
@@ -120,6 +137,7 @@ class Manifest:
     # reads it from the aliased `last_tokens` state the previous step wrote, the host sending
     # only which sequence each row holds (`seq_slots`). Default: device on neuron, else host
     decode_state: str = "host"
+    speculation: Speculation | None = None
 
     @property
     def max_model_len(self) -> int:

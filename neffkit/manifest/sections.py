@@ -18,6 +18,7 @@ from neffkit.manifest.fields import (
 from neffkit.manifest.schema import (
     INDUCTOR_OPTIONS,
     KV_DTYPES,
+    SPECULATION_METHODS,
     Audit,
     Buckets,
     Compiler,
@@ -25,6 +26,7 @@ from neffkit.manifest.schema import (
     KVCache,
     NeuronOptions,
     Sampling,
+    Speculation,
 )
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
@@ -259,3 +261,33 @@ def read_audit(value: Any) -> Audit:
                 f"audit.waive[{i}]: unknown rule {rule!r}; rules: {', '.join(AUDIT_RULE_IDS)}"
             )
     return Audit(waive=waive)
+
+
+def read_speculation(value: Any, buckets: Buckets) -> Speculation | None:
+    """The `speculation` section, or None without one."""
+    if value is None:
+        return None
+    raw = mapping(value, "speculation")
+    keys = ("method", "num_tokens", "max_batch", "prompt_lookup_min", "prompt_lookup_max")
+    no_unknown(raw, keys, "speculation")
+    method = raw.get("method")
+    if method in ("draft", "mtp"):
+        raise ManifestError(
+            f"speculation.method: {method!r} is not implemented yet; implemented: "
+            f"{', '.join(SPECULATION_METHODS)}"
+        )
+    method = choice(method, SPECULATION_METHODS, "speculation.method")
+    k = positive_int(raw.get("num_tokens", 4), "speculation.num_tokens")
+    if 1 + k >= buckets.context[-1]:
+        raise ManifestError(
+            f"speculation.num_tokens: {k} draft tokens do not fit the largest context bucket "
+            f"({buckets.context[-1]})"
+        )
+    max_batch = positive_int(raw.get("max_batch", buckets.decode[-1]), "speculation.max_batch")
+    low = positive_int(raw.get("prompt_lookup_min", 2), "speculation.prompt_lookup_min")
+    high = positive_int(raw.get("prompt_lookup_max", max(4, low)), "speculation.prompt_lookup_max")
+    if low > high:
+        raise ManifestError(
+            f"speculation.prompt_lookup_min: {low} exceeds prompt_lookup_max ({high})"
+        )
+    return Speculation(method, k, max_batch, low, high)

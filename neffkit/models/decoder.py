@@ -120,7 +120,11 @@ class DecoderGraph(torch.nn.Module):
         sampled, prompt = self._sample(h, m, w, rank)
         if last_tokens is not None:  # the next decode step's input, stored on the device
             # padding rows all write the padding slot 0, which no sequence reads
-            last_tokens.index_put_((state_slots,), sampled[0])
+            last = sampled[0]
+            if shape.phase == "verify":  # each row's last emitted token
+                last = last.gather(1, (sampled[1] - 1).clamp(0, shape.tokens - 1).unsqueeze(1))
+                last = last.squeeze(1)
+            last_tokens.index_put_((state_slots,), last)
         return (*sampled, *prompt)
 
     def _step(self, m, w, rank, caches, dtype) -> Step:
@@ -153,6 +157,8 @@ class DecoderGraph(torch.nn.Module):
         temperature, top_k, top_p, seed = (m[name] for name in abi.SAMPLING_NAMES)
         head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         prompt: tuple[torch.Tensor, ...] = ()
+        if shape.phase == "verify":
+            return self._verify(h, m, w, rank, head), prompt
         if shape.phase == "prefill":
             tokens = positions.shape[1]
             # [S]: each sequence's last token in the row; clamped like every index from the
@@ -176,6 +182,33 @@ class DecoderGraph(torch.nn.Module):
             logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
         )
         return sampled, prompt
+
+    def _verify(self, h, m, w, rank, head) -> tuple[torch.Tensor, ...]:
+        """Speculative decoding's verify step: every position sampled as a decode step at that
+        position samples (the same seed and position, so the same token), and each row's drafts
+        (its input tokens after the first) accepted while they equal what was sampled before
+        them. A draft is a point mass, so this is rejection sampling exactly: a draft is kept
+        with the probability the target gives it, and a rejected one is replaced by a sample of
+        the target's distribution without it. Returns the sampled tokens [B, T], each row's
+        emitted count (accepted + 1) and the logprobs per position."""
+        rows, tokens, _ = h.shape
+        x = self.norm(h.reshape(rows * tokens, -1), w.get("model.norm.weight"))
+        logits = self.logits(x, head, rank)  # [B*T, vocab]
+        params = [m[name].repeat_interleave(tokens) for name in abi.SAMPLING_NAMES]
+        positions = m[abi.POSITIONS].reshape(-1)
+        s = sample(logits, *params, positions, self.max_top_k, self.shape.logprobs)
+        sampled = s.next_tokens.view(rows, tokens)
+        drafts = m[abi.INPUT_IDS][:, 1:]  # -1 where a row proposes fewer than K
+        rejected = (sampled[:, :-1] != drafts).to(torch.int32)
+        ends = torch.ones_like(rejected[:, :1])  # every row stops at its last position
+        accepted = torch.argmax(torch.cat((rejected, ends), dim=1), dim=1)  # first rejection
+        return (
+            sampled,
+            accepted.to(torch.int64) + 1,
+            s.token_logprobs.view(rows, tokens),
+            s.top_logprob_ids.view(rows, tokens, -1),
+            s.top_logprobs.view(rows, tokens, -1),
+        )
 
     # ------------------------------------------------------------ parts a family overrides
     def layer(self, h: torch.Tensor, layer: int, step: Step) -> torch.Tensor:

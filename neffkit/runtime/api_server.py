@@ -295,6 +295,7 @@ def serve(
     executor: str = "auto",
     dist_timeout_s: float = 60.0,
     prefix_caching: bool = True,
+    speculation: bool = True,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
     in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
@@ -306,7 +307,7 @@ def serve(
     name = model_name or record.name
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
-    core, conn = start_core(bundle_path, executor, dist_timeout_s, prefix_caching)
+    core, conn = start_core(bundle_path, executor, dist_timeout_s, prefix_caching, speculation)
     server: list[uvicorn.Server] = []  # the running server, for shut_down
 
     def shut_down(detail: str) -> None:  # the reader thread: uvicorn polls should_exit

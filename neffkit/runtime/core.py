@@ -29,6 +29,7 @@ from neffkit.runtime.limits import output_budget
 from neffkit.runtime.runner import ModelRunner
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs
+from neffkit.runtime.speculation import Proposer
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -48,13 +49,25 @@ class CoreOutput(NamedTuple):
 class EngineCore:
     """Continuous batching over fixed-shape graphs. Not thread-safe: one caller drives `step`."""
 
-    def __init__(self, runner: ModelRunner, prefix_caching: bool = True) -> None:
-        """`prefix_caching`: False turns off the bundle's prefix caching for this engine."""
+    def __init__(
+        self,
+        runner: ModelRunner,
+        prefix_caching: bool = True,
+        speculation: bool = True,
+        proposer: Proposer | None = None,
+    ) -> None:
+        """False turns off the bundle's prefix caching / speculative decoding for this engine;
+        `proposer` replaces the bundle's speculation method's (tests drive the verify graphs
+        with chosen drafts)."""
         self.runner = runner
         config = runner.config
         if not prefix_caching:
             config = replace(config, prefix_caching=False)
+        if not speculation:
+            config = replace(config, speculation=None)
         self.scheduler = Scheduler(config)
+        if proposer is not None and config.speculation is not None:
+            self.scheduler.proposer = proposer
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
 
@@ -144,7 +157,11 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
                     del live[rid], sent[rid]
         if outputs or changed:
             s = core.scheduler
-            stats = (len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits)
+            spec = (s.spec.drafts, s.spec.draft_tokens, s.spec.accepted_tokens,
+                    tuple(s.spec.accepted_per_position))  # fmt: skip
+            stats = (
+                len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits, spec
+            )  # fmt: skip
             conn.send((STEP, (outputs, stats)))
 
 
@@ -159,7 +176,12 @@ def engine_threads() -> int:
 
 
 def core_main(
-    conn: Connection, bundle: str, executor: str, dist_timeout_s: float, prefix_caching: bool
+    conn: Connection,
+    bundle: str,
+    executor: str,
+    dist_timeout_s: float,
+    prefix_caching: bool,
+    speculation: bool,
 ) -> None:
     """Entry point of the core process (spawned by the server)."""
     try:
@@ -170,7 +192,9 @@ def core_main(
 
         run_on_ranks(
             bundle,
-            lambda loaded: serve_engine(EngineCore(loaded.runner, prefix_caching), conn),
+            lambda loaded: serve_engine(
+                EngineCore(loaded.runner, prefix_caching, speculation), conn
+            ),
             executor=executor,
             timeout_s=dist_timeout_s,
         )
@@ -189,13 +213,17 @@ def core_main(
 
 
 def start_core(
-    bundle: Path, executor: str, dist_timeout_s: float, prefix_caching: bool = True
+    bundle: Path,
+    executor: str,
+    dist_timeout_s: float,
+    prefix_caching: bool = True,
+    speculation: bool = True,
 ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(
         target=core_main,
-        args=(theirs, str(bundle), executor, dist_timeout_s, prefix_caching),
+        args=(theirs, str(bundle), executor, dist_timeout_s, prefix_caching, speculation),
         name="neffkit-engine-core",
         daemon=True,
     )

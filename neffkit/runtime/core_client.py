@@ -198,6 +198,20 @@ class EngineClient:
                 if stats is not None:
                     self.metrics.observe_stats(*stats)
 
+    @staticmethod
+    def _detokenize(detok: IncrementalDetokenizer, new_ids: list[int]) -> tuple[str, list[int]]:
+        """The text to show and the tokens to report: with stop strings, several tokens of one
+        step (speculative decoding) go in one at a time, and none after a stop is reported."""
+        if len(new_ids) < 2 or not detok.stop:
+            return detok.step(new_ids), new_ids
+        delta, kept = "", []
+        for token in new_ids:
+            delta += detok.step([token])
+            kept.append(token)
+            if detok.stopped:
+                break
+        return delta, kept
+
     def _fail(self, detail: str) -> None:
         """The core is gone: every live request ends with the cause; then the server stops."""
         self._error = detail
@@ -211,6 +225,15 @@ class EngineClient:
 
     def _deliver(self, stream: Stream, out: CoreOutput) -> None:
         new_ids, finish = out.new_ids, out.finish_reason
+        delta, stopped = "", False
+        if stream.detok is not None:
+            delta, new_ids = self._detokenize(stream.detok, new_ids)
+            stopped = stream.detok.stopped
+            if stopped:
+                finish = "stop"
+            elif finish is not None:
+                delta += stream.detok.finish()
+        logprobs = out.logprobs[: len(new_ids)] if out.logprobs is not None else None
         now = time.perf_counter()
         if new_ids:
             if stream.first_token_at is None:
@@ -221,16 +244,8 @@ class EngineClient:
             stream.last_token_at = now
             self.metrics.generation_tokens.inc(len(new_ids))
             stream.output_ids += new_ids
-        delta, stopped = "", False
-        if stream.detok is not None:
-            delta = stream.detok.step(new_ids)
-            stopped = stream.detok.stopped
-            if stopped:
-                finish = "stop"
-            elif finish is not None:
-                delta += stream.detok.finish()
         event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids),
-                      out.logprobs, out.prompt_logprobs, out.cached_tokens)  # fmt: skip
+                      logprobs, out.prompt_logprobs, out.cached_tokens)  # fmt: skip
         if finish is not None:
             if stopped:
                 self.abort(stream, "stop")  # the core has not finished it: free its blocks

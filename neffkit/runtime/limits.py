@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from neffkit.contract.records import BundleRecord
+from neffkit.contract.records import BundleRecord, SpeculationRecord
 from neffkit.errors import RequestError
 from neffkit.runtime.sampling_params import SamplingParams
 
@@ -27,6 +27,7 @@ class SchedulerConfig:
     prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs
     prefill_batch: tuple[int, ...] = (1,)  # rows per prefill call (packed prompts)
     prefix_caching: bool = True  # full prompt blocks shared across requests (kv_blocks.py)
+    speculation: SpeculationRecord | None = None  # verify graphs in the bundle (speculation.py)
 
     @classmethod
     def of(cls, record: BundleRecord) -> SchedulerConfig:
@@ -44,6 +45,7 @@ class SchedulerConfig:
             prompt_logprobs=lay.prompt_logprobs,
             prefill_batch=lay.buckets.prefill_batch,
             prefix_caching=lay.prefix_caching,
+            speculation=lay.speculation,
         )
 
     @property

@@ -24,9 +24,11 @@ from neffkit.runtime.scheduler import SequenceState
 class LLM:
     """Generation over one loaded bundle."""
 
-    def __init__(self, loaded: LoadedBundle, prefix_caching: bool = True) -> None:
+    def __init__(
+        self, loaded: LoadedBundle, prefix_caching: bool = True, speculation: bool = True
+    ) -> None:
         self.loaded = loaded
-        self.core = EngineCore(loaded.runner, prefix_caching)
+        self.core = EngineCore(loaded.runner, prefix_caching, speculation)
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -55,6 +57,7 @@ class GenerateRequest:
     chats: list[str] = field(default_factory=list)
     params: SamplingParams = OFFLINE
     prefix_caching: bool = True  # False: the bundle's prefix caching off for this run
+    speculation: bool = True  # False: plain decoding in a bundle with verify graphs
 
 
 def run_offline(
@@ -85,7 +88,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
     prompts += request.token_ids
     if tok is not None:
         prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in request.chats]
-    llm = LLM(loaded, request.prefix_caching)
+    llm = LLM(loaded, request.prefix_caching, request.speculation)
     t0 = time.perf_counter()
     seqs = llm.generate(prompts, request.params)
     wall = time.perf_counter() - t0
@@ -111,5 +114,21 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
             "decode_meta_bytes_per_step": round(t.decode_meta_bytes / max(t.decode_steps, 1), 1),
             "wall_s": round(wall, 4),
             "cached_prompt_tokens": sum(s.num_cached for s in seqs),
+            "verify_steps": t.verify_steps,
         },
+        "speculation": _speculation_report(llm),
+    }
+
+
+def _speculation_report(llm: LLM) -> JsonObject | None:
+    """vLLM's spec-decode counts and the mean acceptance length (None: no speculation)."""
+    if llm.core.scheduler.config.speculation is None:
+        return None
+    spec = llm.core.scheduler.spec
+    return {
+        "drafts": spec.drafts,
+        "draft_tokens": spec.draft_tokens,
+        "accepted_tokens": spec.accepted_tokens,
+        "accepted_per_position": spec.accepted_per_position,
+        "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
     }

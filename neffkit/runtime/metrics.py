@@ -57,6 +57,21 @@ class Metrics:
             ["model_name"], registry=r,
         ).labels(**label)  # fmt: skip
         self._seen_cache = (0, 0)
+        spec = [
+            ("num_drafts", "Rows that proposed draft tokens, per verify step."),
+            ("num_draft_tokens", "Draft tokens proposed."),
+            ("num_accepted_tokens", "Draft tokens accepted."),
+        ]
+        self.spec = [
+            Counter(f"vllm:spec_decode_{name}", doc, ["model_name"], registry=r).labels(**label)
+            for name, doc in spec
+        ]
+        self.spec_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+            ["model_name", "position"], registry=r,
+        )  # fmt: skip
+        self._seen_spec: tuple[int, ...] = (0, 0, 0)
+        self._seen_positions: tuple[int, ...] = ()
         self._success = Counter(
             "vllm:request_success", "Finished requests by reason.",
             ["model_name", "finished_reason"], registry=r,
@@ -64,7 +79,13 @@ class Metrics:
         self._label = label
 
     def observe_stats(
-        self, running: int, waiting: int, kv_usage: float, queries: int = 0, hits: int = 0
+        self,
+        running: int,
+        waiting: int,
+        kv_usage: float,
+        queries: int = 0,
+        hits: int = 0,
+        spec: tuple = (0, 0, 0, ()),
     ) -> None:
         """The scheduler's state after an engine step (sent by the engine core); the prefix
         cache's queries and hits come as running totals."""
@@ -75,6 +96,14 @@ class Metrics:
         self.cache_queries.inc(queries - seen_queries)
         self.cache_hits.inc(hits - seen_hits)
         self._seen_cache = (queries, hits)
+        *totals, positions = spec
+        for counter, total, seen in zip(self.spec, totals, self._seen_spec, strict=True):
+            counter.inc(total - seen)
+        self._seen_spec = tuple(totals)
+        for i, total in enumerate(positions):
+            seen = self._seen_positions[i] if i < len(self._seen_positions) else 0
+            self.spec_per_position.labels(position=str(i), **self._label).inc(total - seen)
+        self._seen_positions = tuple(positions)
 
     def finished(self, reason: str, e2e_seconds: float) -> None:
         self._success.labels(finished_reason=reason, **self._label).inc()

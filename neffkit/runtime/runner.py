@@ -63,6 +63,7 @@ class Timings:
     # bytes of the decode metadata arrays a step rewrote: what an executor that keeps the
     # metadata on the device must send it (the arrays a step leaves alone stay there)
     decode_meta_bytes: int = 0
+    verify_steps: int = 0  # decode steps that ran a verify graph (speculation)
 
 
 class DecodeBuffers:
@@ -208,6 +209,8 @@ class ModelRunner:
         return StepOutput(outputs)
 
     def decode(self, batch: DecodeBatch) -> StepOutput:
+        if batch.drafts is not None:
+            return self.verify(batch)
         graph = self.graphs[("decode", batch.batch, 1, batch.context)]
         buffers = self._decode_buffers.get(graph.name)
         if buffers is None:
@@ -220,4 +223,35 @@ class ModelRunner:
         self.timings.decode_s += time.perf_counter() - t0
         self.timings.decode_steps += 1
         self.timings.decode_tokens += len(batch.rows)
+        return StepOutput(outputs)
+
+    def verify(self, batch: DecodeBatch) -> StepOutput:
+        """A verify step: each row's last token and its drafts at their positions (K/V written
+        for the real ones; padding drafts are -1, never accepted, written to the null slot)."""
+        assert batch.drafts is not None
+        k = next(g.tokens for g in self.graph_list if g.phase == "verify") - 1
+        graph = self.graphs[("verify", batch.batch, 1 + k, batch.context)]
+        bs = self.config.block_size
+        meta = padded_metadata(graph.meta_specs)
+        emitted = 0
+        for i, (seq, drafts) in enumerate(zip(batch.rows, batch.drafts, strict=True)):
+            start, real = seq.length - 1, 1 + len(drafts)
+            positions = start + np.arange(1 + k)
+            blocks = np.asarray(seq.blocks, dtype=np.int64)
+            meta[abi.INPUT_IDS][i] = [seq.output_ids[-1], *drafts, *[-1] * (k - len(drafts))]
+            meta[abi.POSITIONS][i] = positions
+            meta[abi.SLOT_MAPPING][i, :real] = abi.slots_of(blocks, positions[:real], bs)
+            used = self.config.blocks_for(start + real)
+            meta[abi.BLOCK_TABLES][i, :used] = seq.blocks[:used]
+            meta[abi.CONTEXT_LENS][i] = start + real
+            if abi.SEQ_SLOTS in meta:
+                meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
+            write_sampling(meta, i, seq)
+        t0 = time.perf_counter()
+        outputs = self._run(graph, meta)
+        self.timings.decode_s += time.perf_counter() - t0
+        self.timings.decode_steps += 1
+        self.timings.verify_steps += 1
+        emitted = int(outputs[abi.NUM_EMITTED][: len(batch.rows)].sum())
+        self.timings.decode_tokens += emitted
         return StepOutput(outputs)

@@ -32,6 +32,15 @@ import numpy as np
 from neffkit.runtime.kv_blocks import BlockHash, BlockPool, extend_hashes
 from neffkit.runtime.limits import SchedulerConfig, check_fits
 from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.speculation import (
+    DraftState,
+    Proposer,
+    SpecCounters,
+    drafts_for,
+    method_proposer,
+    record_outcome,
+    verify_batch_size,
+)
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,14 @@ class StepOutput:
         self.arrays = arrays
         self.tokens: list[int] = arrays["next_tokens"].tolist()
 
-    def logprobs(self, row: int, top: int) -> TokenLogprobs:
+    def logprobs(self, row: int, top: int, position: int | None = None) -> TokenLogprobs:
+        """Row `row`'s logprobs (a verify step's: at `position` of the row)."""
         a = self.arrays
+        at = row if position is None else (row, position)
         return TokenLogprobs(
-            float(a["token_logprobs"][row]),
-            tuple(a["top_logprob_ids"][row, :top].tolist()),
-            tuple(a["top_logprobs"][row, :top].tolist()),
+            float(a["token_logprobs"][at]),
+            tuple(a["top_logprob_ids"][at][:top].tolist()),
+            tuple(a["top_logprobs"][at][:top].tolist()),
         )
 
     def prompt_logprobs(self, positions: range, top: int) -> list[TokenLogprobs]:
@@ -88,6 +99,7 @@ class SequenceState:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with params.prompt_logprobs: one entry per prompt token after the first
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    drafting: DraftState = field(default_factory=DraftState)  # speculation's back-off
 
     @property
     def length(self) -> int:
@@ -120,11 +132,14 @@ class PrefillBatch:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """One token for each of `rows`, in the (batch, context) decode graph; rows past them pad."""
+    """One token for each of `rows`, in the (batch, context) decode graph; rows past them pad.
+    With `drafts` (speculation), the (batch, K, context) verify graph instead: each row's last
+    token and its drafts (fewer than K: the rest pad)."""
 
     rows: list[SequenceState]
     batch: int
     context: int
+    drafts: list[list[int]] | None = None
 
 
 def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
@@ -142,6 +157,10 @@ class Scheduler:
         # and prefix_cache_hits)
         self.cache_queries = 0
         self.cache_hits = 0
+        self.spec = SpecCounters()
+        self.proposer: Proposer | None = (
+            method_proposer(config.speculation) if config.speculation else None
+        )
         self.waiting: deque[SequenceState] = deque()
         self.prefilling: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
@@ -199,15 +218,16 @@ class Scheduler:
         extend_hashes(seq.block_hashes, seq.prompt_ids, bs)
         return self.allocator.lookup(seq.block_hashes[: (len(seq.prompt_ids) - 1) // bs])
 
-    def _register(self, seq: SequenceState, computed: int) -> None:
-        """Cache the blocks whose tokens are all in the cache now (`computed` tokens)."""
+    def _register(self, seq: SequenceState, computed: int, pending: Sequence[int] = ()) -> None:
+        """Cache the blocks whose tokens are all in the cache now (`computed` tokens: the
+        sequence's, then `pending` ones a verify step accepted but has not appended yet)."""
         bs = self.config.block_size
         full = computed // bs
         if not self.config.prefix_caching or full <= seq.num_registered:
             return
-        tokens = (
-            seq.prompt_ids if computed <= len(seq.prompt_ids) else seq.prompt_ids + seq.output_ids
-        )
+        tokens = seq.prompt_ids
+        if computed > len(tokens):
+            tokens = tokens + seq.output_ids + list(pending)
         extend_hashes(seq.block_hashes, tokens[:computed], bs)
         for i in range(seq.num_registered, full):
             self.allocator.register(seq.blocks[i], seq.block_hashes[i])
@@ -272,23 +292,76 @@ class Scheduler:
         if len(self.running) > largest:
             # Rotate so that more sequences than the largest bucket all make progress.
             self.running = self.running[largest:] + rows
+        verify = self._verify_batch(rows)
+        if verify is not None:
+            return verify
         batch = smallest_fitting(self.config.decode_buckets, len(rows))
         context = smallest_fitting(self.config.context_buckets, max(s.length for s in rows))
         assert batch is not None and context is not None
         return DecodeBatch(rows, batch, context)
 
+    def _verify_batch(self, rows: list[SequenceState]) -> DecodeBatch | None:
+        """The rows' drafts in a verify graph, where the bundle has one that fits and some row
+        proposes; else None (plain decode)."""
+        spec, proposer = self.config.speculation, self.proposer
+        if spec is None or proposer is None:
+            return None
+        batch = verify_batch_size(spec, self.config.decode_buckets, len(rows))
+        if batch is None:
+            return None
+        drafts = []
+        for seq in rows:
+            budget = seq.params.max_tokens - len(seq.output_ids) - 1
+            tokens = seq.prompt_ids + seq.output_ids
+            drafts.append(drafts_for(spec, proposer, tokens, budget, seq.drafting))
+        if not any(drafts):
+            return None
+        need = max(s.length + len(d) for s, d in zip(rows, drafts, strict=True))
+        context = smallest_fitting(self.config.context_buckets, need)
+        if context is None or 1 + spec.num_tokens >= context:
+            return None
+        return DecodeBatch(rows, batch, context, drafts)
+
     def decoded(self, batch: DecodeBatch, out: StepOutput) -> list[SequenceState]:
+        if batch.drafts is not None:
+            return self._verified(batch, out)
         for row, seq in enumerate(batch.rows):  # padding rows last
             self._register(seq, seq.length)  # this step wrote the K/V of its last token
             self._append(seq, out, row)
         return batch.rows
 
-    def _append(self, seq: SequenceState, out: StepOutput, row: int) -> None:
-        token = out.tokens[row]
+    def _verified(self, batch: DecodeBatch, out: StepOutput) -> list[SequenceState]:
+        """Each row's emitted tokens (accepted drafts, then the one sampled after them), one at a
+        time, so EOS, stop tokens and max_tokens end a run where they fall."""
+        assert batch.drafts is not None
+        emitted = out.arrays["num_emitted"]
+        sampled = out.arrays["next_tokens"]
+        for row, (seq, drafts) in enumerate(zip(batch.rows, batch.drafts, strict=True)):
+            n = int(emitted[row])
+            accepted = n - 1
+            self.spec.count(len(drafts), accepted)
+            record_outcome(seq.drafting, len(drafts), accepted)
+            self._register(seq, seq.length + accepted, drafts[:accepted])
+            for i in range(n):
+                self._append(seq, out, row, int(sampled[row, i]), i)
+                if seq.finished:
+                    break
+        return batch.rows
+
+    def _append(
+        self,
+        seq: SequenceState,
+        out: StepOutput,
+        row: int,
+        token: int | None = None,
+        position: int | None = None,
+    ) -> None:
+        """Add a sampled token (a verify step's: `token`, at `position` of its row)."""
+        token = out.tokens[row] if token is None else token
         seq.output_ids.append(token)
         params = seq.params
         if params.logprobs is not None:
-            seq.output_logprobs.append(out.logprobs(row, params.logprobs))
+            seq.output_logprobs.append(out.logprobs(row, params.logprobs, position))
         if not params.ignore_eos and token in self.config.eos_token_ids:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:

@@ -1,0 +1,119 @@
+"""Speculative decoding against the fake paged model: prompt lookup's drafts, the verify step's
+acceptance and the scheduler around it. A fake that repeats its input with a period makes the
+drafts often right, so runs of accepted tokens are common and stops and max_tokens fall inside
+them; outputs must equal plain decoding's (and the oracle's) token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from neffkit.contract.records import SpeculationRecord
+from neffkit.runtime.core import EngineCore
+from neffkit.runtime.ngram import propose
+from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.speculation import BACKOFF_STEPS, MISSES_BEFORE_BACKOFF
+from tests.fake_model import EOS, fake_runner, oracle
+
+PERIOD = 5
+NGRAM = SpeculationRecord("ngram", num_tokens=3, max_batch=4)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "want"),
+    [
+        ([1, 2, 3, 4, 5, 9, 1, 2, 3], 3, [4, 5, 9]),  # the longest suffix (3) seen before
+        ([5, 6, 7, 8], 3, []),  # no repeat
+        ([7, 7, 7, 7], 3, [7]),  # only one token follows the match
+        ([256, 1, 0, 0, 1, 0], 2, [0, 1]),  # token-aligned matches only (256 = bytes 00 01 ..)
+        ([1, 2, 9, 1, 2, 8, 1, 2], 2, [8, 1]),  # the most recent occurrence
+        ([1, 2, 3, 1, 2], 0, []),
+    ],
+)
+def test_prompt_lookup(tokens, k, want) -> None:
+    assert propose(tokens, k, 2, 4) == want
+
+
+def _core(batch: tuple[int, ...], speculation: bool):
+    runner, model = fake_runner(decode=batch, context=(64, 128), num_blocks=129,
+                                speculation=NGRAM, period=PERIOD)  # fmt: skip
+    return EngineCore(runner, speculation=speculation), model
+
+
+def _workload(seed: int, n: int = 200) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts that repeat (periodic heads) so drafts land; stops and max_tokens anywhere."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        head = [rng.randrange(1, 90) for _ in range(PERIOD)]
+        prompt = (head * 4)[: rng.randint(PERIOD + 2, 3 * PERIOD)]
+        sampled = rng.random() < 0.3
+        stop = (rng.choice(head),) if rng.random() < 0.3 else ()
+        out.append((prompt, SamplingParams(
+            max_tokens=rng.randint(1, 30), temperature=0.7 if sampled else 0.0,
+            seed=rng.randrange(50) if sampled else None, stop_token_ids=stop,
+            ignore_eos=rng.random() < 0.5)))  # fmt: skip
+    return out
+
+
+def _run(core: EngineCore, workload) -> list:
+    seqs = []
+    for i, (prompt, params) in enumerate(workload):
+        seqs.append(core.add_request(prompt, params))
+        if i % 3 == 2:
+            core.step()
+    while core.has_work():
+        core.step()
+    return seqs
+
+
+@pytest.mark.parametrize("batch", [(1,), (1, 4)])
+def test_speculation_emits_what_plain_decoding_does(batch) -> None:
+    workload = _workload(seed=len(batch))
+    spec, model = _core(batch, speculation=True)
+    plain, _ = _core(batch, speculation=False)
+    with_spec, without = _run(spec, workload), _run(plain, workload)
+    for (prompt, params), a, b in zip(workload, with_spec, without, strict=True):
+        assert a.output_ids == b.output_ids
+        assert a.finish_reason == b.finish_reason
+        assert len(a.output_ids) <= params.max_tokens
+        if a.finish_reason == "stop":  # nothing after the stop token or EOS
+            assert a.output_ids[-1] in (*params.stop_token_ids, EOS)
+        sampled = params.temperature > 0
+        full = oracle(prompt, params.max_tokens, a.seed, sampled, period=PERIOD)
+        assert a.output_ids == full[: len(a.output_ids)]
+    counts = spec.scheduler.spec
+    assert counts.drafts > 50 and counts.accepted_tokens > counts.drafts  # runs accepted
+    assert counts.accepted_per_position[0] >= counts.accepted_per_position[-1] > 0
+    assert any(name.startswith("verify") for name, _ in model.calls)
+    assert spec.scheduler.allocator.num_free == spec.scheduler.allocator.num_usable
+
+
+def test_no_verify_step_without_drafts_or_above_max_batch() -> None:
+    runner, model = fake_runner(decode=(1, 4), context=(64,), num_blocks=65,
+                                speculation=SpeculationRecord("ngram", 3, max_batch=1))  # fmt: skip
+    core = EngineCore(runner)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    core.add_request([10, 20, 30, 40], params)  # nothing repeats: no drafts, plain decode
+    while core.has_work():
+        core.step()
+    assert not any(n.startswith("verify") for n, _ in model.calls)
+    for _ in range(2):  # two rows: above max_batch 1
+        core.add_request([1, 2, 1, 2, 1, 2], params)
+    while core.has_work():
+        core.step()
+    assert not any(n.startswith("verify") for n, _ in model.calls)
+
+
+def test_rows_whose_drafts_keep_failing_back_off() -> None:
+    """The sum model (no period) never repeats what prompt lookup proposes."""
+    runner, model = fake_runner(context=(128,), num_blocks=65, speculation=NGRAM)
+    core = EngineCore(runner)
+    (seq,) = [core.add_request([3, 4] * 6, SamplingParams(max_tokens=60, temperature=0.0,
+                                                           ignore_eos=True))]  # fmt: skip
+    while core.has_work():
+        core.step()
+    verify = sum(n.startswith("verify") for n, _ in model.calls)
+    assert seq.output_ids == oracle([3, 4] * 6, 60)
+    assert verify <= MISSES_BEFORE_BACKOFF * (1 + 60 // BACKOFF_STEPS)
