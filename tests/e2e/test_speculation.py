@@ -183,3 +183,26 @@ def test_verify_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model
     seqs = _generate(core, prompts, params, True)
     assert [s.output_ids for s in seqs] == [expected[tuple(p)] for p in prompts]
     assert loaded.runner.timings.verify_steps > 0 and core.scheduler.spec.accepted_tokens > 0
+
+
+def test_server_streams_and_counts_speculation(spec_bundle):
+    """Through the server and the openai client: the streamed text equals the offline run's, and
+    /metrics carries vLLM's spec-decode counters."""
+    from tests.e2e.test_server import Server, _counter
+
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]
+    alone = run_json("run", str(spec_bundle), "--max-tokens", "12", "--ignore-eos",
+                     "--prompt-ids", ",".join(map(str, prompt)))["outputs"][0]  # fmt: skip
+    server = Server(spec_bundle, "--served-model-name", "tiny")
+    try:
+        stream = server.client().completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert "".join(c.choices[0].text for c in stream if c.choices) == alone["text"]
+        metrics = server.metrics()
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert _counter(metrics, f"vllm:spec_decode_{name}_total") >= 0
+            assert f"vllm:spec_decode_{name}_total" in metrics
+    finally:
+        server.stop()

@@ -61,3 +61,20 @@ def test_stop_strings_cut_right_before_the_first_occurrence(tok, stop) -> None:
 def test_the_earliest_of_several_stop_strings_wins(tok) -> None:
     ids = tok.encode(TEXT)
     assert "".join(_stream(tok, ids, stop=["class", "return"])) == TEXT.split("return", 1)[0]
+
+
+def test_tokens_of_one_step_stop_at_the_stop_string(tok) -> None:
+    """A speculative step delivers several tokens at once: the ones after the token that
+    completes a stop string are not reported (the text stops before the stop string)."""
+    from neffkit.runtime.core_client import EngineClient
+
+    ids = tok.encode(TEXT)
+    stop = "return"
+    cut = next(i for i in range(1, len(ids) + 1) if stop in tok.decode(ids[:i]))
+    detok = IncrementalDetokenizer(tok, (stop,), False)
+    text, kept = EngineClient._detokenize(detok, ids)  # every token in one step
+    assert kept == ids[:cut] and detok.stopped
+    assert text == tok.decode(ids[:cut]).split(stop)[0]
+    plain = IncrementalDetokenizer(tok, (), False)  # without stop strings: all of them at once
+    text, kept = EngineClient._detokenize(plain, ids)
+    assert kept == ids and text + plain.finish() == tok.decode(ids)
