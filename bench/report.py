@@ -439,6 +439,22 @@ def prefix_cache(d: dict[str, Any]) -> str:
     )
 
 
+def speculation(d: dict[str, Any]) -> str:
+    def group(name: str) -> str:
+        g = d[name]
+        lengths = ", ".join(f"{a:.2f}" for a in g["mean_acceptance_length"])
+        return (f"{g['speedup_median']:.2f}x decode tokens/s (median of {g['prompts']} prompts; "
+                f"mean acceptance lengths {lengths})")  # fmt: skip
+
+    return (
+        f"**n-gram speculation** (`bench/speculation.py`, `{_bundle_name(d['bundle'])}`, batch 1, "
+        f"K = {d['num_tokens']}): a verify step costs {d['verify_step_ms']:.1f} ms against "
+        f"{d['decode_step_ms']:.1f} ms for a decode step ({d['verify_over_decode']:.2f}x); "
+        f"prompts that quote their input: {group('quoting')}; open questions: {group('open')}. "
+        "Outputs with and without speculation are equal."
+    )
+
+
 def bf16_agreement(d: dict[str, Any]) -> str:
     rows = []
     for m in d["models"]:
@@ -490,6 +506,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("mla", mla),
     ("serve_prefix", serve_prefix),
     ("prefix_cache", prefix_cache),
+    ("speculation", speculation),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),

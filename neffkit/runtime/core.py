@@ -33,6 +33,9 @@ from neffkit.runtime.speculation import Proposer
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
+# request ids, unique in the process: the runner's decode buffers tell rows apart by them, and
+# several engines may drive one loaded bundle in turn
+REQUEST_IDS = itertools.count()
 
 
 class CoreOutput(NamedTuple):
@@ -68,7 +71,6 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         if proposer is not None and config.speculation is not None:
             self.scheduler.proposer = proposer
-        self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
 
     @property
@@ -81,7 +83,7 @@ class EngineCore:
         if params.max_tokens is None:  # up to the context limit (check_fits refuses <= 0)
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
-        seq = SequenceState(next(self._ids), list(prompt_ids), params, seed & 0xFFFFFFFF)
+        seq = SequenceState(next(REQUEST_IDS), list(prompt_ids), params, seed & 0xFFFFFFFF)
         self.scheduler.add(seq)
         return seq
 

@@ -22,7 +22,8 @@ from neffkit.runtime.scheduler import SequenceState
 
 
 class LLM:
-    """Generation over one loaded bundle."""
+    """Generation over one loaded bundle. One engine per loaded bundle at a time: engines on one
+    bundle share its KV cache, so one's cached prefix blocks may be another's fresh ones."""
 
     def __init__(
         self, loaded: LoadedBundle, prefix_caching: bool = True, speculation: bool = True

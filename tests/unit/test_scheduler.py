@@ -282,3 +282,19 @@ def test_a_prompt_wanting_prompt_logprobs_prefills_alone() -> None:
     sched.prefilling.remove(seqs[0])
     batch = sched.next_prefill()
     assert [c.seq for c in batch.chunks] == [seqs[1]] and batch.batch == 1
+
+
+def test_engines_in_turn_on_one_runner_do_not_share_request_ids() -> None:
+    """The runner's decode buffers know rows by request id: a second engine on the same loaded
+    bundle must not reuse the first one's ids (its rows would keep the first's block tables)."""
+    runner, _ = fake_runner()
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = EngineCore(runner)
+    a = first.add_request([1, 2, 3], params)
+    drain(first)
+    second = EngineCore(runner)
+    second.scheduler.allocator.allocate(5)  # its sequences get other blocks than the first's
+    b = second.add_request([4, 5, 6], params)
+    drain(second)
+    assert a.request_id != b.request_id
+    assert a.output_ids == oracle([1, 2, 3], 6) and b.output_ids == oracle([4, 5, 6], 6)
