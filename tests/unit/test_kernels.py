@@ -219,3 +219,20 @@ def test_projection_forms_equal_the_plain_matmul(rows: int, dtype: torch.dtype) 
         torch.testing.assert_close(out, expected, **tol)
     assert cpu.form(rows, blocked=True) == ("blocked-rows" if rows <= 8 else "blocked-bmm")
     assert PLAIN.form(rows, blocked=False) == "dot"
+
+
+@pytest.mark.parametrize(("tokens", "softcap"), [(2, None), (5, None), (5, 3.0)])
+def test_few_query_attention_equals_the_general_form(tokens, softcap, monkeypatch) -> None:
+    """Verify graphs' rows of a few queries fold groups and tokens into one matmul axis: the
+    same attention as the general form, masks and soft-capping included."""
+    import neffkit.kernels.attention as attention
+
+    gen = torch.Generator().manual_seed(tokens)
+    q = torch.randn(2, tokens, 8, 16, generator=gen)
+    k, v = torch.randn(2, 40, 2, 16, generator=gen), torch.randn(2, 40, 2, 12, generator=gen)
+    mask = torch.rand(2, tokens, 40, generator=gen) > 0.3
+    mask[..., 0] = True
+    folded = attention.paged_attention(q, k, v, mask, 0.25, None, softcap)
+    monkeypatch.setattr(attention, "FEW_QUERIES", 0)
+    general = attention.paged_attention(q, k, v, mask, 0.25, None, softcap)
+    torch.testing.assert_close(folded, general, rtol=1e-6, atol=1e-6)
