@@ -4,6 +4,8 @@ is a 400 naming the field, not a failed sequence (the server and offline runs al
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from neffkit.contract.records import BundleRecord, SpeculationRecord
@@ -54,6 +56,12 @@ class SchedulerConfig:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+
+def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
+    """The smallest bucket of `buckets` (ascending) that holds `need`, or None."""
+    i = bisect.bisect_left(buckets, need)
+    return buckets[i] if i < len(buckets) else None
 
 
 def output_budget(config: SchedulerConfig, prompt_len: int, params: SamplingParams) -> int:

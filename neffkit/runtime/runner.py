@@ -228,12 +228,11 @@ class ModelRunner:
     def verify(self, batch: DecodeBatch) -> StepOutput:
         """A verify step: each row's last token and its drafts at their positions (K/V written
         for the real ones; padding drafts are -1, never accepted, written to the null slot)."""
-        assert batch.drafts is not None
-        k = next(g.tokens for g in self.graph_list if g.phase == "verify") - 1
+        assert batch.drafts is not None and self.config.speculation is not None
+        k = self.config.speculation.num_tokens
         graph = self.graphs[("verify", batch.batch, 1 + k, batch.context)]
         bs = self.config.block_size
         meta = padded_metadata(graph.meta_specs)
-        emitted = 0
         for i, (seq, drafts) in enumerate(zip(batch.rows, batch.drafts, strict=True)):
             start, real = seq.length - 1, 1 + len(drafts)
             positions = start + np.arange(1 + k)

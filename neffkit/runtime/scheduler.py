@@ -22,7 +22,6 @@ metadata, and the scheduler's tests run against a fake runner in milliseconds.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from neffkit.runtime.kv_blocks import BlockHash, BlockPool, extend_hashes
-from neffkit.runtime.limits import SchedulerConfig, check_fits
+from neffkit.runtime.limits import SchedulerConfig, check_fits, smallest_fitting
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.speculation import (
     DraftState,
@@ -140,11 +139,6 @@ class DecodeBatch:
     batch: int
     context: int
     drafts: list[list[int]] | None = None
-
-
-def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
-    i = bisect.bisect_left(buckets, need)
-    return buckets[i] if i < len(buckets) else None
 
 
 class Scheduler:

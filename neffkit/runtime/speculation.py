@@ -12,11 +12,11 @@ repeat itself pays for few verify steps.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neffkit.contract.records import SpeculationRecord
+from neffkit.runtime.limits import smallest_fitting
 from neffkit.runtime.ngram import propose
 
 # a row whose drafts were all rejected this many verify steps in a row proposes nothing for the
@@ -88,8 +88,8 @@ def record_outcome(state: DraftState, proposed: int, accepted: int) -> None:
         state.misses, state.paused = 0, BACKOFF_STEPS
 
 
-def verify_batch_size(spec: SpeculationRecord, decode_buckets: tuple[int, ...], rows: int):
+def verify_batch_size(
+    spec: SpeculationRecord, decode_buckets: tuple[int, ...], rows: int
+) -> int | None:
     """The verify graph's rows for `rows` sequences, or None (more than max_batch)."""
-    buckets = [b for b in decode_buckets if b <= spec.max_batch]
-    i = bisect.bisect_left(buckets, rows)
-    return buckets[i] if i < len(buckets) else None
+    return smallest_fitting([b for b in decode_buckets if b <= spec.max_batch], rows)
