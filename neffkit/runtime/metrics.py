@@ -56,7 +56,6 @@ class Metrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.",
             ["model_name"], registry=r,
         ).labels(**label)  # fmt: skip
-        self._seen_cache = (0, 0)
         spec = [
             ("num_drafts", "Rows that proposed draft tokens, per verify step."),
             ("num_draft_tokens", "Draft tokens proposed."),
@@ -70,8 +69,7 @@ class Metrics:
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
             ["model_name", "position"], registry=r,
         )  # fmt: skip
-        self._seen_spec: tuple[int, ...] = (0, 0, 0)
-        self._seen_positions: tuple[int, ...] = ()
+        self._seen: dict[str, int] = {}  # the last running total of each counter series
         self._success = Counter(
             "vllm:request_success", "Finished requests by reason.",
             ["model_name", "finished_reason"], registry=r,
@@ -92,18 +90,17 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
-        seen_queries, seen_hits = self._seen_cache
-        self.cache_queries.inc(queries - seen_queries)
-        self.cache_hits.inc(hits - seen_hits)
-        self._seen_cache = (queries, hits)
-        *totals, positions = spec
-        for counter, total, seen in zip(self.spec, totals, self._seen_spec, strict=True):
-            counter.inc(total - seen)
-        self._seen_spec = tuple(totals)
-        for i, total in enumerate(positions):
-            seen = self._seen_positions[i] if i < len(self._seen_positions) else 0
-            self.spec_per_position.labels(position=str(i), **self._label).inc(total - seen)
-        self._seen_positions = tuple(positions)
+        *spec_totals, positions = spec
+        totals = [("queries", self.cache_queries, queries), ("hits", self.cache_hits, hits)]
+        pairs = enumerate(zip(self.spec, spec_totals, strict=True))
+        totals += [(f"spec{i}", counter, total) for i, (counter, total) in pairs]
+        totals += [
+            (f"pos{i}", self.spec_per_position.labels(position=str(i), **self._label), total)
+            for i, total in enumerate(positions)
+        ]
+        for key, counter, total in totals:  # running totals in, increments out
+            counter.inc(total - self._seen.get(key, 0))
+            self._seen[key] = total
 
     def finished(self, reason: str, e2e_seconds: float) -> None:
         self._success.labels(finished_reason=reason, **self._label).inc()
