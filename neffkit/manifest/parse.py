@@ -27,7 +27,7 @@ from neffkit.manifest.sections import (
     read_sampling,
     read_speculation,
 )
-from neffkit.models.config import ModelConfig, check_static
+from neffkit.models.config import ModelConfig, check_static, max_length
 from neffkit.models.registry import read_model_config
 from neffkit.targets import DTYPES, TARGETS
 
@@ -116,6 +116,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     audit = read_audit(data.get("audit", {}))
     model_path, model_config = _model_dir(data["model"], base)
     _check_model(model_config, parallel, buckets, sampling)
+    _check_length(model_config, buckets, model_path)
     return Manifest(
         name=display_name,
         model=model_path,
@@ -153,6 +154,23 @@ def _check_model(cfg: ModelConfig, parallel: Any, buckets: Any, sampling: Any) -
             f"sampling.max_logprobs: {sampling.max_logprobs} exceeds the vocabulary "
             f"({cfg.vocab_size} tokens)"
         )
+
+
+def _check_length(cfg: ModelConfig, buckets: Any, model_path: Path) -> None:
+    """No context bucket past the length the checkpoint declares: positions it never trained on
+    give garbage without an error (vLLM refuses them too, unless told otherwise)."""
+    found = max_length(cfg.rope_params)
+    if found is None or buckets.allow_long_context:
+        return
+    limit, where = found
+    for i, context in enumerate(buckets.context):
+        if context > limit:
+            raise ManifestError(
+                f"buckets.context[{i}]: {context} exceeds the model's maximum length {limit}: "
+                f"{where} in {model_path / 'config.json'}",
+                hint=f"keep context buckets <= {limit}, or set buckets.allow_long_context: true "
+                "if the model handles longer sequences (docs/manifest.md#buckets)",
+            )
 
 
 def load_manifest(path: str | Path) -> Manifest:

@@ -52,6 +52,9 @@ class Buckets:
     # rows of a prefill graph: several waiting prompts' chunks in one call (packing a burst of
     # arrivals); 1 always, since a lone prompt runs cheapest alone
     prefill_batch: tuple[int, ...] = (1,)
+    # context buckets past the checkpoint's max_position_embeddings (or its rope scaling's
+    # extended length) are refused unless the manifest says the model handles them
+    allow_long_context: bool = False
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,8 @@ def read_sampling(value: Any) -> Sampling:
 
 def read_buckets(value: Any) -> Buckets:
     raw = mapping(value, "buckets")
-    no_unknown(raw, ("prefill", "decode", "context", "prefill_batch"), "buckets")
+    keys = ("prefill", "decode", "context", "prefill_batch", "allow_long_context")
+    no_unknown(raw, keys, "buckets")
     for key in ("prefill", "decode", "context"):
         if key not in raw:
             raise ManifestError(f"buckets.{key}: required field is missing")
@@ -168,6 +169,9 @@ def read_buckets(value: Any) -> Buckets:
         decode=bucket_list(raw["decode"], "buckets.decode"),
         context=bucket_list(raw["context"], "buckets.context"),
         prefill_batch=bucket_list(raw.get("prefill_batch", [1]), "buckets.prefill_batch"),
+        allow_long_context=read_flag(
+            raw.get("allow_long_context", False), "buckets.allow_long_context"
+        ),
     )
     if buckets.prefill_batch[0] != 1:
         raise ManifestError(
@@ -175,11 +179,13 @@ def read_buckets(value: Any) -> Buckets:
             "(a lone prompt, or one asking for prompt logprobs, prefills in a one-row graph)",
             hint=f"write [1, {', '.join(map(str, buckets.prefill_batch))}]",
         )
-    if buckets.prefill[0] > buckets.context[-1]:
-        raise ManifestError(
-            f"buckets.prefill[0]: {buckets.prefill[0]} exceeds the largest context bucket "
-            f"({buckets.context[-1]})"
-        )
+    for i, tokens in enumerate(buckets.prefill):  # a chunk longer than any context: no graph
+        if tokens > buckets.context[-1]:
+            raise ManifestError(
+                f"buckets.prefill[{i}]: {tokens} exceeds the largest context bucket "
+                f"({buckets.context[-1]}); no graph could be built for it",
+                hint=f"drop it, or add a context bucket of at least {tokens}",
+            )
     return buckets
 
 
@@ -283,7 +289,20 @@ def read_speculation(value: Any, buckets: Buckets) -> Speculation | None:
             f"speculation.num_tokens: {k} draft tokens do not fit the largest context bucket "
             f"({buckets.context[-1]})"
         )
+    for i, context in enumerate(buckets.context):  # the build makes no verify graph there
+        if 1 + k >= context:
+            raise ManifestError(
+                f"speculation.num_tokens: {k} draft tokens do not fit context bucket "
+                f"buckets.context[{i}] ({context}); no verify graph could be built for it",
+                hint=f"use num_tokens < {buckets.context[0] - 1}",
+            )
     max_batch = positive_int(raw.get("max_batch", buckets.decode[-1]), "speculation.max_batch")
+    if max_batch < buckets.decode[0]:
+        raise ManifestError(
+            f"speculation.max_batch: {max_batch} is below the smallest decode bucket "
+            f"({buckets.decode[0]}); no verify graph could be built",
+            hint=f"use max_batch >= {buckets.decode[0]}, or leave speculation out",
+        )
     low = positive_int(raw.get("prompt_lookup_min", 2), "speculation.prompt_lookup_min")
     high = positive_int(raw.get("prompt_lookup_max", max(4, low)), "speculation.prompt_lookup_max")
     if low > high:

@@ -297,6 +297,30 @@ def check_static(params: dict[str, Any], max_context: int) -> str | None:
     return None
 
 
+def max_length(params: dict[str, Any]) -> tuple[int, str] | None:
+    """The longest sequence the checkpoint declares, and where that number comes from; None when
+    config.json gives no max_position_embeddings. Rope scaling extends it as vLLM reads it:
+    linear and dynamic scale max_position_embeddings by `factor`, yarn scales
+    original_max_position_embeddings (never below max_position_embeddings); llama3 and longrope
+    configs already give the extended length as max_position_embeddings."""
+    declared = params.get("max_position_embeddings")
+    if declared is None:
+        return None
+    declared = int(declared)
+    where = f"max_position_embeddings ({declared})"
+    kind, factor = params["rope_type"], params.get("factor")
+    if kind in ("linear", "dynamic") and factor:
+        return int(declared * factor), f"{where} x rope factor {factor} ({kind})"
+    if kind == "yarn":
+        original = int(params.get("original_max_position_embeddings") or declared)
+        scaled = int(original * (factor or declared / original))
+        if scaled > declared:
+            return scaled, (
+                f"original_max_position_embeddings ({original}) x rope factor {factor} (yarn)"
+            )
+    return declared, where
+
+
 def frozen_rope(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """Sorted pairs, lists as tuples: a frozen dataclass field."""
     return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(params.items()))

@@ -293,3 +293,82 @@ def test_bare_on_off_are_read_as_cpu_kernel_modes(tmp_path, model_dir):
             f"context: [32]}}\ncompiler: {{cpu_kernel: {text}}}\n"
         )
         assert load_manifest(path).compiler.cpu_kernel == mode
+
+
+def _with_config(tmp_path: Path, model_dir: Path, **fields) -> Path:
+    """A copy of the test checkpoint with config.json fields replaced."""
+    import json
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("buckets", "config", "message", "hint"),
+    [
+        (  # the test checkpoint declares max_position_embeddings 256
+            {"prefill": [16], "decode": [1], "context": [64, 512]},
+            {},
+            "buckets.context[1]: 512 exceeds the model's maximum length 256: "
+            "max_position_embeddings (256) in ",
+            "hint: keep context buckets <= 256, or set buckets.allow_long_context: true",
+        ),
+        (  # yarn extends it: original 32 x factor 16 = 512
+            {"prefill": [16], "decode": [1], "context": [1024]},
+            {"rope_parameters": {"rope_type": "yarn", "factor": 16.0, "rope_theta": 1e4,
+                                 "original_max_position_embeddings": 32}},
+            "buckets.context[0]: 1024 exceeds the model's maximum length 512: "
+            "original_max_position_embeddings (32) x rope factor 16.0 (yarn)",
+            "hint: keep context buckets <= 512",
+        ),
+        (  # a prefill bucket no context bucket can hold would build no graph
+            {"prefill": [16, 128], "decode": [1], "context": [64]},
+            {},
+            "buckets.prefill[1]: 128 exceeds the largest context bucket (64); no graph could "
+            "be built for it",
+            "hint: drop it, or add a context bucket of at least 128",
+        ),
+    ],
+    ids=["max_position_embeddings", "yarn", "prefill_over_context"],
+)  # fmt: skip
+def test_buckets_no_graph_can_honour_are_refused(tmp_path, model_dir, buckets, config, message,
+                                                 hint):  # fmt: skip
+    """`neffkit inspect MANIFEST` (validation, no build): exit 2 naming the bucket, the field and
+    both numbers, with a hint; nothing is silently built past the model's length or dropped."""
+    model = _with_config(tmp_path, model_dir, **config) if config else model_dir
+    data = {"neffkit": 1, "model": str(model), "buckets": buckets}
+    proc = run_cli("inspect", str(_write(tmp_path, data, model_dir)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {message}" in proc.stderr and hint in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_allow_long_context_is_an_explicit_strict_override(tmp_path, model_dir):
+    """buckets.allow_long_context: true builds past max_position_embeddings; anything but a
+    boolean is refused like every other field."""
+    from neffkit.errors import ManifestError
+
+    buckets = {"prefill": [16], "decode": [1], "context": [512]}
+    data = {"neffkit": 1, "model": "MODEL", "buckets": {**buckets, "allow_long_context": True}}
+    manifest = load_manifest(_write(tmp_path, data, model_dir))
+    assert manifest.max_model_len == 512 and manifest.buckets.allow_long_context
+    data["buckets"]["allow_long_context"] = "yes"
+    with pytest.raises(ManifestError, match="buckets.allow_long_context: expected true or false"):
+        load_manifest(_write(tmp_path, data, model_dir))
+
+
+def test_speculation_that_builds_no_verify_graph_is_refused(tmp_path, model_dir):
+    from neffkit.errors import ManifestError
+
+    data = {"neffkit": 1, "model": "MODEL", "speculation": {"method": "ngram", "max_batch": 2},
+            "buckets": {"prefill": [16], "decode": [4, 8], "context": [64]}}  # fmt: skip
+    with pytest.raises(ManifestError) as err:
+        load_manifest(_write(tmp_path, data, model_dir))
+    assert err.value.message.startswith(
+        "speculation.max_batch: 2 is below the smallest decode bucket (4); no verify graph"
+    )
+    assert err.value.hint
