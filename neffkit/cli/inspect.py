@@ -30,31 +30,40 @@ def inspect(
     from neffkit.contract.bundle import is_pack
     from neffkit.contract.read import read_bundle
     from neffkit.inspect import render
-    from neffkit.inspect.bundle import diff_bundles, exit_status, graph_detail, summarize
+    from neffkit.inspect.bundle import (
+        diff_bundles,
+        exit_status,
+        graph_detail,
+        summarize,
+        verification,
+    )
     from neffkit.inspect.manifest import inspect_manifest
 
     if target.is_file() and not is_pack(target):  # a manifest: no tracing
         report = inspect_manifest(str(target))
-        _emit(report, as_json, lambda r: render.findings_table(r["findings"]))
+        _emit(report, as_json, render.render_manifest)
         sys.exit(exit_status(report))
-    bundle = read_bundle(target, verify=verify)
+    bundles = [read_bundle(p, verify=verify) for p in (target, other) if p is not None]
+    checks = [verification(b) for b in bundles] if verify else []
     if other is not None:
-        report = diff_bundles(bundle, read_bundle(other, verify=verify))
-        _emit(report, as_json, render.render_diff)
-        return
-    if graph_name:
-        report = graph_detail(bundle, graph_name)
-        _emit(report, as_json, render.render_graph)
-        sys.exit(exit_status(report))
-    report = summarize(bundle)
+        report = diff_bundles(*bundles)
+    elif graph_name:
+        report = graph_detail(bundles[0], graph_name)
+    else:
+        report = summarize(bundles[0])
     if verify:
-        report["verified"] = True
-    _emit(report, as_json, render.render)
-    sys.exit(exit_status(report))
+        report["verified"], report["verification"] = True, checks
+    shown = render.render_diff if other else render.render_graph if graph_name else render.render
+    _emit(report, as_json, shown)
+    sys.exit(0 if other is not None else exit_status(report))
 
 
 def _emit(report: dict, as_json: bool, render) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
-    else:
-        console().print(render(report))
+        return
+    from neffkit.inspect.render import verification_lines
+
+    console().print(render(report))
+    if report.get("verification"):  # --verify: what was re-hashed, and that it matched
+        click.echo(verification_lines(report["verification"]))

@@ -7,6 +7,7 @@ from typing import Any
 
 from neffkit.audit.checks import audit_buckets, audit_graph
 from neffkit.audit.graph import GraphFacts
+from neffkit.audit.rules import RULES
 from neffkit.inspect.bundle import INSPECT_SCHEMA_VERSION
 
 
@@ -44,6 +45,7 @@ def inspect_manifest(path: str) -> dict[str, Any]:
             }
         )
     counts = Counter(f.severity for f in findings if not f.waived)
+    b = m.buckets
     return {
         "schema": INSPECT_SCHEMA_VERSION,
         "manifest": str(path),
@@ -51,4 +53,12 @@ def inspect_manifest(path: str) -> dict[str, Any]:
         "graphs": graphs,
         "findings": [f.to_json() for f in findings],
         "finding_counts": {s: counts.get(s, 0) for s in ("error", "warning", "info")},
-    }
+        # what was looked at, so an empty findings list reads as "checked, clean", not "skipped"
+        "checked": {
+            "rules": [r for r in RULES if r.startswith("NK2")],
+            "buckets": {"prefill": list(b.prefill), "decode": list(b.decode),
+                        "context": list(b.context), "prefill_batch": list(b.prefill_batch)},
+            "flags": sorted({f for g in graphs for f in g["flags"]}),
+            "waived": list(m.audit.waive),
+        },
+    }  # fmt: skip

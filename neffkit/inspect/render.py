@@ -155,6 +155,40 @@ def render(summary: dict[str, Any]) -> Any:
     return Group(*parts)
 
 
+def render_manifest(report: dict[str, Any]) -> Any:
+    """What a manifest inspection checked, then its findings or, plainly, that there were none."""
+    from rich.console import Group
+    from rich.table import Table
+
+    checked, counts = report["checked"], report["finding_counts"]
+    head = Table(show_header=False, box=None)
+    rows = [
+        ("manifest", f"{report['manifest']} (valid)"),
+        ("target", report["target"]),
+        ("buckets", ", ".join(f"{k} {v}" for k, v in checked["buckets"].items())),
+        ("graphs", f"{len(report['graphs'])}: " + ", ".join(g["name"] for g in report["graphs"])),
+        ("flags", " ".join(checked["flags"]) or "none"),
+        ("rules", ", ".join(checked["rules"]) + " (flags and buckets; a bundle adds the graph "
+                  "rules)"),
+        *([("waived", ", ".join(checked["waived"]))] if checked["waived"] else []),
+    ]  # fmt: skip
+    for key, value in rows:
+        head.add_row(key, value)
+    if not report["findings"]:
+        return Group(head, "no findings")
+    total = f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info"
+    return Group(head, findings_table(report["findings"]), total)
+
+
+def verification_lines(checks: list[dict[str, Any]]) -> str:
+    """One line per bundle `--verify` re-hashed: files, bytes, the hash, the result."""
+    return "\n".join(
+        f"verified {c['bundle']}: {c['files']} files, {c['bytes']:,} bytes, every {c['hash']} "
+        f"equal to bundle.json's: {c['result']}"
+        for c in checks
+    )
+
+
 def findings_table(findings: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 

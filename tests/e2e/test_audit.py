@@ -80,3 +80,19 @@ def test_inspect_json_schema_and_ci_gate(bundle, tmp_path):
     # --verify notices the edited file
     verified = run_cli("inspect", str(copy), "--verify")
     assert verified.returncode == 2 and "ir/decode_b1_c64.txt.zst is corrupt" in verified.stderr
+
+
+def test_inspect_verify_says_what_it_verified(bundle, tmp_path):
+    """`--verify` prints the files, bytes and hash it checked and the result, not silence."""
+    path = bundle("llama_tied")
+    files = json.loads((path / "bundle.json").read_text())["files"]
+    size = sum((path / rel).stat().st_size for rel in files)
+    proc = run_cli("inspect", str(path), "--verify", check=True)
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line == (
+        f"verified {path}: {len(files)} files, {size:,} bytes, every sha256 equal to "
+        "bundle.json's: ok"
+    ), proc.stdout
+    report = json.loads(run_cli("inspect", str(path), "--verify", "--json", check=True).stdout)
+    assert report["verification"] == [{"bundle": str(path), "files": len(files), "bytes": size,
+                                       "hash": "sha256", "result": "ok"}]  # fmt: skip

@@ -267,6 +267,26 @@ def test_inspect_manifest_without_building(tmp_path, hf_model_dir):
     assert proc.returncode == 0  # warnings only
 
 
+def test_inspect_manifest_says_what_it_checked_and_that_nothing_was_found(tmp_path, hf_model_dir):
+    """A clean manifest prints "no findings" with the rules, buckets, graphs and flags it
+    checked, never an empty table."""
+    import yaml
+
+    data = {"neffkit": 1, "model": str(hf_model_dir("llama")),
+            "buckets": {"prefill": [16], "decode": [1, 4], "context": [64]}}  # fmt: skip
+    path = tmp_path / "clean.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = run_cli("inspect", str(path))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.strip() for line in proc.stdout.splitlines()]
+    assert lines[-1] == "no findings", proc.stdout
+    assert "rules     NK201, NK202, NK203, NK204, NK205" in proc.stdout
+    assert "buckets   prefill [16], decode [1, 4], context [64]" in proc.stdout
+    assert "graphs    3: prefill_t16_c64, decode_b1_c64, decode_b4_c64" in proc.stdout
+    report = json.loads(run_cli("inspect", str(path), "--json").stdout)
+    assert report["findings"] == [] and report["checked"]["rules"][0] == "NK201"
+
+
 # ---------------------------------------------------------------- rules on the HLO module (NK30x)
 
 
