@@ -20,6 +20,11 @@ DIFF_LINES = 12
 class SPMDMismatchError(BuildError):
     """Ranks traced different graphs for the same (phase, bucket)."""
 
+    default_hint = (
+        "keep rank-dependent values in tensors, or set parallel.per_rank_artifacts: true "
+        "(docs/parallelism.md#one-compile-for-every-rank-spmd)"
+    )
+
 
 @dataclass(frozen=True)
 class RankTrace:

@@ -219,7 +219,7 @@ def _add_errors(api: FastAPI, s: App) -> None:
 
     @api.exception_handler(RequestError)
     async def bad_request(request: Request, exc: RequestError) -> Response:
-        hint = f" ({exc.hint})" if exc.hint else ""
+        hint = f" ({exc.own_hint})" if exc.own_hint else ""  # not the docs page: a client's
         return error_body(exc.message + hint, "invalid_request_error", exc.param)
 
 

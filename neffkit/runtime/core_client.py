@@ -33,10 +33,14 @@ log = logging.getLogger(__name__)
 class ServerBusy(RequestError):
     """The waiting queue is full (503)."""
 
+    default_hint = "retry later, or serve with a larger --max-waiting (docs/serving.md#scheduling)"
+
 
 class EngineDead(NeffkitError):
     """The engine core (or one of its ranks) died: requests fail with a 5xx naming the cause, and
     the server shuts down with a non-zero status so a supervisor restarts it."""
+
+    default_hint = "its cause is logged above; docs/serving.md#a-dead-engine-is-never-a-zombie"
 
 
 @dataclass

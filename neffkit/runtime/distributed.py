@@ -39,6 +39,8 @@ T = TypeVar("T")
 class RankFailure(NeffkitError):
     """Another rank died or stopped answering."""
 
+    default_hint = "see the other rank's output; docs/parallelism.md#running-multi-rank-bundles"
+
 
 def _pack(graph: GraphEntry, meta: dict[str, np.ndarray]) -> torch.Tensor:
     """One torch-owned int64 tensor holding the step's metadata.
