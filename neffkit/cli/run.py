@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -80,6 +81,19 @@ def _parse_ids(text: str) -> list[int]:
     type=click.IntRange(min=1),
     help="Server: requests that may wait for KV blocks before new ones get 503.",
 )
+@click.option(
+    "--no-access-log",
+    "no_access_log",
+    is_flag=True,
+    help="Server: no access log line per request (method, path, status, latency, request id).",
+)
+@click.option(
+    "--strict-requests",
+    "strict_requests",
+    is_flag=True,
+    help="Server: refuse request fields it does not know with a 400 (default: log them once "
+    "as ignored).",
+)
 def run(
     bundle: Path,
     prompts: tuple[str, ...],
@@ -96,11 +110,7 @@ def run(
     executor: str,
     no_prefix_caching: bool,
     no_speculation: bool,
-    host: str,
-    port: int,
-    api_key: str | None,
-    served_model_name: str | None,
-    max_waiting: int,
+    **server: Any,
 ) -> None:
     """Generate from BUNDLE (with --prompt, --chat or --prompt-ids), or serve the OpenAI API
     (without)."""
@@ -108,21 +118,7 @@ def run(
     from neffkit.runtime.sampling_params import SamplingParams
 
     if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
-        from neffkit.runtime.api_server import serve
-
-        status = serve(
-            bundle,
-            executor=executor,
-            dist_timeout_s=dist_timeout,
-            host=host,
-            port=port,
-            api_key=api_key,
-            model_name=served_model_name,
-            max_waiting=max_waiting,
-            prefix_caching=not no_prefix_caching,
-            speculation=not no_speculation,
-        )
-        sys.exit(status)
+        sys.exit(_serve(bundle, executor, dist_timeout, no_prefix_caching, no_speculation, server))
 
     request = GenerateRequest(
         texts=list(prompts),
@@ -140,3 +136,31 @@ def run(
         return
     for out in report["outputs"]:
         click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
+
+
+def _serve(
+    bundle: Path,
+    executor: str,
+    dist_timeout: float,
+    no_prefix_caching: bool,
+    no_speculation: bool,
+    server: dict[str, Any],
+) -> int:
+    """Serve until stopped; the exit status. `server`: the server-only options, by click's
+    names (host, port, api_key, ..., strict_requests)."""
+    from neffkit.runtime.api_server import serve
+
+    return serve(
+        bundle,
+        executor=executor,
+        dist_timeout_s=dist_timeout,
+        host=server["host"],
+        port=server["port"],
+        api_key=server["api_key"],
+        model_name=server["served_model_name"],
+        max_waiting=server["max_waiting"],
+        prefix_caching=not no_prefix_caching,
+        speculation=not no_speculation,
+        strict_requests=server["strict_requests"],
+        access_log=not server["no_access_log"],
+    )

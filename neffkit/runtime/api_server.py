@@ -29,22 +29,30 @@ import neffkit
 from neffkit.contract.bundle import Bundle
 from neffkit.contract.read import read_bundle
 from neffkit.errors import RequestError
+from neffkit.runtime.access import (
+    REQUEST_ID,
+    AccessLog,
+    UnknownFields,
+    add_http_errors,
+    enable_access_log,
+    error_body,
+)
 from neffkit.runtime.core import start_core
 from neffkit.runtime.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
 from neffkit.runtime.metrics import Metrics
-from neffkit.runtime.protocol import ApiRequest, parse_body, parse_chat, parse_completion
+from neffkit.runtime.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    ApiRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
 from neffkit.runtime.responses import ChatChunks, CompletionChunks, merge_events
 from neffkit.runtime.scheduler import SchedulerConfig
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: int = 400) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": param, "code": code}},
-        status_code=code,
-    )
 
 
 # ---------------------------------------------------------------- the app
@@ -59,8 +67,11 @@ class App:
         metrics: Metrics,
         model_name: str,
         api_key: str | None = None,
+        strict_requests: bool = False,
+        access_log: bool = True,
     ) -> None:
         self.loop, self.metrics = engine_loop, metrics
+        self.unknown_fields, self.access_log = UnknownFields(strict_requests), access_log
         self.model_name, self.api_key = model_name, api_key
         self.tokenizer = tokenizer
         self.created = int(time.time())
@@ -195,7 +206,9 @@ ChunksKind = type[CompletionChunks] | type[ChatChunks]
 def create_app(app_state: App) -> FastAPI:
     api = FastAPI(title="neffkit", version=neffkit.__version__, docs_url=None, redoc_url=None)
     _add_errors(api, app_state)
+    add_http_errors(api)
     _add_routes(api, app_state)
+    api.add_middleware(AccessLog, log=app_state.access_log)  # outermost: every answer logged
     return api
 
 
@@ -259,12 +272,16 @@ def _add_routes(api: FastAPI, s: App) -> None:
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        parsed = parse_completion(parse_body(await request.body()), s.model_name)
+        body = parse_body(await request.body())
+        s.unknown_fields.check(body, COMPLETION_FIELDS, request.scope.get(REQUEST_ID, "-"))
+        parsed = parse_completion(body, s.model_name)
         return await s.respond(request, parsed, CompletionChunks)
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        parsed = parse_chat(parse_body(await request.body()), s.model_name)
+        body = parse_body(await request.body())
+        s.unknown_fields.check(body, CHAT_FIELDS, request.scope.get(REQUEST_ID, "-"))
+        parsed = parse_chat(body, s.model_name)
         return await s.respond(request, parsed, ChatChunks)
 
 
@@ -296,6 +313,8 @@ def serve(
     dist_timeout_s: float = 60.0,
     prefix_caching: bool = True,
     speculation: bool = True,
+    strict_requests: bool = False,
+    access_log: bool = True,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
     in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
@@ -319,7 +338,10 @@ def serve(
     client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, shut_down)
     try:
         client.start()
-        api = create_app(App(bundle, tokenizer, client, metrics, name, api_key))
+        app = App(bundle, tokenizer, client, metrics, name, api_key, strict_requests, access_log)
+        if access_log:
+            enable_access_log()
+        api = create_app(app)
         config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
         server.append(_GracefulServer(config))
         print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)

@@ -35,6 +35,14 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+# Every field each endpoint reads (or refuses by name above); any other is unknown to the server:
+# logged as ignored, or refused under --strict-requests (access.py).
+_COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                  "stop_token_ids", "ignore_eos", "stream", "stream_options",
+                  "include_stop_str_in_output", "n", "logprobs", "top_logprobs", "echo",
+                  "return_token_ids", "return_tokens_as_token_ids", *UNSUPPORTED)  # fmt: skip
+COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
+CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens"))
 
 
 # ---------------------------------------------------------------- OpenAI request bodies

@@ -6,10 +6,12 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,14 +41,19 @@ class Server:
     def __init__(self, bundle: Path, *args: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(self.port), *args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        # files, not pipes: the access log writes a line per request, and a pipe nobody reads
+        # while the server runs would fill and block it
+        self.logs = Path(tempfile.mkdtemp(prefix="neffkit-server-"))
+        with (self.logs / "out").open("w") as out, (self.logs / "err").open("w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(self.port),
+                 *args],
+                cwd=REPO, stdout=out, stderr=err, text=True,
+            )  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited: {self.proc.stderr.read()}")
+                raise AssertionError(f"server exited: {self.stderr()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -60,10 +67,17 @@ class Server:
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics").text
 
+    def stdout(self) -> str:
+        return (self.logs / "out").read_text()
+
+    def stderr(self) -> str:
+        return (self.logs / "err").read_text()
+
     def stop(self) -> None:
         """SIGTERM: the server stops its engine core and exits 0 (as under systemd)."""
         self.proc.terminate()
-        assert self.proc.wait(timeout=30) == 0, self.proc.stderr.read()
+        assert self.proc.wait(timeout=30) == 0, self.stderr()
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +447,7 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -
         error = resp.json()["error"]
         assert error["type"] == "engine_error" and "the engine process exited" in error["message"]
         assert srv.proc.wait(timeout=60) == 1
-        assert "the engine failed" in srv.proc.stderr.read()
+        assert "the engine failed" in srv.stderr()
         assert not _alive(core)
     finally:
         if srv.proc.poll() is None:
@@ -629,3 +643,80 @@ def test_prefix_cache_hits_in_usage_and_metrics(server: Server, serve_bundle: Pa
     client.chat.completions.create(model="tiny", messages=chat, max_tokens=2)
     again = client.chat.completions.create(model="tiny", messages=chat, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+# ---------------------------------------------------------------- what operators expect
+
+
+def _wait_for(read, pattern: str, timeout: float = 10) -> re.Match:
+    """The first match of `pattern` in what `read()` returns, once it appears."""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, read(), re.M)):
+        assert time.monotonic() < deadline, f"{pattern!r} never appeared in:\n{read()}"
+        time.sleep(0.1)
+    return found
+
+
+def test_every_request_gets_an_access_log_line_and_a_request_id(server: Server) -> None:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    sent = httpx.post(f"{server.url}/v1/completions", json=body,
+                      headers={"X-Request-Id": "access-test-1"})  # fmt: skip
+    assert sent.status_code == 200 and sent.headers["x-request-id"] == "access-test-1"
+    _wait_for(server.stdout, r"^127\.0\.0\.1:\d+ POST /v1/completions 200 \d+\.\dms "
+                             r"request_id=access-test-1$")  # fmt: skip
+    made = httpx.get(f"{server.url}/v1/models")  # no id sent: the server makes one
+    rid = made.headers["x-request-id"]
+    assert re.fullmatch(r"req-[0-9a-f]{16}", rid)
+    _wait_for(server.stdout, rf"^127\.0\.0\.1:\d+ GET /v1/models 200 \d+\.\dms request_id={rid}$")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "message"),
+    [
+        ("GET", "/v1/nope", 404, "GET /v1/nope: no such endpoint; this server has GET /health, "),
+        ("GET", "/v1/completions", 405,
+         "GET /v1/completions: method not allowed; this endpoint takes POST"),
+    ],
+)  # fmt: skip
+def test_404_and_405_answer_in_the_openai_error_shape(server, method, path, status, message):
+    resp = httpx.request(method, f"{server.url}{path}")
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert error["message"].startswith(message), error
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, status)
+
+
+def test_unknown_request_fields_are_logged_once_as_ignored(server: Server) -> None:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "frobnicate": 1}
+    for i in range(2):
+        resp = httpx.post(f"{server.url}/v1/completions", json=body,
+                          headers={"X-Request-Id": f"unknown-{i}"})  # fmt: skip
+        assert resp.status_code == 200, resp.text
+    _wait_for(server.stdout, r"request_id=unknown-1$")  # both requests answered and logged
+    said = re.findall(r"^.*frobnicate.*$", server.stderr(), re.M)
+    assert said == [
+        "neffkit: request unknown-0: the following fields were present in the request but "
+        "ignored: frobnicate (each field is logged once)"
+    ]
+
+
+def test_strict_requests_refuse_unknown_fields_and_no_access_log_is_quiet(serve_bundle) -> None:
+    srv = Server(serve_bundle, "--served-model-name", "tiny", "--strict-requests",
+                 "--no-access-log")  # fmt: skip
+    try:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        resp = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "frobnicate": 1})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "frobnicate"
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+        with pytest.raises(openai.BadRequestError) as err:
+            srv.client().completions.create(**body, extra_body={"frobnicate": 1, "zork": 2})
+        assert err.value.body["message"].startswith(
+            "frobnicate is not a field this server knows (--strict-requests refuses unknown "
+            "fields; unknown here: frobnicate, zork)"
+        )
+        assert srv.client().completions.create(**body).choices[0].finish_reason == "length"
+        assert httpx.post(f"{srv.url}/v1/chat/completions", json=chat).status_code == 200
+        assert srv.stdout().splitlines() == [f"neffkit: serving 'tiny' at {srv.url}/v1"]
+        assert "frobnicate" not in srv.stderr()  # refused, not logged as ignored
+    finally:
+        srv.stop()
