@@ -17,6 +17,7 @@ from neffkit.compile.flags import (
 from neffkit.compile.plan import make_plan
 from neffkit.errors import ManifestError
 from neffkit.manifest import load_manifest
+from tests.conftest import DEMO_MODEL
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 FP8_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
@@ -104,8 +105,9 @@ def _neuron_manifest(tmp_path: Path, model_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize("graph", ["prefill_t128_c1024", "decode_b1_c1024", "decode_b8_c1024"])
-def test_golden_neuronx_cc_argv(graph, tmp_path, hf_model_dir):
-    manifest = load_manifest(_neuron_manifest(tmp_path, hf_model_dir("llama")))
+def test_golden_neuronx_cc_argv(graph, tmp_path):
+    # the demo checkpoint: its max_position_embeddings (2048) holds the 1024-token context bucket
+    manifest = load_manifest(_neuron_manifest(tmp_path, DEMO_MODEL))
     spec = next(s for s in make_plan(manifest).graphs if s.name == graph)
     options = resolve_options(manifest, spec)
     argv = neuronx_cc_argv(f"ir/{graph}.hlo.pb", f"graphs/{graph}.neff", "trn2", 2, options.flags)
