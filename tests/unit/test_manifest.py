@@ -139,6 +139,31 @@ BAD = [
         "neuron: only valid with target: neuron",
     ),
     ("top-level not a mapping", ["just", "a", "list"], "manifest: expected a mapping"),
+    (
+        "draft without a model",
+        _with("speculation", {"method": "draft"}),
+        "speculation.model: required for method draft",
+    ),
+    (
+        "prompt lookup with a draft",
+        _with("speculation", {"method": "draft", "model": "x", "prompt_lookup_min": 2}),
+        "speculation.prompt_lookup_min: only for method ngram, not draft",
+    ),
+    (
+        "a draft model with ngram",
+        _with("speculation", {"method": "ngram", "model": "x"}),
+        "speculation.model: only for method draft, not ngram",
+    ),
+    (
+        "draft directory missing",
+        _with("speculation", {"method": "draft", "model": "no/such/draft/dir"}),
+        "speculation.model: directory",
+    ),
+    (
+        "max_batch below every decode bucket",
+        _with("buckets.decode", [2, 4]) | {"speculation": {"method": "ngram", "max_batch": 1}},
+        "speculation.max_batch: 1 is below the smallest decode bucket (2)",
+    ),
 ]
 
 
@@ -293,3 +318,23 @@ def test_bare_on_off_are_read_as_cpu_kernel_modes(tmp_path, model_dir):
             f"context: [32]}}\ncompiler: {{cpu_kernel: {text}}}\n"
         )
         assert load_manifest(path).compiler.cpu_kernel == mode
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_run_on_one_rank(tmp_path, hf_model_dir):
+    """qwen2's test checkpoint has 1027 tokens, llama's 1024; a draft at tp 2 is refused."""
+    other = {"method": "draft", "model": str(hf_model_dir("qwen2"))}
+    path = _write(tmp_path, {**VALID, "speculation": other}, hf_model_dir("llama"))
+    proc = run_cli("build", str(path), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "speculation.model: the draft's vocabulary (1027 tokens" in proc.stderr
+    assert "differs from the target's (1024)" in proc.stderr and "hint:" in proc.stderr
+    same = {"method": "draft", "model": str(hf_model_dir("llama"))}
+    data = {**VALID, "speculation": same, "parallel": {"tp": 2}}
+    path = _write(tmp_path, data, hf_model_dir("llama"))
+    proc = run_cli("build", str(path), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "a draft model runs on one rank" in proc.stderr
+    manifest = load_manifest(
+        _write(tmp_path, {**VALID, "speculation": same}, hf_model_dir("llama"))
+    )
+    assert manifest.speculation.model == hf_model_dir("llama").resolve()
+    assert manifest.to_json()["speculation"]["model"] == str(hf_model_dir("llama").resolve())
