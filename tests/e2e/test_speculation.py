@@ -296,3 +296,31 @@ def test_draft_model_bundle_is_recorded_verified_and_reported(draft_bundle, hf_m
                       "--prompt-ids", ",".join(map(str, prompt)))  # fmt: skip
     assert report["outputs"][0]["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, 20)
     assert report["speculation"]["draft_tokens"] > 0 and report["speculation"]["draft_calls"] > 0
+
+
+def test_draft_model_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model_dir,
+                                                                 hf_greedy):  # fmt: skip
+    """The target's and the draft's graphs lowered to HLO (the draft's bundle inside the
+    target's), audited clean, run on XLA:CPU: greedy tokens equal HF's with drafts proposed."""
+    spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
+    bundle = lowered_build(
+        session_dir, hf_model_dir("llama"), "llama_draft_neuron", "--lower-only",
+        buckets={"prefill": [16], "decode": [1], "context": [64]}, speculation=spec,
+    )  # fmt: skip
+    for root in (bundle, bundle / "draft"):
+        findings = json.loads(run_cli("inspect", str(root), "--json").stdout)["findings"]
+        assert [f for f in findings if f["severity"] == "error"] == []
+    assert (bundle / "draft" / "ir").is_dir()
+    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.loader import load
+    from neffkit.runtime.sampling_params import SamplingParams
+
+    prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [100, 200, 300]]
+    loaded = load(bundle, executor="xla-cpu")
+    core = EngineCore(loaded.runner)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 2
+    seqs = _generate(core, prompts, params, True)
+    assert [s.output_ids for s in seqs] == [
+        hf_greedy(hf_model_dir("llama"), p, 16) for p in prompts
+    ]
+    assert loaded.runner.timings.verify_steps > 0 and core.scheduler.spec.draft_tokens > 0
