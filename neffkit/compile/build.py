@@ -85,21 +85,15 @@ def build(
     progress = progress or Progress(enabled=False)
     dest = Path(output) if output else default_output(manifest)
     result = BuildResult(bundle=None if dry_run else dest.resolve())
+    args = (jobs, progress, cache, dry_run, lower_only, verify)
     if _has_draft(manifest) and shard is None:  # 0. the draft model's own bundle, first
-        with _draft_build(dest) as draft:
-            inner = build(
-                draft_manifest(manifest), draft, jobs, progress, cache, dry_run, lower_only,
-                verify, None, cache_readonly, cluster,
-            )  # fmt: skip
+        with _draft_build(dest, dry_run) as draft:
+            inner = build(draft_manifest(manifest), draft, *args, None, cache_readonly, cluster)
             _add_draft_report(result, inner)
-            return _target_build(
-                manifest, dest, result, jobs, progress, cache, dry_run, lower_only, verify,
-                shard, cache_readonly, cluster, None if dry_run else draft,
-            )  # fmt: skip
-    return _target_build(
-        manifest, dest, result, jobs, progress, cache, dry_run, lower_only, verify, shard,
-        cache_readonly, cluster, None,
-    )  # fmt: skip
+            built = None if dry_run else draft
+            return _target_build(manifest, dest, result, *args, shard, cache_readonly, cluster,
+                                 built)  # fmt: skip
+    return _target_build(manifest, dest, result, *args, shard, cache_readonly, cluster, None)
 
 
 def _target_build(
@@ -152,9 +146,13 @@ def _has_draft(manifest: Manifest) -> bool:
 
 
 @contextmanager
-def _draft_build(dest: Path) -> Iterator[Path]:
+def _draft_build(dest: Path, dry_run: bool) -> Iterator[Path]:
     """A directory beside the destination for the draft's bundle (moved into the target's
-    staging directory before it is renamed into place), removed whatever happens."""
+    staging directory before it is renamed into place), removed whatever happens; a dry run
+    writes nothing."""
+    if dry_run:
+        yield dest / DRAFT_DIR
+        return
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dest.name}.draft-", dir=dest.parent) as tmp:
         yield Path(tmp) / DRAFT_DIR
