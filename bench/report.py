@@ -446,12 +446,21 @@ def speculation(d: dict[str, Any]) -> str:
         return (f"{g['speedup_median']:.2f}x decode tokens/s (median of {g['prompts']} prompts; "
                 f"mean acceptance lengths {lengths})")  # fmt: skip
 
+    draft = d.get("draft")
+    title = "draft-model speculation" if draft else "n-gram speculation"
+    flag = " --draft" if draft else ""
+    proposing = (
+        f" The draft ({draft}) proposes K tokens in {d['draft_step_ms']:.1f} ms (one catch-up "
+        "call and K - 1 decode steps), counted in decode time."
+        if draft
+        else ""
+    )
     return (
-        f"**n-gram speculation** (`bench/speculation.py`, `{_bundle_name(d['bundle'])}`, batch 1, "
+        f"**{title}** (`bench/speculation.py{flag}`, `{_bundle_name(d['bundle'])}`, batch 1, "
         f"K = {d['num_tokens']}): a verify step costs {d['verify_step_ms']:.1f} ms against "
-        f"{d['decode_step_ms']:.1f} ms for a decode step ({d['verify_over_decode']:.2f}x); "
-        f"prompts that quote their input: {group('quoting')}; open questions: {group('open')}. "
-        "Outputs with and without speculation are equal."
+        f"{d['decode_step_ms']:.1f} ms for a decode step ({d['verify_over_decode']:.2f}x);"
+        f"{proposing} Prompts that quote their input: {group('quoting')}; open questions: "
+        f"{group('open')}. Outputs with and without speculation are equal."
     )
 
 
@@ -507,6 +516,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("serve_prefix", serve_prefix),
     ("prefix_cache", prefix_cache),
     ("speculation", speculation),
+    ("speculation_draft", speculation),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),

@@ -1,7 +1,13 @@
-"""n-gram speculation on a real model: what a verify step costs next to a decode step, and decode
+"""Speculation on a real model: what a verify step costs next to a decode step, and decode
 tokens/s with and without speculation on prompts that quote their input and on ones that do not.
 
     .venv/bin/python bench/speculation.py     # SmolLM2-135M-Instruct (make demo converts it)
+    .venv/bin/python bench/speculation.py --draft    # with a draft model instead of n-grams
+
+--draft: manifests/smollm2-draft.yaml, the draft being SmolLM2's own embeddings, first 6 layers,
+final norm and head (tools/draft_from_layers.py, made here if missing; no training); decode
+time counts the draft's proposing too, and a draft step's cost (catch-up + K - 1 decode steps)
+is measured beside the verify step. Writes bench/results/speculation_draft.json.
 
 manifests/smollm2-spec.yaml (float32, batch 1, K = 4). Step cost: one sequence of 200 tokens,
 `runner.decode` against `runner.verify` with 4 drafts, alternating, medians of 40 each. Tokens/s:
@@ -14,6 +20,7 @@ Writes bench/results/speculation.json.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +38,7 @@ QUOTING = [
     f"Fix the typo in this code:\n{CODE}",
     f"Copy this sentence back to me, word for word: {TEXT[:90]}",
 ]
+DRAFT = REPO / "models" / "smollm2-135m-instruct-draft6"
 OPEN = [
     "What are the benefits of regular exercise?",
     "Explain how a rainbow forms.",
@@ -60,13 +68,36 @@ def step_costs(loaded) -> dict[str, float]:
             "verify_over_decode": round(verify_ms / decode, 3)}  # fmt: skip
 
 
+def draft_step_ms(loaded) -> float:
+    """A draft model's proposal for one sequence of 200 tokens: one catch-up call and K - 1
+    decode steps (median of 40)."""
+    from neffkit.runtime.sampling_params import SamplingParams
+    from neffkit.runtime.scheduler import SequenceState
+
+    draft = loaded.runner.draft
+    bs = loaded.runner.config.block_size
+    seq = SequenceState(-1, list(range(100, 300)), SamplingParams(max_tokens=16), 0, [7])
+    seq.blocks = list(range(1, 2 + (seq.length + 8) // bs))
+    times = []
+    for i in range(45):
+        seq.drafting.computed, seq.drafting.speculated = seq.length - 1, []
+        t0 = time.perf_counter()
+        draft.propose([seq], [draft.k])
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return round(1000 * statistics.median(times), 2)
+
+
 def tokens_per_s(llm, prompt: list[int]) -> tuple[float, list[int]]:
+    """Decode tokens/s: tokens after the first over the time in decode and verify graphs and,
+    with a draft model, in its proposing."""
     from neffkit.runtime.sampling_params import SamplingParams
 
-    t = llm.loaded.runner.timings
-    before = t.decode_s
+    t, draft = llm.loaded.runner.timings, llm.core.draft
+    before = t.decode_s + (draft.propose_s if draft else 0.0)
     (seq,) = llm.generate([prompt], SamplingParams(max_tokens=160, temperature=0.0))
-    return (len(seq.output_ids) - 1) / (t.decode_s - before), seq.output_ids
+    spent = t.decode_s + (draft.propose_s if draft else 0.0) - before
+    return (len(seq.output_ids) - 1) / spent, seq.output_ids
 
 
 def main() -> None:
@@ -77,12 +108,22 @@ def main() -> None:
     from neffkit.runtime.loader import load
 
     torch.set_num_threads(engine_threads())
+    with_draft = "--draft" in sys.argv[1:]
+    name = "draft" if with_draft else "spec"
+    if with_draft and not DRAFT.is_dir():
+        tool = REPO / "tools" / "draft_from_layers.py"
+        subprocess.run([sys.executable, str(tool), str(DRAFT.parent / "smollm2-135m-instruct"),
+                        "--layers", "6", "-o", str(DRAFT)], check=True)  # fmt: skip
     bundle = ensure_bundle(
-        REPO / "manifests" / "smollm2-spec.yaml", REPO / "bundles" / "smollm2-135m-instruct-spec"
+        REPO / "manifests" / f"smollm2-{name}.yaml",
+        REPO / "bundles" / f"smollm2-135m-instruct-{name}",
     )
     loaded = load(bundle)
     tok = loaded.tokenizer
     costs = step_costs(loaded)
+    if with_draft:
+        costs["draft_step_ms"] = draft_step_ms(loaded)
+        costs["draft"] = "SmolLM2-135M-Instruct's first 6 of 30 layers with its head (no training)"
     print(costs)
     groups: dict[str, dict[str, object]] = {}
     for group, questions in (("quoting", QUOTING), ("open", OPEN)):
@@ -109,8 +150,8 @@ def main() -> None:
             "mean_acceptance_length": [round(a, 2) for a in acceptance],
         }
         print(group, groups[group])
-    write_result("speculation", {"bundle": str(bundle.relative_to(REPO)), "num_tokens": 4,
-                                 **costs, **groups})  # fmt: skip
+    result = {"bundle": str(bundle.relative_to(REPO)), "num_tokens": 4, **costs, **groups}
+    write_result("speculation_draft" if with_draft else "speculation", result)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import math
 import os
 import shutil
 import tempfile
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,10 +43,11 @@ from neffkit.compile.units import (
 )
 from neffkit.compile.verify import verify_units
 from neffkit.compile.workers import worker_pool
-from neffkit.compile.write import write_bundle, write_weights
+from neffkit.compile.write import DRAFT_DIR, write_bundle, write_weights
 from neffkit.contract.staging import staging_dir
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
+from neffkit.manifest.draft import draft_manifest
 
 if TYPE_CHECKING:
     from neffkit.compile.cache import Cache
@@ -83,6 +85,33 @@ def build(
     progress = progress or Progress(enabled=False)
     dest = Path(output) if output else default_output(manifest)
     result = BuildResult(bundle=None if dry_run else dest.resolve())
+    args = (jobs, progress, cache, dry_run, lower_only, verify)
+    if _has_draft(manifest) and shard is None:  # 0. the draft model's own bundle, first
+        with _draft_build(dest, dry_run) as draft:
+            inner = build(draft_manifest(manifest), draft, *args, None, cache_readonly, cluster)
+            _add_draft_report(result, inner)
+            built = None if dry_run else draft
+            return _target_build(manifest, dest, result, *args, shard, cache_readonly, cluster,
+                                 built)  # fmt: skip
+    return _target_build(manifest, dest, result, *args, shard, cache_readonly, cluster, None)
+
+
+def _target_build(
+    manifest: Manifest,
+    dest: Path,
+    result: BuildResult,
+    jobs: int | None,
+    progress: Progress,
+    cache: str | Path | None,
+    dry_run: bool,
+    lower_only: bool,
+    verify: bool,
+    shard: tuple[int, int] | None,
+    cache_readonly: bool,
+    cluster: str | None,
+    draft: Path | None,
+) -> BuildResult:
+    """Steps 1-9 for the manifest's own model; `draft` (a built draft bundle) goes inside."""
     backend = get_backend(manifest.target)
     backend.check_ready(lower_only, dry_run)
     store = _open_store(cache, cache_readonly, shard, lower_only)
@@ -99,15 +128,43 @@ def build(
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
         units = _checked_units(ctx, specs, backend, store, result, clock, fail=not dry_run)
         if dry_run:
-            result.graphs = [dry_run_row(u, store is not None) for u in units]
+            rows = [dry_run_row(u, store is not None) for u in units]
+            result.graphs = [*result.graphs_before, *rows]
             return result
         if shard is not None:  # compile into the cache only: no weights, no bundle
             with tempfile.TemporaryDirectory(prefix="neffkit-shard-") as stage, clock("compile"):
                 result.counters["compiled"] = compile_units(ctx, backend, store, Path(stage), units)
             result.bundle = None
             return _finished(result, units)
-        _write(ctx, backend, store, dest, units, result, clock, verify)
+        _write(ctx, backend, store, dest, units, result, clock, verify, draft)
     return _finished(result, units)
+
+
+def _has_draft(manifest: Manifest) -> bool:
+    spec = manifest.speculation
+    return spec is not None and spec.method == "draft"
+
+
+@contextmanager
+def _draft_build(dest: Path, dry_run: bool) -> Iterator[Path]:
+    """A directory beside the destination for the draft's bundle (moved into the target's
+    staging directory before it is renamed into place), removed whatever happens; a dry run
+    writes nothing."""
+    if dry_run:
+        yield dest / DRAFT_DIR
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{dest.name}.draft-", dir=dest.parent) as tmp:
+        yield Path(tmp) / DRAFT_DIR
+
+
+def _add_draft_report(result: BuildResult, inner: BuildResult) -> None:
+    """The draft's graphs and counts in the target's report, under `draft/` and `draft_*`."""
+    result.graphs_before = [{**row, "name": f"{DRAFT_DIR}/{row['name']}"} for row in inner.graphs]
+    for name, value in inner.counters.items():
+        result.counters[f"draft_{name}"] = value
+    result.warnings += [f"draft: {w}" for w in inner.warnings]
+    result.findings += inner.findings
 
 
 def _open_store(
@@ -161,10 +218,13 @@ def _write(
     result: BuildResult,
     clock: Clock,
     verify: bool,
+    draft: Path | None,
 ) -> None:
     """Steps 6-9, in a staging directory renamed onto `dest` only when the bundle is complete."""
     manifest, layout = ctx.manifest, ctx.layout
     with staging_dir(dest) as stage:
+        if draft is not None:  # hashed into bundle.json's files with the target's own
+            os.replace(draft, stage / DRAFT_DIR)
         with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
             weights, placed = write_weights(manifest, stage, layout, store)
             result.counters.update({f"weights_{k}": v for k, v in placed.items() if v})
@@ -182,7 +242,7 @@ def _write(
 
 def _finished(result: BuildResult, units: list[GraphUnit]) -> BuildResult:
     """The report's per-graph rows and peak memory, once the build's work is done."""
-    result.graphs = [report_row(u) for u in units]
+    result.graphs = [*result.graphs_before, *(report_row(u) for u in units)]
     result.peak_rss_mb = peak_rss_mb()
     return result
 

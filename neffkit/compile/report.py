@@ -23,6 +23,7 @@ class BuildResult:
     counters: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     graphs: list[JsonObject] = field(default_factory=list)
+    graphs_before: list[JsonObject] = field(default_factory=list)  # the draft model's rows
     warnings: list[str] = field(default_factory=list)
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     peak_rss_mb_by_stage: dict[str, float] = field(default_factory=dict)  # main, after each

@@ -135,13 +135,16 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
     )
 
 
+DRAFT_DIR = "draft"  # a draft model's bundle, inside the target's
+
+
 def _speculation(manifest: Manifest) -> SpeculationRecord | None:
     spec = manifest.speculation
     if spec is None:
         return None
     return SpeculationRecord(
         spec.method, spec.num_tokens, spec.max_batch, spec.prompt_lookup_min,
-        spec.prompt_lookup_max,
+        spec.prompt_lookup_max, DRAFT_DIR if spec.method == "draft" else "",
     )  # fmt: skip
 
 

@@ -56,11 +56,12 @@ def read_zst_text(path: Path) -> str:
 
 
 def list_files(root: Path) -> list[str]:
-    """Every file below `root` except bundle.json, as sorted POSIX relative paths."""
+    """Every file below `root` except its own bundle.json, as sorted POSIX relative paths (a
+    draft model's bundle.json inside it is listed: its hash pins the draft's files)."""
     return sorted(
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
-        if p.is_file() and p.name != BUNDLE_JSON
+        if p.is_file() and p != root / BUNDLE_JSON
     )
 
 

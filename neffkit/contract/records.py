@@ -155,6 +155,9 @@ class SpeculationRecord(Record):
     max_batch: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # method "draft": the draft model's bundle, a directory of this one (its own graphs, weights
+    # and KV cache; its files are hashed into this bundle's `files` too)
+    draft: str = ""
 
 
 @dataclass(frozen=True)

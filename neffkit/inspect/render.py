@@ -48,10 +48,14 @@ def _kv_line(kv: dict[str, Any]) -> str:
 
 
 def _speculation_line(spec: dict[str, Any]) -> str:
+    source = (
+        f"the draft model's bundle in {spec['draft']}/: neffkit inspect BUNDLE/{spec['draft']}"
+        if spec.get("draft")
+        else f"prompt lookup {spec['prompt_lookup_min']}-{spec['prompt_lookup_max']} tokens"
+    )
     return (
         f"speculation {spec['method']}: {spec['num_tokens']} draft tokens a row, verify graphs "
-        f"up to {spec['max_batch']} rows (prompt lookup {spec['prompt_lookup_min']}-"
-        f"{spec['prompt_lookup_max']} tokens)"
+        f"up to {spec['max_batch']} rows ({source})"
     )
 
 

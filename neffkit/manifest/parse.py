@@ -15,7 +15,7 @@ import yaml
 
 from neffkit.errors import ManifestError, ModelError
 from neffkit.manifest.fields import choice, describe, mapping, no_unknown
-from neffkit.manifest.schema import SCHEMA_VERSION, Manifest
+from neffkit.manifest.schema import SCHEMA_VERSION, Manifest, Speculation
 from neffkit.manifest.sections import (
     read_audit,
     read_buckets,
@@ -28,6 +28,7 @@ from neffkit.manifest.sections import (
     read_speculation,
 )
 from neffkit.models.config import ModelConfig, check_static, max_length
+from neffkit.models.parallel import Parallelism
 from neffkit.models.registry import read_model_config
 from neffkit.targets import DTYPES, TARGETS
 
@@ -57,32 +58,33 @@ def _looks_like_hub_id(value: str) -> bool:
     return len(parts) == 2 and all(parts) and value[0] not in "./~"
 
 
-def _model_dir(value: Any, base: Path) -> tuple[Path, ModelConfig]:
+def _model_dir(value: Any, base: Path, field: str = "model") -> tuple[Path, ModelConfig]:
+    """An HF checkpoint directory (`field` names it in errors) and its validated config."""
     if not isinstance(value, str) or not value:
         raise ManifestError(
-            f"model: expected a path to an HF model directory, got {describe(value)}"
+            f"{field}: expected a path to an HF model directory, got {describe(value)}"
         )
     path = (base / value).resolve()
     if not path.is_dir() and _looks_like_hub_id(value):
         raise ManifestError(
-            f"model: {value!r} is not a directory; neffkit reads local HF model directories, "
+            f"{field}: {value!r} is not a directory; neffkit reads local HF model directories, "
             "not Hub ids",
             hint=f"download it first: hf download {value} --local-dir models/"
-            f"{value.rsplit('/', 1)[-1]} (then model: models/{value.rsplit('/', 1)[-1]})",
+            f"{value.rsplit('/', 1)[-1]} ({field}: models/{value.rsplit('/', 1)[-1]})",
         )
     if not path.is_dir():
-        raise ManifestError(f"model: directory {path} does not exist")
+        raise ManifestError(f"{field}: directory {path} does not exist")
     if not (path / "config.json").exists():
-        raise ManifestError(f"model: {path} has no config.json (is it an HF model directory?)")
+        raise ManifestError(f"{field}: {path} has no config.json (is it an HF model directory?)")
     if not any(path.glob("*.safetensors")):
         raise ManifestError(
-            f"model: {path} has no *.safetensors files",
+            f"{field}: {path} has no *.safetensors files",
             hint="save the model with save_pretrained(..., safe_serialization=True)",
         )
     try:
         return path, read_model_config(path)
     except ModelError as exc:
-        raise ManifestError(f"model: {exc.message}", exc.hint) from exc
+        raise ManifestError(f"{field}: {exc.message}", exc.hint) from exc
 
 
 def _header(data: Any, name: str) -> tuple[dict[str, Any], str]:
@@ -136,8 +138,41 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
             DECODE_STATES,
             "decode_state",
         ),
-        speculation=read_speculation(data.get("speculation"), buckets),
+        speculation=_speculation(
+            data.get("speculation"), buckets, base, model_config, parallel, sampling
+        ),
     )
+
+
+def _speculation(
+    value: Any, buckets: Any, base: Path, target: ModelConfig, parallel: Any, sampling: Any
+) -> Speculation | None:
+    """The `speculation` section; a draft model's checkpoint read and checked against the
+    target's: the draft proposes token ids the target verifies, so both must mean the same
+    vocabulary, and the draft runs in the target's process (one rank)."""
+    spec = read_speculation(value, buckets)
+    if spec is None or spec.method != "draft":
+        return spec
+    path, cfg = _model_dir(value.get("model"), base, "speculation.model")
+    if cfg.vocab_size != target.vocab_size:
+        raise ManifestError(
+            f"speculation.model: the draft's vocabulary ({cfg.vocab_size} tokens, {path}) "
+            f"differs from the target's ({target.vocab_size})",
+            hint="a draft model must share the target's tokenizer (docs/serving.md#draft-models)",
+        )
+    if parallel.tp > 1:
+        raise ManifestError(
+            f"speculation.method: a draft model runs on one rank; this manifest has "
+            f"parallel.tp {parallel.tp}",
+            hint="build the draft-model bundle with tp 1, or use method ngram at tp > 1",
+        )
+    try:  # the draft's own limits (its rope's reach over the context buckets, ...)
+        _check_model(cfg, Parallelism(), buckets, sampling)
+    except ManifestError as exc:
+        raise ManifestError(
+            f"speculation.model (the draft, {path}): {exc.message}", exc.hint
+        ) from exc
+    return replace(spec, model=path, model_config=cfg)
 
 
 def _check_model(cfg: ModelConfig, parallel: Any, buckets: Any, sampling: Any) -> None:

@@ -101,7 +101,7 @@ class Audit:
     waive: tuple[str, ...] = ()  # rule ids whose errors do not fail the build (recorded)
 
 
-SPECULATION_METHODS = ("ngram",)
+SPECULATION_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -109,13 +109,17 @@ class Speculation:
     """Speculative decoding: verify graphs of 1 + num_tokens tokens a row (the last token and K
     proposed ones), for the decode buckets up to max_batch; the drafts come from `method`
     ("ngram": prompt lookup on the host, the longest suffix of prompt_lookup_max down to
-    prompt_lookup_min tokens found earlier in the sequence proposes what followed it)."""
+    prompt_lookup_min tokens found earlier in the sequence proposes what followed it; "draft":
+    a smaller checkpoint sharing the target's vocabulary, `model`, built into the same bundle
+    with graphs and a KV cache of its own, proposing K tokens greedily)."""
 
     method: str
     num_tokens: int
     max_batch: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: Path | None = None  # method "draft": the draft checkpoint's directory
+    model_config: ModelConfig | None = None  # ... and its config
 
 
 @dataclass(frozen=True)
@@ -167,4 +171,8 @@ class Manifest:
         data.pop("source")
         data["neffkit"] = SCHEMA_VERSION
         data["model"] = str(self.model)
+        spec = data.get("speculation")
+        if spec is not None:  # the draft checkpoint as a path; its config is the draft's own
+            spec.pop("model_config")
+            spec["model"] = str(spec["model"]) if spec["model"] is not None else None
         return data

@@ -270,19 +270,29 @@ def read_audit(value: Any) -> Audit:
 
 
 def read_speculation(value: Any, buckets: Buckets) -> Speculation | None:
-    """The `speculation` section, or None without one."""
+    """The `speculation` section, or None without one (a draft's `model` is read by the caller,
+    which knows the manifest's folder and the target's config)."""
     if value is None:
         return None
     raw = mapping(value, "speculation")
-    keys = ("method", "num_tokens", "max_batch", "prompt_lookup_min", "prompt_lookup_max")
+    keys = ("method", "num_tokens", "max_batch", "prompt_lookup_min", "prompt_lookup_max", "model")
     no_unknown(raw, keys, "speculation")
     method = raw.get("method")
-    if method in ("draft", "mtp"):
+    if method == "mtp":
         raise ManifestError(
             f"speculation.method: {method!r} is not implemented yet; implemented: "
             f"{', '.join(SPECULATION_METHODS)}"
         )
     method = choice(method, SPECULATION_METHODS, "speculation.method")
+    only = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft": ("model",)}
+    for other, fields in only.items():
+        for name in fields:
+            if other != method and name in raw:
+                raise ManifestError(f"speculation.{name}: only for method {other}, not {method}")
+    if method == "draft" and "model" not in raw:
+        raise ManifestError(
+            "speculation.model: required for method draft (the draft checkpoint's directory)"
+        )
     k = positive_int(raw.get("num_tokens", 4), "speculation.num_tokens")
     if 1 + k >= buckets.context[-1]:
         raise ManifestError(

@@ -29,7 +29,7 @@ from neffkit.runtime.limits import output_budget
 from neffkit.runtime.runner import ModelRunner
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs
-from neffkit.runtime.speculation import Proposer
+from neffkit.runtime.speculation import Proposer, per_row
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -69,8 +69,12 @@ class EngineCore:
         if not speculation:
             config = replace(config, speculation=None)
         self.scheduler = Scheduler(config)
+        # a draft model's graphs (the loader attaches them to the runner) run with speculation
+        self.draft = runner.draft if config.speculation is not None else None
+        if self.draft is not None:
+            self.scheduler.proposer = self.draft.propose
         if proposer is not None and config.speculation is not None:
-            self.scheduler.proposer = proposer
+            self.scheduler.proposer = per_row(proposer)
         self._seed_rng = np.random.default_rng()
 
     @property
@@ -100,7 +104,10 @@ class EngineCore:
         sched.admit()
         prefill = sched.next_prefill()
         if prefill is not None:
-            touched += sched.prefilled(prefill, self.runner.prefill(prefill))
+            out = self.runner.prefill(prefill)
+            if self.draft is not None:  # the draft's cache gets the same prompt positions
+                self.draft.prefill(prefill)
+            touched += sched.prefilled(prefill, out)
         batch = sched.next_decode()
         if batch is not None:
             touched += sched.decoded(batch, self.runner.decode(batch))

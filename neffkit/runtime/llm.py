@@ -126,10 +126,14 @@ def _speculation_report(llm: LLM) -> JsonObject | None:
     if llm.core.scheduler.config.speculation is None:
         return None
     spec = llm.core.scheduler.spec
+    draft = llm.core.draft
+    model = {"draft_calls": draft.calls, "draft_prefill_s": round(draft.prefill_s, 4),
+             "draft_propose_s": round(draft.propose_s, 4)} if draft is not None else {}  # fmt: skip
     return {
         "drafts": spec.drafts,
         "draft_tokens": spec.draft_tokens,
         "accepted_tokens": spec.accepted_tokens,
         "accepted_per_position": spec.accepted_per_position,
         "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
+        **model,
     }

@@ -18,10 +18,12 @@ import torch
 
 from neffkit.contract.bundle import Bundle, rank_files, verify_files
 from neffkit.contract.read import read_bundle
+from neffkit.contract.records import SpeculationRecord
 from neffkit.contract.tensor_files import map_tensors
 from neffkit.errors import BundleError
 from neffkit.platform import host
 from neffkit.platform.cpu_kernels import load_library
+from neffkit.runtime.draft import DraftModel
 from neffkit.runtime.executors import (
     AotiExecutor,
     Executor,
@@ -136,6 +138,19 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     return rank_input + kv + state + weights, names
 
 
+def _load_draft(bundle: Bundle, spec: SpeculationRecord, verify: bool, executor: str) -> DraftModel:
+    """The draft model's bundle inside this one; one block table must address both caches."""
+    draft = load(bundle.path(spec.draft), verify=verify, executor=executor)
+    mine, its = bundle.record.layout, draft.bundle.record.layout
+    if (its.block_size, its.num_blocks) != (mine.block_size, mine.num_blocks):
+        raise BundleError(
+            f"{bundle.root}: the draft model's KV cache ({its.num_blocks} blocks of "
+            f"{its.block_size}) differs from the target's ({mine.num_blocks} of {mine.block_size})",
+            hint="rebuild the bundle: neffkit build derives the draft's cache from the target's",
+        )
+    return DraftModel(draft.runner, spec)
+
+
 def load(
     path: str | Path,
     rank: int = 0,
@@ -185,5 +200,10 @@ def load(
         outputs = tuple(o.name for o in g.outputs)
         entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run, outputs))
     runner = ModelRunner(entries, SchedulerConfig.of(record))
+    spec = record.layout.speculation
+    if spec is not None and spec.draft:
+        if verify:  # its bundle.json names its files' hashes; this one names its bundle.json's
+            verify_files(bundle, [f"{spec.draft}/bundle.json"])
+        runner.draft = _load_draft(bundle, spec, verify, executor)
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     return LoadedBundle(bundle, runner, tokenizer, time.perf_counter() - t0)

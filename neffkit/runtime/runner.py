@@ -22,6 +22,7 @@ from neffkit.runtime.scheduler import (
     SequenceState,
     StepOutput,
 )
+from neffkit.runtime.speculation import DraftProposer
 
 # metadata arrays in the graph's input order → its user outputs in order (next tokens first);
 # the executor binds the rest
@@ -161,6 +162,7 @@ class ModelRunner:
         self.on_run = on_run
         self.timings = Timings()
         self._decode_buffers: dict[str, DecodeBuffers] = {}
+        self.draft: DraftProposer | None = None  # speculation.method draft: its own graphs
 
     def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one graph on host metadata; returns its outputs by name."""

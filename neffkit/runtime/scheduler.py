@@ -32,11 +32,12 @@ from neffkit.runtime.kv_blocks import BlockHash, BlockPool, extend_hashes
 from neffkit.runtime.limits import SchedulerConfig, check_fits, smallest_fitting
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.speculation import (
+    BatchProposer,
     DraftState,
-    Proposer,
     SpecCounters,
-    drafts_for,
+    draft_count,
     method_proposer,
+    per_row,
     record_outcome,
     verify_batch_size,
 )
@@ -152,8 +153,10 @@ class Scheduler:
         self.cache_queries = 0
         self.cache_hits = 0
         self.spec = SpecCounters()
-        self.proposer: Proposer | None = (
-            method_proposer(config.speculation) if config.speculation else None
+        # prompt lookup's; a draft model's is set by the engine, which holds its graphs
+        spec = config.speculation
+        self.proposer: BatchProposer | None = (
+            per_row(method_proposer(spec)) if spec and spec.method == "ngram" else None
         )
         self.waiting: deque[SequenceState] = deque()
         self.prefilling: deque[SequenceState] = deque()
@@ -216,6 +219,9 @@ class Scheduler:
         """Cache the blocks whose tokens are all in the cache now (`computed` tokens: the
         sequence's, then `pending` ones a verify step accepted but has not appended yet)."""
         bs = self.config.block_size
+        spec = self.config.speculation
+        if spec is not None and spec.method == "draft":  # cached blocks hold the draft's K/V too
+            computed = min(computed, seq.drafting.computed)
         full = computed // bs
         if not self.config.prefix_caching or full <= seq.num_registered:
             return
@@ -303,11 +309,10 @@ class Scheduler:
         batch = verify_batch_size(spec, self.config.decode_buckets, len(rows))
         if batch is None:
             return None
-        drafts = []
-        for seq in rows:
-            budget = seq.params.max_tokens - len(seq.output_ids) - 1
-            tokens = seq.prompt_ids + seq.output_ids
-            drafts.append(drafts_for(spec, proposer, tokens, budget, seq.drafting))
+        ks = [
+            draft_count(spec, s.params.max_tokens - len(s.output_ids) - 1, s.drafting) for s in rows
+        ]
+        drafts = proposer(rows, ks) if any(ks) else []
         if not any(drafts):
             return None
         need = max(s.length + len(d) for s, d in zip(rows, drafts, strict=True))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from neffkit.contract.records import SpeculationRecord
 from neffkit.runtime.limits import smallest_fitting
@@ -26,6 +27,21 @@ BACKOFF_STEPS = 16
 
 # (the sequence's tokens, at most k) → draft tokens; the method's, or one a caller supplies
 Proposer = Callable[[list[int], int], list[int]]
+# (the rows, at most k each) → each row's drafts: a draft model proposes for a batch at once
+# (rows are the scheduler's SequenceStates)
+BatchProposer = Callable[[list[Any], list[int]], list[list[int]]]
+
+
+class DraftProposer(Protocol):
+    """A draft model's graphs (runtime/draft.py), as the runner and the engine see them."""
+
+    calls: int  # graph calls
+    prefill_s: float
+    propose_s: float
+
+    def prefill(self, batch: Any) -> None: ...
+
+    def propose(self, rows: list[Any], ks: list[int]) -> list[list[int]]: ...
 
 
 def method_proposer(spec: SpeculationRecord) -> Proposer:
@@ -33,12 +49,27 @@ def method_proposer(spec: SpeculationRecord) -> Proposer:
     return lambda tokens, k: propose(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
+def per_row(proposer: Proposer) -> BatchProposer:
+    """A proposer of one sequence at a time, over a batch."""
+
+    def batch(rows: list[Any], ks: list[int]) -> list[list[int]]:
+        return [
+            proposer(s.prompt_ids + s.output_ids, k)[:k] if k > 0 else []
+            for s, k in zip(rows, ks, strict=True)
+        ]
+
+    return batch
+
+
 @dataclass
 class DraftState:
-    """A sequence's speculation history: consecutive all-rejected steps and a pause."""
+    """A sequence's speculation history: consecutive all-rejected steps and a pause; with a draft
+    model, the positions its KV cache holds and the drafts written past them."""
 
     misses: int = 0
     paused: int = 0
+    computed: int = 0  # draft model: positions 0 .. computed - 1 are in its cache
+    speculated: list[int] = field(default_factory=list)  # drafts whose K/V follows them
 
 
 @dataclass
@@ -68,15 +99,13 @@ class SpecCounters:
             self.accepted_per_position[i] += 1
 
 
-def drafts_for(
-    spec: SpeculationRecord, proposer: Proposer, tokens: list[int], budget: int, state: DraftState
-) -> list[int]:
-    """A row's drafts: at most K and at most `budget` (tokens it may still emit, less one)."""
+def draft_count(spec: SpeculationRecord, budget: int, state: DraftState) -> int:
+    """How many drafts a row may propose: at most K and at most `budget` (tokens it may still
+    emit, less one); none while it backs off."""
     if state.paused > 0:
         state.paused -= 1
-        return []
-    k = min(spec.num_tokens, budget)
-    return proposer(tokens, k)[:k] if k > 0 else []
+        return 0
+    return max(0, min(spec.num_tokens, budget))
 
 
 def record_outcome(state: DraftState, proposed: int, accepted: int) -> None:

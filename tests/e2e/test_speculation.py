@@ -11,10 +11,44 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import build_session_bundle, lowered_build, run_cli, run_json
+from tests.conftest import (
+    REPO,
+    build_session_bundle,
+    cached_dir,
+    lowered_build,
+    model_digest,
+    run_cli,
+    run_json,
+)
 
 SPEC = {"method": "ngram", "num_tokens": 3}
 BUCKETS = {"prefill": [16], "decode": [1, 4], "context": [64]}
+DRAFT_TOOL = REPO / "tools" / "draft_from_layers.py"
+
+
+def draft_dir(hf_model_dir) -> Path:
+    """The test llama's first layer with its embeddings, norm and head (tools/
+    draft_from_layers.py): a draft that agrees with the target on some tokens, not all."""
+    import hashlib
+    import subprocess
+    import sys
+
+    digest = hashlib.sha256((model_digest("llama") + DRAFT_TOOL.read_text()).encode()).hexdigest()
+    source = hf_model_dir("llama")
+    return cached_dir(
+        f"models/llama-draft1-{digest[:16]}",
+        lambda out: subprocess.run([sys.executable, str(DRAFT_TOOL), str(source), "--layers", "1",
+                                    "-o", str(out)], check=True, capture_output=True),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def draft_bundle(session_dir: Path, hf_model_dir) -> Path:
+    spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
+    return build_session_bundle(
+        session_dir, hf_model_dir("llama"), "llama_draft", buckets=BUCKETS, speculation=spec,
+        sampling={"max_top_k": 16, "max_logprobs": 2},
+    ).bundle  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +108,11 @@ def _references(loaded, prompts):
     return {tuple(p): s.output_ids for p, s in zip(prompts, seqs, strict=True)}
 
 
-@pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch4"])
-def test_outputs_equal_plain_decoding(spec_bundle, together):
-    """200 requests; stops and max_tokens drawn inside what plain decoding generates, so they
-    fall inside accepted runs; greedy rows equal token for token, logprobs within 1e-4."""
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+def _random_workload(loaded, together: bool):
+    """200 prompts, their plain greedy continuations, and requests whose stops and max_tokens
+    fall inside them (so inside accepted runs); a fifth sampled with seeds."""
     from neffkit.runtime.sampling_params import SamplingParams
 
-    loaded = load(spec_bundle)
     rng = random.Random(7)
     prompts = _prompts(seed=int(together), n=200)
     references = _references(loaded, prompts)
@@ -95,9 +125,11 @@ def test_outputs_equal_plain_decoding(spec_bundle, together):
             stop_token_ids=(out[rng.randrange(len(out))],) if rng.random() < 0.4 else (),
             temperature=0.8 if sampled else 0.0, seed=rng.randrange(10**6) if sampled else None,
         ))  # fmt: skip
-    spec_core = EngineCore(loaded.runner, proposer=reference_proposer(references, 0.3, 1))
-    with_spec = _generate(spec_core, prompts, params, together)
-    plain = _generate(EngineCore(loaded.runner, speculation=False), prompts, params, together)
+    return prompts, references, params
+
+
+def _assert_equal_outputs(params, with_spec, plain) -> None:
+    """Greedy rows token for token (logprobs within 1e-4); seeded rows at least 95%."""
     same_sampled = []
     for p, a, b in zip(params, with_spec, plain, strict=True):
         if p.temperature > 0:  # an inverse-CDF draw can land on either side of a boundary
@@ -109,6 +141,21 @@ def test_outputs_equal_plain_decoding(spec_bundle, together):
             assert la.top_ids == lb.top_ids
             assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
     assert sum(same_sampled) >= 0.95 * len(same_sampled)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch4"])
+def test_outputs_equal_plain_decoding(spec_bundle, together):
+    """200 requests through the verify graphs with drafts from the plain continuations (30% with
+    a wrong token): outputs equal plain decoding's."""
+    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.loader import load
+
+    loaded = load(spec_bundle)
+    prompts, references, params = _random_workload(loaded, together)
+    spec_core = EngineCore(loaded.runner, proposer=reference_proposer(references, 0.3, 1))
+    with_spec = _generate(spec_core, prompts, params, together)
+    plain = _generate(EngineCore(loaded.runner, speculation=False), prompts, params, together)
+    _assert_equal_outputs(params, with_spec, plain)
     counts = spec_core.scheduler.spec
     assert counts.drafts > 300 and counts.accepted_tokens > counts.drafts  # long runs accepted
     assert all(n > 0 for n in counts.accepted_per_position)
@@ -206,3 +253,74 @@ def test_server_streams_and_counts_speculation(spec_bundle):
             assert f"vllm:spec_decode_{name}_total" in metrics
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["batch1", "batch4"])
+def test_draft_model_outputs_equal_plain_decoding(draft_bundle, together):
+    """The same 200-request workload with drafts from the draft model's own graphs (the target's
+    first layer): outputs equal the same bundle decoding plainly; some drafts are accepted at
+    every position, some rejected."""
+    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.loader import load
+
+    loaded = load(draft_bundle)
+    assert loaded.runner.draft is not None
+    prompts, _, params = _random_workload(loaded, together)
+    spec_core = EngineCore(loaded.runner)
+    with_spec = _generate(spec_core, prompts, params, together)
+    plain = _generate(EngineCore(loaded.runner, speculation=False), prompts, params, together)
+    _assert_equal_outputs(params, with_spec, plain)
+    counts = spec_core.scheduler.spec
+    assert counts.drafts > 300 and 0 < counts.accepted_tokens < counts.draft_tokens
+    assert all(n > 0 for n in counts.accepted_per_position)
+
+
+def test_draft_model_bundle_is_recorded_verified_and_reported(draft_bundle, hf_model_dir,
+                                                              hf_greedy):  # fmt: skip
+    """The draft's bundle sits inside the target's, its files hashed into the target's record;
+    `run --json` reports the draft's work; greedy tokens equal HF's; a changed draft file is
+    caught when the bundle loads."""
+    record = json.loads((draft_bundle / "bundle.json").read_text())
+    assert record["layout"]["speculation"]["draft"] == "draft"
+    assert "draft/bundle.json" in record["files"]
+    draft = json.loads((draft_bundle / "draft" / "bundle.json").read_text())
+    assert {g["name"] for g in draft["graphs"]} == {
+        "prefill_t16_c64", "decode_b1_c64", "decode_b4_c64", "verify_b1_k3_c64",
+        "verify_b4_k3_c64"}  # fmt: skip
+    assert draft["model"]["num_layers"] == 1
+    assert draft["layout"]["num_blocks"] == record["layout"]["num_blocks"]
+    inspect = run_cli("inspect", str(draft_bundle), "--verify", check=True).stdout
+    assert "speculation draft" in inspect
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    report = run_json("run", str(draft_bundle), "--max-tokens", "20", "--ignore-eos",
+                      "--prompt-ids", ",".join(map(str, prompt)))  # fmt: skip
+    assert report["outputs"][0]["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, 20)
+    assert report["speculation"]["draft_tokens"] > 0 and report["speculation"]["draft_calls"] > 0
+
+
+def test_draft_model_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model_dir,
+                                                                 hf_greedy):  # fmt: skip
+    """The target's and the draft's graphs lowered to HLO (the draft's bundle inside the
+    target's), audited clean, run on XLA:CPU: greedy tokens equal HF's with drafts proposed."""
+    spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
+    bundle = lowered_build(
+        session_dir, hf_model_dir("llama"), "llama_draft_neuron", "--lower-only",
+        buckets={"prefill": [16], "decode": [1], "context": [64]}, speculation=spec,
+    )  # fmt: skip
+    for root in (bundle, bundle / "draft"):
+        findings = json.loads(run_cli("inspect", str(root), "--json").stdout)["findings"]
+        assert [f for f in findings if f["severity"] == "error"] == []
+    assert (bundle / "draft" / "ir").is_dir()
+    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.loader import load
+    from neffkit.runtime.sampling_params import SamplingParams
+
+    prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [100, 200, 300]]
+    loaded = load(bundle, executor="xla-cpu")
+    core = EngineCore(loaded.runner)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 2
+    seqs = _generate(core, prompts, params, True)
+    assert [s.output_ids for s in seqs] == [
+        hf_greedy(hf_model_dir("llama"), p, 16) for p in prompts
+    ]
+    assert loaded.runner.timings.verify_steps > 0 and core.scheduler.spec.draft_tokens > 0

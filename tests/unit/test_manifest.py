@@ -139,6 +139,31 @@ BAD = [
         "neuron: only valid with target: neuron",
     ),
     ("top-level not a mapping", ["just", "a", "list"], "manifest: expected a mapping"),
+    (
+        "draft without a model",
+        _with("speculation", {"method": "draft"}),
+        "speculation.model: required for method draft",
+    ),
+    (
+        "prompt lookup with a draft",
+        _with("speculation", {"method": "draft", "model": "x", "prompt_lookup_min": 2}),
+        "speculation.prompt_lookup_min: only for method ngram, not draft",
+    ),
+    (
+        "a draft model with ngram",
+        _with("speculation", {"method": "ngram", "model": "x"}),
+        "speculation.model: only for method draft, not ngram",
+    ),
+    (
+        "draft directory missing",
+        _with("speculation", {"method": "draft", "model": "no/such/draft/dir"}),
+        "speculation.model: directory",
+    ),
+    (
+        "max_batch below every decode bucket",
+        _with("buckets.decode", [2, 4]) | {"speculation": {"method": "ngram", "max_batch": 1}},
+        "speculation.max_batch: 1 is below the smallest decode bucket (2)",
+    ),
 ]
 
 
@@ -262,14 +287,19 @@ def test_kv_memory_budget_sizes_num_blocks_by_the_cache_width(tmp_path, model_di
 @pytest.mark.parametrize("path", sorted((REPO / "manifests").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_manifests_are_valid(path):
     """Every manifest in manifests/ loads against its shipped checkpoint (models/); SmolLM2's
-    checkpoint is converted by `make demo`, and until then its manifests name the missing
-    directory."""
+    checkpoint is converted by `make demo` (its layer-skip draft by tools/draft_from_layers.py),
+    and until then its manifests name the missing directory."""
     from neffkit.errors import ManifestError
     from neffkit.manifest import load_manifest
 
     converted = REPO / "models" / "smollm2-135m-instruct"
     if "models/smollm2-135m-instruct" in path.read_text() and not converted.is_dir():
         with pytest.raises(ManifestError, match="smollm2-135m-instruct does not exist"):
+            load_manifest(path)
+        return
+    draft = REPO / "models" / "smollm2-135m-instruct-draft6"  # tools/draft_from_layers.py makes it
+    if draft.name in path.read_text() and not draft.is_dir():
+        with pytest.raises(ManifestError, match="speculation.model: directory .*draft6"):
             load_manifest(path)
         return
     manifest = load_manifest(path)
@@ -372,3 +402,23 @@ def test_speculation_that_builds_no_verify_graph_is_refused(tmp_path, model_dir)
         "speculation.max_batch: 2 is below the smallest decode bucket (4); no verify graph"
     )
     assert err.value.hint
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_run_on_one_rank(tmp_path, hf_model_dir):
+    """qwen2's test checkpoint has 1027 tokens, llama's 1024; a draft at tp 2 is refused."""
+    other = {"method": "draft", "model": str(hf_model_dir("qwen2"))}
+    path = _write(tmp_path, {**VALID, "speculation": other}, hf_model_dir("llama"))
+    proc = run_cli("build", str(path), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "speculation.model: the draft's vocabulary (1027 tokens" in proc.stderr
+    assert "differs from the target's (1024)" in proc.stderr and "hint:" in proc.stderr
+    same = {"method": "draft", "model": str(hf_model_dir("llama"))}
+    data = {**VALID, "speculation": same, "parallel": {"tp": 2}}
+    path = _write(tmp_path, data, hf_model_dir("llama"))
+    proc = run_cli("build", str(path), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "a draft model runs on one rank" in proc.stderr
+    manifest = load_manifest(
+        _write(tmp_path, {**VALID, "speculation": same}, hf_model_dir("llama"))
+    )
+    assert manifest.speculation.model == hf_model_dir("llama").resolve()
+    assert manifest.to_json()["speculation"]["model"] == str(hf_model_dir("llama").resolve())

@@ -6,6 +6,7 @@ them; outputs must equal plain decoding's (and the oracle's) token for token."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -117,3 +118,77 @@ def test_rows_whose_drafts_keep_failing_back_off() -> None:
     verify = sum(n.startswith("verify") for n, _ in model.calls)
     assert seq.output_ids == oracle([3, 4] * 6, 60)
     assert verify <= MISSES_BEFORE_BACKOFF * (1 + 60 // BACKOFF_STEPS)
+
+
+def _draft_core(batch: tuple[int, ...], draft_period: int | None, prefix_caching: bool = True):
+    """A target fake that repeats with PERIOD and a draft model fake of its own (own cache,
+    own verify-shaped and decode graphs): the same function proposes what the target emits;
+    another proposes mostly wrong tokens."""
+    from neffkit.runtime.draft import DraftModel
+
+    spec = SpeculationRecord("draft", num_tokens=3, max_batch=4, draft="draft")
+    shape = dict(decode=batch, context=(64, 128), num_blocks=129)
+    runner, model = fake_runner(**shape, speculation=spec, period=PERIOD)
+    draft_runner, draft_model = fake_runner(**shape, speculation=SpeculationRecord("ngram", 3, 4),
+                                            period=draft_period)  # fmt: skip
+    runner.draft = DraftModel(draft_runner, spec)
+    return EngineCore(runner, prefix_caching=prefix_caching), model, draft_model
+
+
+@pytest.mark.parametrize("batch", [(1,), (1, 4)])
+def test_a_draft_model_of_the_same_function_has_every_greedy_draft_accepted(batch) -> None:
+    """The fake's cache holds a hash of each position's whole prefix, so a draft whose cache
+    missed a token, or wrote one at the wrong position or slot, would propose a wrong token:
+    every greedy draft accepted means the draft's cache follows the sequence exactly, through
+    prefills, catch-ups after fully accepted runs, back-offs and prefix-cache hits."""
+    rng = random.Random(5)
+    heads = [[rng.randrange(1, 90) for _ in range(PERIOD)] * 4 for _ in range(3)]  # 2.5 blocks
+    workload = [(rng.choice(heads)[: rng.randint(10, 20)] + p[:3], replace(params, temperature=0.0))
+                for p, params in _workload(seed=5)]  # fmt: skip
+    core, model, draft = _draft_core(batch, draft_period=PERIOD)
+    plain, _ = _core(batch, speculation=False)
+    for (prompt, params), a, b in zip(workload, _run(core, workload), _run(plain, workload),
+                                      strict=True):  # fmt: skip
+        full = oracle(prompt, params.max_tokens, period=PERIOD)
+        assert a.output_ids == b.output_ids == full[: len(a.output_ids)]
+        assert a.finish_reason == b.finish_reason
+    counts = core.scheduler.spec
+    assert counts.drafts > 100 and counts.accepted_tokens == counts.draft_tokens
+    assert any(n.startswith("prefill") for n, _ in draft.calls)  # it prefilled the prompts
+    assert core.scheduler.cache_hits > 0  # prompts shared prefixes
+    assert core.scheduler.allocator.num_free == core.scheduler.allocator.num_usable
+
+
+@pytest.mark.parametrize("batch", [(1,), (1, 4)])
+def test_a_draft_model_that_guesses_wrong_changes_no_output(batch) -> None:
+    """A draft that does not repeat (the plain sum fake): drafts rejected at every position,
+    sampled rows too; outputs equal plain decoding's and the oracle's."""
+    workload = _workload(seed=6)
+    core, model, draft = _draft_core(batch, draft_period=None)
+    plain, _ = _core(batch, speculation=False)
+    for (prompt, params), a, b in zip(workload, _run(core, workload), _run(plain, workload),
+                                      strict=True):  # fmt: skip
+        assert a.output_ids == b.output_ids
+        full = oracle(prompt, params.max_tokens, a.seed, params.temperature > 0, period=PERIOD)
+        assert a.output_ids == full[: len(a.output_ids)]
+    counts = core.scheduler.spec
+    assert counts.drafts > 50 and counts.accepted_tokens < counts.draft_tokens
+    assert any(n.startswith("verify") for n, _ in draft.calls)
+    assert any(n.startswith("decode") for n, _ in draft.calls)
+
+
+def test_a_draft_model_catches_up_after_plain_decode_steps() -> None:
+    """Five rows above max_batch 4 decode plainly while the draft sits out; once rows finish,
+    the draft catches up on many tokens in several 1 + K chunks and its drafts are right."""
+    core, model, draft = _draft_core((1, 4, 8), draft_period=PERIOD)
+    params = [SamplingParams(max_tokens=40 + 6 * i, temperature=0.0, ignore_eos=True)
+              for i in range(5)]  # fmt: skip
+    prompts = [[i + 1, i + 2, i + 3, i + 4, i + 5, i + 6] for i in range(5)]
+    seqs = [core.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    while core.has_work():
+        core.step()
+    for p, q, s in zip(prompts, params, seqs, strict=True):
+        assert s.output_ids == oracle(p, q.max_tokens, period=PERIOD)
+    counts = core.scheduler.spec
+    assert counts.drafts > 0 and counts.accepted_tokens == counts.draft_tokens
+    assert any(n.startswith("decode_8x") for n, _ in model.calls)  # plain steps happened

@@ -50,6 +50,10 @@ def finish_bundle(
     with worker_pool(jobs or os.cpu_count() or 1) as run_parallel, staging_dir(dest) as stage:
         shutil.copytree(bundle.root, stage, dirs_exist_ok=True)
         (stage / "bundle.json").unlink()
+        spec = record.layout.speculation
+        if spec is not None and spec.draft:  # a draft model's bundle inside: finished first
+            inner = finish_bundle(stage / spec.draft, jobs=jobs, progress=progress)
+            stems += [f"{spec.draft}/{stem}" for stem in inner["graphs"]]
         work = [(g.stem, g.flags) for g in record.graphs]
         done = neuronx_cc.compile_neffs(
             binary, version, record.neuron, work, stage, run_parallel, progress

@@ -1,0 +1,40 @@
+"""A draft model's manifest, derived from the target's (speculation.method: draft).
+
+The draft is built as a bundle of its own inside the target's (`draft/`), with the graphs its
+proposer runs: prefill graphs of the target's buckets (it prefills every prompt chunk the target
+does, so its KV cache holds the same positions in the same blocks), decode graphs up to the
+speculation's max_batch (one greedy draft token a step) and verify-shaped graphs of 1 + K tokens
+(catching up on the tokens the target accepted since its last step). The KV cache has the
+target's block size and block count: one block table addresses both caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from neffkit.manifest.schema import Manifest, Sampling, Speculation
+from neffkit.models.parallel import Parallelism
+
+
+def draft_manifest(manifest: Manifest) -> Manifest:
+    """The draft model's manifest: the target's dtype, target, compiler and KV blocks; greedy
+    sampling only (one candidate, one logprob); host decode state (the proposer sends its own
+    tokens each step)."""
+    spec = manifest.speculation
+    if spec is None or spec.model is None or spec.model_config is None:
+        raise ValueError(f"{manifest.name}: no draft model in this manifest")
+    b = manifest.buckets
+    return replace(
+        manifest,
+        name=f"{manifest.name}-draft",
+        model=spec.model,
+        model_config=spec.model_config,
+        parallel=Parallelism(),
+        kv_cache=replace(manifest.kv_cache, memory_mb=None),
+        buckets=replace(b, decode=tuple(n for n in b.decode if n <= spec.max_batch)),
+        sampling=Sampling(max_top_k=1, max_logprobs=1, prompt_logprobs=False),
+        mla_decode="absorbed",
+        decode_state="host",
+        speculation=Speculation("ngram", spec.num_tokens, spec.max_batch),
+        source=None,
+    )
