@@ -458,7 +458,7 @@ def speculation(d: dict[str, Any]) -> str:
     return (
         f"**{title}** (`bench/speculation.py{flag}`, `{_bundle_name(d['bundle'])}`, batch 1, "
         f"K = {d['num_tokens']}): a verify step costs {d['verify_step_ms']:.1f} ms against "
-        f"{d['decode_step_ms']:.1f} ms for a decode step ({d['verify_over_decode']:.2f}x);"
+        f"{d['decode_step_ms']:.1f} ms for a decode step ({d['verify_over_decode']:.2f}x)."
         f"{proposing} Prompts that quote their input: {group('quoting')}; open questions: "
         f"{group('open')}. Outputs with and without speculation are equal."
     )
