@@ -142,7 +142,7 @@ def _target_build(
 
 def _has_draft(manifest: Manifest) -> bool:
     spec = manifest.speculation
-    return spec is not None and spec.method == "draft"
+    return spec is not None and spec.method in ("draft", "mtp")
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
 from neffkit.errors import BuildError
 from neffkit.models.forms import PLAIN, ProjectionPolicy, Storage, is_projection_weight
+from neffkit.models.registry import takes_hidden
 from neffkit.models.weights import has_kv_scales, rank_weight_specs
 from neffkit.targets import DTYPE_BYTES, E4M3FN_MAX
 
@@ -48,6 +49,9 @@ def model_layout(
         if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
             raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
     options = {"mla_decode": manifest.mla_decode} if cfg.kv_kind == "mla" else {}
+    spec = manifest.speculation
+    is_mtp = takes_hidden(cfg)  # the MTP layer's own graphs
+    hidden = cfg.hidden_size if is_mtp or (spec is not None and spec.method == "mtp") else 0
     return ModelLayout(
         config=cfg,
         dtype=manifest.dtype,
@@ -69,6 +73,8 @@ def model_layout(
         fp8_max=manifest.fp8_max,
         storage=storage,
         decode_state=manifest.decode_state,
+        hidden_out=hidden,
+        hidden_in=cfg.hidden_size if is_mtp else 0,
     )
 
 
@@ -83,6 +89,8 @@ def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
         layout.max_logprobs,
         layout.prompt_logprobs and spec.rows == 1,  # a prompt wanting them prefills alone
         layout.decode_state == "device",
+        layout.hidden_out,
+        layout.hidden_in,
     )
 
 

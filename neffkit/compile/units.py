@@ -119,6 +119,10 @@ class ModelLayout:
     graph_options: tuple[tuple[str, str], ...] = ()
     fp8_max: float = E4M3FN_MAX  # the range fp8 values use on the target (targets.fp8_max)
     decode_state: str = "host"  # "device": decode tokens come from the aliased last_tokens
+    # hidden-state widths of the graphs' `hidden_states` output and `previous_hidden` input
+    # (speculation.method mtp: the target returns its hidden states, the MTP layer takes them)
+    hidden_out: int = 0
+    hidden_in: int = 0
 
 
 # --------------------------------------------------------------------------------------- traces

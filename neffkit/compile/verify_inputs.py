@@ -70,6 +70,8 @@ def representative_inputs(
         dtype = getattr(torch, s.dtype)
         if s.name in meta:
             out.append(torch.from_numpy(np.ascontiguousarray(meta[s.name])).to(dtype))
+        elif s.name == abi.PREVIOUS_HIDDEN:  # a hidden state's scale: unit normal
+            out.append(torch.randn(s.shape, generator=gen).to(dtype))
         elif s.name == abi.RANK:
             out.append(torch.zeros(1, dtype=torch.int64))
         elif abi.is_kv_cache(s.name):

@@ -144,7 +144,7 @@ def _speculation(manifest: Manifest) -> SpeculationRecord | None:
         return None
     return SpeculationRecord(
         spec.method, spec.num_tokens, spec.max_batch, spec.prompt_lookup_min,
-        spec.prompt_lookup_max, DRAFT_DIR if spec.method == "draft" else "",
+        spec.prompt_lookup_max, DRAFT_DIR if spec.method in ("draft", "mtp") else "",
     )  # fmt: skip
 
 

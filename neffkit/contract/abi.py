@@ -24,6 +24,9 @@ SEQ_IDS = "seq_ids"  # [1, T] packed prefill: each token's sequence
 LAST_TOKEN_INDEX = "last_token_index"  # [B] prefill: each sequence's last token in the row
 SEQ_SLOTS = "seq_slots"  # [B] device state: each row's slot in `last_tokens`; 0 pads
 TARGET_IDS = "target_ids"  # [B, T] prompt logprobs: the token after each position
+# [lines, T, hidden] float32 (DeepSeek MTP): the hidden state each position's prediction starts
+# from (the target's last layer's output there, or the MTP layer's own at a recurrent step)
+PREVIOUS_HIDDEN = "previous_hidden"
 SAMPLING_INPUTS = (
     ("temperature", "float32"),
     ("top_k", "int64"),
@@ -36,6 +39,9 @@ LAST_TOKENS = "last_tokens"  # [num_blocks] int64: each sequence's last sampled 
 
 NEXT_TOKENS = "next_tokens"
 NUM_EMITTED = "num_emitted"  # [B] verify: tokens each row emits (accepted drafts + 1)
+# float32, the last layer's output before the final norm (speculation.method mtp): decode [B, H],
+# verify [B, T, H], prefill [T, H] (every position of the packed row)
+HIDDEN_STATES = "hidden_states"
 TOKEN_LOGPROBS = "token_logprobs"
 TOP_LOGPROB_IDS = "top_logprob_ids"
 TOP_LOGPROBS = "top_logprobs"
@@ -94,6 +100,11 @@ class GraphShape:
     prompt_logprobs: bool = False  # prefill also returns each prompt token's logprobs
     # decode reads each row's token from the `last_tokens` state (manifest decode_state: device)
     device_state: bool = False
+    # width of the `hidden_states` output (the target of MTP speculation, and the MTP layer); 0:
+    # none
+    hidden_out: int = 0
+    # width of the `previous_hidden` input (the MTP layer's graphs); 0: none
+    hidden_in: int = 0
 
     @property
     def packed(self) -> bool:
@@ -124,11 +135,22 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
     if shape.phase == "prefill" and shape.prompt_logprobs:
         specs.append(TensorSpec(TARGET_IDS, (b, t), "int64"))
+    if shape.hidden_in:
+        specs.append(TensorSpec(PREVIOUS_HIDDEN, (lines, t, shape.hidden_in), "float32"))
     return specs
 
 
 def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
     """The user outputs, in order (the K/V mutations precede them in an exported program)."""
+    b = shape.rows
+    specs = _sampled_outputs(shape)
+    if shape.hidden_out:
+        lead = {"decode": (b,), "verify": (b, shape.tokens), "prefill": (shape.tokens,)}
+        specs.append(TensorSpec(HIDDEN_STATES, (*lead[shape.phase], shape.hidden_out), "float32"))
+    return specs
+
+
+def _sampled_outputs(shape: GraphShape) -> list[TensorSpec]:
     b, n = shape.rows, shape.logprobs
     if shape.phase == "verify":  # per position, the emitted ones first in each row
         t = shape.tokens

@@ -33,7 +33,7 @@ def draft_manifest(manifest: Manifest) -> Manifest:
         kv_cache=replace(manifest.kv_cache, memory_mb=None),
         buckets=replace(b, decode=tuple(n for n in b.decode if n <= spec.max_batch)),
         sampling=Sampling(max_top_k=1, max_logprobs=1, prompt_logprobs=False),
-        mla_decode="absorbed",
+        mla_decode=manifest.mla_decode if spec.method == "mtp" else "absorbed",
         decode_state="host",
         speculation=Speculation("ngram", spec.num_tokens, spec.max_batch),
         source=None,

@@ -29,7 +29,7 @@ from neffkit.manifest.sections import (
 )
 from neffkit.models.config import ModelConfig, check_static, max_length
 from neffkit.models.parallel import Parallelism
-from neffkit.models.registry import read_model_config
+from neffkit.models.registry import mtp_model_config, read_model_config
 from neffkit.targets import DTYPES, TARGETS
 
 TOP_LEVEL = (
@@ -139,32 +139,43 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
             "decode_state",
         ),
         speculation=_speculation(
-            data.get("speculation"), buckets, base, model_config, parallel, sampling
+            data.get("speculation"), buckets, base, (model_path, model_config), parallel, sampling
         ),
     )
 
 
 def _speculation(
-    value: Any, buckets: Any, base: Path, target: ModelConfig, parallel: Any, sampling: Any
+    value: Any,
+    buckets: Any,
+    base: Path,
+    model: tuple[Path, ModelConfig],
+    parallel: Any,
+    sampling: Any,
 ) -> Speculation | None:
     """The `speculation` section; a draft model's checkpoint read and checked against the
     target's: the draft proposes token ids the target verifies, so both must mean the same
-    vocabulary, and the draft runs in the target's process (one rank)."""
+    vocabulary, and the draft (or the MTP layer) runs in the target's process (one rank)."""
     spec = read_speculation(value, buckets)
-    if spec is None or spec.method != "draft":
+    if spec is None or spec.method == "ngram":
         return spec
+    if parallel.tp > 1:
+        raise ManifestError(
+            f"speculation.method: a {spec.method} proposer runs on one rank; this manifest has "
+            f"parallel.tp {parallel.tp}",
+            hint="build the bundle with tp 1, or use method ngram at tp > 1",
+        )
+    target_path, target = model
+    if spec.method == "mtp":  # the checkpoint's own multi-token prediction layer
+        try:
+            return replace(spec, model=target_path, model_config=mtp_model_config(target))
+        except ModelError as exc:
+            raise ManifestError(f"speculation.method: {exc.message}", exc.hint) from exc
     path, cfg = _model_dir(value.get("model"), base, "speculation.model")
     if cfg.vocab_size != target.vocab_size:
         raise ManifestError(
             f"speculation.model: the draft's vocabulary ({cfg.vocab_size} tokens, {path}) "
             f"differs from the target's ({target.vocab_size})",
             hint="a draft model must share the target's tokenizer (docs/serving.md#draft-models)",
-        )
-    if parallel.tp > 1:
-        raise ManifestError(
-            f"speculation.method: a draft model runs on one rank; this manifest has "
-            f"parallel.tp {parallel.tp}",
-            hint="build the draft-model bundle with tp 1, or use method ngram at tp > 1",
         )
     try:  # the draft's own limits (its rope's reach over the context buckets, ...)
         _check_model(cfg, Parallelism(), buckets, sampling)

@@ -101,7 +101,7 @@ class Audit:
     waive: tuple[str, ...] = ()  # rule ids whose errors do not fail the build (recorded)
 
 
-SPECULATION_METHODS = ("ngram", "draft")
+SPECULATION_METHODS = ("ngram", "draft", "mtp")
 
 
 @dataclass(frozen=True)
@@ -111,15 +111,16 @@ class Speculation:
     ("ngram": prompt lookup on the host, the longest suffix of prompt_lookup_max down to
     prompt_lookup_min tokens found earlier in the sequence proposes what followed it; "draft":
     a smaller checkpoint sharing the target's vocabulary, `model`, built into the same bundle
-    with graphs and a KV cache of its own, proposing K tokens greedily)."""
+    with graphs and a KV cache of its own, proposing K tokens greedily; "mtp": the checkpoint's
+    own multi-token prediction layer, built the same way from the target's hidden states)."""
 
     method: str
     num_tokens: int
     max_batch: int
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    model: Path | None = None  # method "draft": the draft checkpoint's directory
-    model_config: ModelConfig | None = None  # ... and its config
+    model: Path | None = None  # methods draft and mtp: the proposer's checkpoint directory
+    model_config: ModelConfig | None = None  # ... and its config (mtp: the MTP layer's)
 
 
 @dataclass(frozen=True)

@@ -277,13 +277,7 @@ def read_speculation(value: Any, buckets: Buckets) -> Speculation | None:
     raw = mapping(value, "speculation")
     keys = ("method", "num_tokens", "max_batch", "prompt_lookup_min", "prompt_lookup_max", "model")
     no_unknown(raw, keys, "speculation")
-    method = raw.get("method")
-    if method == "mtp":
-        raise ManifestError(
-            f"speculation.method: {method!r} is not implemented yet; implemented: "
-            f"{', '.join(SPECULATION_METHODS)}"
-        )
-    method = choice(method, SPECULATION_METHODS, "speculation.method")
+    method = choice(raw.get("method"), SPECULATION_METHODS, "speculation.method")
     only = {"ngram": ("prompt_lookup_min", "prompt_lookup_max"), "draft": ("model",)}
     for other, fields in only.items():
         for name in fields:

@@ -113,7 +113,7 @@ class DecoderGraph(torch.nn.Module):
         # Ids are validated on the host; the clamp is defence in depth: an out-of-range gather is
         # an out-of-bounds DMA on Neuron and a crash on CPU (audit rule NK109).
         ids = input_ids.clamp(0, cfg.vocab_size - 1)
-        h = self.embed(ids, w, rank)  # [B, T, hidden]
+        h = self.prelude(self.embed(ids, w, rank), m, w)  # [B, T, hidden]
         step = self._step(m, w, rank, caches, h.dtype)
         for layer in range(cfg.num_layers):
             h = self.layer(h, layer, step)
@@ -125,7 +125,16 @@ class DecoderGraph(torch.nn.Module):
                 last = last.gather(1, (sampled[1] - 1).clamp(0, shape.tokens - 1).unsqueeze(1))
                 last = last.squeeze(1)
             last_tokens.index_put_((state_slots,), last)
-        return (*sampled, *prompt)
+        return (*sampled, *prompt, *self._hidden(h))
+
+    def _hidden(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The last layer's output before the final norm, where the graph returns it (what an
+        MTP layer predicts from): decode [B, H], verify [B, T, H], prefill [T, H]."""
+        if not self.shape.hidden_out:
+            return ()
+        phase = self.shape.phase
+        out = h[:, -1] if phase == "decode" else h[0] if phase == "prefill" else h
+        return (out.float(),)
 
     def _step(self, m, w, rank, caches, dtype) -> Step:
         """RoPE, the masks (one per distinct window) and the slots every layer shares."""
@@ -211,6 +220,13 @@ class DecoderGraph(torch.nn.Module):
         )
 
     # ------------------------------------------------------------ parts a family overrides
+    def prelude(
+        self, h: torch.Tensor, m: dict[str, torch.Tensor], w: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """What the layers receive from the embeddings: the embeddings here (DeepSeek's MTP
+        layer mixes in the previous hidden state)."""
+        return h
+
     def layer(self, h: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
         """One decoder layer, pre-norm: h + attention(norm(h)), then h + feed_forward(norm(h))."""
         p, w = f"model.layers.{layer}", step.w

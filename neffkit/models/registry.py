@@ -29,8 +29,11 @@ __all__ = [
     "ARCHITECTURES",
     "Family",
     "ModelConfig",
+    "DERIVED",
     "build_graph",
     "family_of",
+    "mtp_model_config",
+    "takes_hidden",
     "graph_class",
     "read_model_config",
     "shards_class",
@@ -71,6 +74,13 @@ ARCHITECTURES: dict[str, Family] = {
         "deepseek_v3", "DeepseekV3Config", "DeepseekV3Graph", "DeepseekV3Shards"
     ),
 }
+# models neffkit derives from a checkpoint rather than reads from a config.json: DeepSeek-V3's
+# multi-token prediction layer (speculation.method: mtp)
+DERIVED: dict[str, Family] = {
+    "DeepseekV3MTP": Family(
+        "deepseek_v3", "DeepseekV3MtpConfig", "DeepseekV3MtpGraph", "DeepseekV3MtpShards"
+    ),
+}
 
 
 def family_of(architecture: str | None, where: str = "config.json") -> Family:
@@ -100,15 +110,38 @@ def read_model_config(model_dir: Path) -> ModelConfig:
         raise ModelError(f"{path}: missing required key {exc.args[0]!r}") from exc
 
 
+def mtp_model_config(target: ModelConfig) -> ModelConfig:
+    """The target checkpoint's first multi-token prediction layer as a model of its own
+    (speculation.method: mtp); a ModelError where the family has none."""
+    if target.architecture != "DeepseekV3ForCausalLM":
+        raise ModelError(
+            field="speculation.method",
+            message=f"mtp needs a DeepSeek-V3 checkpoint with multi-token prediction layers; "
+            f"this one is {target.architecture}",
+            hint="use method ngram or draft",
+        )
+    family = ARCHITECTURES[target.architecture]
+    return _part(family, "config", "mtp_config")(target)
+
+
+def takes_hidden(cfg: ModelConfig) -> bool:
+    """Does this model predict from a hidden state given as input (an MTP layer)?"""
+    return cfg.architecture in DERIVED
+
+
+def _family_of_config(cfg: ModelConfig) -> Family:
+    return DERIVED.get(cfg.architecture) or family_of(cfg.architecture)
+
+
 def graph_class(cfg: ModelConfig) -> type[DecoderGraph]:
     """The graph module class that builds this config's graphs (imports torch)."""
-    family = family_of(cfg.architecture)
+    family = _family_of_config(cfg)
     return _part(family, "model", family.graph)
 
 
 def shards_class(cfg: ModelConfig) -> type[Shards]:
     """The sharding rules that cut this config's checkpoint into rank shards (imports torch)."""
-    family = family_of(cfg.architecture)
+    family = _family_of_config(cfg)
     return _part(family, "model", family.shards)
 
 

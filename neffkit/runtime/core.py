@@ -106,11 +106,14 @@ class EngineCore:
         if prefill is not None:
             out = self.runner.prefill(prefill)
             if self.draft is not None:  # the draft's cache gets the same prompt positions
-                self.draft.prefill(prefill)
+                self.draft.prefill(prefill, out)
             touched += sched.prefilled(prefill, out)
         batch = sched.next_decode()
         if batch is not None:
-            touched += sched.decoded(batch, self.runner.decode(batch))
+            out = self.runner.decode(batch)
+            if self.draft is not None:  # an MTP layer keeps the target's hidden states
+                self.draft.observe(batch, out)
+            touched += sched.decoded(batch, out)
         return touched
 
 

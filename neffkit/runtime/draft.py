@@ -22,7 +22,7 @@ from neffkit.contract import abi
 from neffkit.contract.records import SpeculationRecord
 from neffkit.runtime.limits import smallest_fitting
 from neffkit.runtime.runner import GraphEntry, ModelRunner, padded_metadata
-from neffkit.runtime.scheduler import PrefillBatch, SequenceState
+from neffkit.runtime.scheduler import DecodeBatch, PrefillBatch, SequenceState, StepOutput
 
 
 class DraftModel:
@@ -39,7 +39,7 @@ class DraftModel:
         self.propose_s = 0.0
         self.calls = 0
 
-    def prefill(self, batch: PrefillBatch) -> None:
+    def prefill(self, batch: PrefillBatch, out: StepOutput) -> None:
         """The target's prefill chunks, through the draft's graph of the same buckets."""
         t0 = time.perf_counter()
         self.runner.prefill(batch)
@@ -48,6 +48,9 @@ class DraftModel:
             state.computed, state.speculated = chunk.start + chunk.length, []
         self.prefill_s += time.perf_counter() - t0
         self.calls += 1
+
+    def observe(self, batch: DecodeBatch, out: StepOutput) -> None:
+        """A target decode or verify step: nothing to keep (the draft reads tokens only)."""
 
     def propose(self, rows: list[SequenceState], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] greedy draft tokens for each row (rows asking for none run nothing)."""
@@ -72,7 +75,7 @@ class DraftModel:
             for row, (seq, k) in enumerate(zip(seqs, counts, strict=True)):
                 if step < k:
                     pos = seq.length - 1 + step
-                    self._fill(meta, row, seq, [proposed[row][-1]], pos)
+                    fill_row(self.runner, meta, row, seq, [proposed[row][-1]], pos)
             out = self._call(graph, meta)
             for row, k in enumerate(counts):
                 if step < k:
@@ -98,7 +101,7 @@ class DraftModel:
             meta = padded_metadata(graph.meta_specs)
             for row, (seq, todo) in enumerate(zip(seqs, pending, strict=True)):
                 if todo:
-                    self._fill(meta, row, seq, todo[:width], seq.drafting.computed)
+                    fill_row(self.runner, meta, row, seq, todo[:width], seq.drafting.computed)
             out = self._call(graph, meta)
             for row, (seq, todo) in enumerate(zip(seqs, pending, strict=True)):
                 if todo:
@@ -106,25 +109,31 @@ class DraftModel:
                     first[row] = int(out[row, n - 1])
                     seq.drafting.computed += n
 
-    def _fill(
-        self, meta: dict[str, np.ndarray], row: int, seq: SequenceState, ids: list[int], at: int
-    ) -> None:
-        """Row `row` feeds `ids` at positions from `at` (padding after them), sampled greedily."""
-        bs = self.runner.config.block_size
-        n, width = len(ids), meta[abi.INPUT_IDS].shape[1]
-        positions = at + np.arange(width)
-        blocks = np.asarray(seq.blocks, dtype=np.int64)
-        meta[abi.INPUT_IDS][row, :n] = ids
-        meta[abi.POSITIONS][row] = positions
-        meta[abi.SLOT_MAPPING][row, :n] = abi.slots_of(blocks, positions[:n], bs)
-        used = self.runner.config.blocks_for(at + n)
-        meta[abi.BLOCK_TABLES][row, :used] = seq.blocks[:used]
-        meta[abi.CONTEXT_LENS][row] = at + n
-        meta["temperature"][row] = 0.0  # greedy: a point-mass draft
-
     def _call(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
         self.calls += 1
         return self.runner.execute(graph, meta)[abi.NEXT_TOKENS]
+
+
+def fill_row(
+    runner: ModelRunner,
+    meta: dict[str, np.ndarray],
+    row: int,
+    seq: SequenceState,
+    ids: list[int],
+    at: int,
+) -> None:
+    """Row `row` feeds `ids` at positions from `at` (padding after them), sampled greedily."""
+    bs = runner.config.block_size
+    n, width = len(ids), meta[abi.INPUT_IDS].shape[1]
+    positions = at + np.arange(width)
+    blocks = np.asarray(seq.blocks, dtype=np.int64)
+    meta[abi.INPUT_IDS][row, :n] = ids
+    meta[abi.POSITIONS][row] = positions
+    meta[abi.SLOT_MAPPING][row, :n] = abi.slots_of(blocks, positions[:n], bs)
+    used = runner.config.blocks_for(at + n)
+    meta[abi.BLOCK_TABLES][row, :used] = seq.blocks[:used]
+    meta[abi.CONTEXT_LENS][row] = at + n
+    meta["temperature"][row] = 0.0  # greedy: a point-mass draft
 
 
 def _keep_verified(seq: SequenceState, tokens: list[int]) -> None:

@@ -34,6 +34,7 @@ from neffkit.runtime.executors import (
     choose_executor,
 )
 from neffkit.runtime.kv import allocate_kv_cache
+from neffkit.runtime.mtp import MtpProposer
 from neffkit.runtime.runner import GraphEntry, ModelRunner
 from neffkit.runtime.scheduler import SchedulerConfig
 from neffkit.runtime.tokenizer import Tokenizer
@@ -138,8 +139,11 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     return rank_input + kv + state + weights, names
 
 
-def _load_draft(bundle: Bundle, spec: SpeculationRecord, verify: bool, executor: str) -> DraftModel:
-    """The draft model's bundle inside this one; one block table must address both caches."""
+def _load_draft(
+    bundle: Bundle, spec: SpeculationRecord, verify: bool, executor: str
+) -> DraftModel | MtpProposer:
+    """The draft model's (or MTP layer's) bundle inside this one; one block table must address
+    both caches."""
     draft = load(bundle.path(spec.draft), verify=verify, executor=executor)
     mine, its = bundle.record.layout, draft.bundle.record.layout
     if (its.block_size, its.num_blocks) != (mine.block_size, mine.num_blocks):
@@ -148,6 +152,8 @@ def _load_draft(bundle: Bundle, spec: SpeculationRecord, verify: bool, executor:
             f"{its.block_size}) differs from the target's ({mine.num_blocks} of {mine.block_size})",
             hint="rebuild the bundle: neffkit build derives the draft's cache from the target's",
         )
+    if spec.method == "mtp":
+        return MtpProposer(draft.runner, spec)
     return DraftModel(draft.runner, spec)
 
 

@@ -178,6 +178,15 @@ class ModelRunner:
         """Write the chunks' K/V; a sequence's sampled token counts only after its prompt's
         last chunk. The chunks lie side by side in one row of tokens (a one-sequence graph has
         no `seq_ids`); sequences past them pad (no tokens, nothing visible)."""
+        graph, meta = self.prefill_metadata(batch)
+        t0 = time.perf_counter()
+        outputs = self._run(graph, meta)
+        self.timings.prefill_s += time.perf_counter() - t0
+        self.timings.prefill_chunks += 1
+        return StepOutput(outputs)
+
+    def prefill_metadata(self, batch: PrefillBatch) -> tuple[GraphEntry, dict[str, np.ndarray]]:
+        """The prefill graph of the batch's buckets and its metadata."""
         graph = self.graphs[("prefill", batch.batch, batch.tokens, batch.context)]
         bs = self.config.block_size
         meta = padded_metadata(graph.meta_specs)
@@ -204,11 +213,7 @@ class ModelRunner:
             (chunk,) = batch.chunks  # prompt logprobs prefill alone (Scheduler.next_prefill)
             following = chunk.seq.prompt_ids[chunk.start + 1 : chunk.start + chunk.length + 1]
             meta[abi.TARGET_IDS][0, : len(following)] = following
-        t0 = time.perf_counter()
-        outputs = self._run(graph, meta)
-        self.timings.prefill_s += time.perf_counter() - t0
-        self.timings.prefill_chunks += 1
-        return StepOutput(outputs)
+        return graph, meta
 
     def decode(self, batch: DecodeBatch) -> StepOutput:
         if batch.drafts is not None:

@@ -220,7 +220,7 @@ class Scheduler:
         sequence's, then `pending` ones a verify step accepted but has not appended yet)."""
         bs = self.config.block_size
         spec = self.config.speculation
-        if spec is not None and spec.method == "draft":  # cached blocks hold the draft's K/V too
+        if spec is not None and spec.method != "ngram":  # cached blocks hold the draft's K/V too
             computed = min(computed, seq.drafting.computed)
         full = computed // bs
         if not self.config.prefix_caching or full <= seq.num_registered:

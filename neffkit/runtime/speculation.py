@@ -39,7 +39,9 @@ class DraftProposer(Protocol):
     prefill_s: float
     propose_s: float
 
-    def prefill(self, batch: Any) -> None: ...
+    def prefill(self, batch: Any, out: Any) -> None: ...
+
+    def observe(self, batch: Any, out: Any) -> None: ...
 
     def propose(self, rows: list[Any], ks: list[int]) -> list[list[int]]: ...
 
@@ -70,6 +72,10 @@ class DraftState:
     paused: int = 0
     computed: int = 0  # draft model: positions 0 .. computed - 1 are in its cache
     speculated: list[int] = field(default_factory=list)  # drafts whose K/V follows them
+    # MTP: the target's hidden states at positions computed, computed + 1, ... (not yet fed to
+    # the MTP layer), and the MTP layer's last (token, hidden state) output
+    hidden: list[Any] = field(default_factory=list)
+    head: tuple[int, Any] | None = None
 
 
 @dataclass

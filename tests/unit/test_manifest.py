@@ -155,6 +155,17 @@ BAD = [
         "speculation.model: only for method draft, not ngram",
     ),
     (
+        "mtp on a checkpoint without MTP layers",
+        _with("speculation", {"method": "mtp"}),
+        "speculation.method: mtp needs a DeepSeek-V3 checkpoint with multi-token prediction "
+        "layers; this one is LlamaForCausalLM",
+    ),
+    (
+        "a model with mtp",
+        _with("speculation", {"method": "mtp", "model": "x"}),
+        "speculation.model: only for method draft, not mtp",
+    ),
+    (
         "draft directory missing",
         _with("speculation", {"method": "draft", "model": "no/such/draft/dir"}),
         "speculation.model: directory",
@@ -416,7 +427,7 @@ def test_a_draft_model_must_share_the_vocabulary_and_run_on_one_rank(tmp_path, h
     data = {**VALID, "speculation": same, "parallel": {"tp": 2}}
     path = _write(tmp_path, data, hf_model_dir("llama"))
     proc = run_cli("build", str(path), "-o", str(tmp_path / "out"))
-    assert proc.returncode == 2 and "a draft model runs on one rank" in proc.stderr
+    assert proc.returncode == 2 and "a draft proposer runs on one rank" in proc.stderr
     manifest = load_manifest(
         _write(tmp_path, {**VALID, "speculation": same}, hf_model_dir("llama"))
     )

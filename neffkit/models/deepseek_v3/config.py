@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ class DeepseekV3Config(MoeConfig):
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0  # shared experts next to the routed ones
+    # multi-token prediction layers (num_nextn_predict_layers), stored after the decoder's at
+    # layer index num_layers; the target's graphs never read them (speculation.method mtp does)
+    mtp_layers: int = 0
+    mtp_sparse: bool = True  # the MTP layer's MLP is the routed experts (past first_k_dense)
 
     kv_kind = "mla"
 
@@ -65,4 +70,35 @@ class DeepseekV3Config(MoeConfig):
             router_topk_groups=int(raw.get("topk_group") or 1),
             routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
             shared_intermediate_size=inter * int(raw.get("n_shared_experts") or 0),
+            mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
+            mtp_sparse=layers >= first_dense,
         )
+
+
+MTP_ARCHITECTURE = "DeepseekV3MTP"  # neffkit's name for the MTP layer built as its own model
+
+
+@dataclass(frozen=True)
+class DeepseekV3MtpConfig(DeepseekV3Config):
+    """DeepSeek-V3's first multi-token prediction layer as a one-layer model (vLLM's
+    deepseek_mtp.py): its decoder block reads the checkpoint's layer `source_layer`, its inputs
+    mix each token's embedding with the hidden state the target (or its own previous step)
+    predicted the token from, and its own norm and head (`shared_head`) give the logits."""
+
+    source_layer: int = 0
+
+
+def mtp_config(target: DeepseekV3Config) -> DeepseekV3MtpConfig:
+    """The MTP layer's config, from the target's (refused where the checkpoint has none)."""
+    if target.mtp_layers < 1:
+        raise ModelError(
+            field="speculation.method",
+            message="mtp needs a checkpoint with multi-token prediction layers "
+            "(config.json's num_nextn_predict_layers is 0 or absent)",
+            hint="use method ngram or draft",
+        )
+    fields = {f.name: getattr(target, f.name) for f in dataclasses.fields(target)}
+    fields |= {"architecture": MTP_ARCHITECTURE, "num_layers": 1, "mtp_layers": 0,
+               "sparse_layers": (target.mtp_sparse,), "source_layer": target.num_layers,
+               "sliding_windows": (None,)}  # fmt: skip
+    return DeepseekV3MtpConfig(**fields)

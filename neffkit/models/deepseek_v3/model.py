@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from neffkit.contract import abi
 from neffkit.kernels.attention import paged_attention
 from neffkit.kernels.kv import gather_context, write_cache
 from neffkit.kernels.rope import apply_rope, apply_rope_interleaved
 from neffkit.models.decoder import Step
-from neffkit.models.deepseek_v3.config import DeepseekV3Config
+from neffkit.models.deepseek_v3.config import DeepseekV3Config, DeepseekV3MtpConfig
 from neffkit.models.experts import Routing
 from neffkit.models.moe.model import MoeGraph, MoeShards, W
 from neffkit.models.rope_scaling import yarn_mscale
@@ -161,3 +162,65 @@ class DeepseekV3Shards(MoeShards):
             yield from self.shared_experts(
                 f"{p}.mlp.shared_experts", f"{p}.moe.shared", self.cfg.shared_intermediate_size
             )
+
+
+# ---------------------------------------------------------------- the MTP layer (speculation)
+MTP_WEIGHTS = ("mtp.enorm.weight", "mtp.hnorm.weight", "mtp.eh_proj.weight")
+
+
+class DeepseekV3MtpGraph(DeepseekV3Graph):
+    """DeepSeek-V3's multi-token prediction layer as a one-layer graph (vLLM's deepseek_mtp.py):
+    position p reads token p + 1's embedding (zero at position 0) and the hidden state token
+    p + 1 was predicted from (`previous_hidden`), normalises each (enorm, hnorm), projects their
+    concatenation (eh_proj) and runs one decoder layer over its own latent cache; its norm and
+    head (shared_head) give the token after, and its output hidden state is returned for the
+    next step."""
+
+    cfg: DeepseekV3MtpConfig
+
+    def prelude(
+        self, h: torch.Tensor, m: dict[str, torch.Tensor], w: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        first = (m[abi.POSITIONS] == 0).unsqueeze(-1)  # [B, T, 1]
+        h = torch.where(first, torch.zeros_like(h), h)
+        previous = m[abi.PREVIOUS_HIDDEN].to(h.dtype)  # [B, T, hidden]
+        mixed = torch.cat(
+            (self.norm(h, w["mtp.enorm.weight"]), self.norm(previous, w["mtp.hnorm.weight"])),
+            dim=-1,
+        )  # [B, T, 2 * hidden]
+        return self.project(mixed, w["mtp.eh_proj.weight"])
+
+
+class DeepseekV3MtpShards(DeepseekV3Shards):
+    """The MTP layer's tensors under the one-layer model's names: the checkpoint's
+    `model.layers.{N}.*` block as layer 0, its shared_head as the final norm and LM head, its
+    embed_tokens (the main one where absent), then enorm, hnorm and eh_proj."""
+
+    cfg: DeepseekV3MtpConfig
+
+    def __init__(self, cfg, par, rank, get, available, kv_scales=False) -> None:
+        src = f"model.layers.{cfg.source_layer}"
+        special = {
+            "model.norm.weight": f"{src}.shared_head.norm.weight",
+            "lm_head.weight": f"{src}.shared_head.head.weight",
+            **{name: f"{src}.{name.split('.', 1)[1]}" for name in MTP_WEIGHTS},
+        }
+        if f"{src}.embed_tokens.weight" in available:
+            special["model.embed_tokens.weight"] = f"{src}.embed_tokens.weight"
+
+        def source(name: str) -> str:
+            if name in special:
+                return special[name]
+            if name.startswith("model.layers.0."):
+                return src + name.removeprefix("model.layers.0")
+            return name
+
+        names = {*special, "model.embed_tokens.weight"}
+        names |= {"model.layers.0" + n.removeprefix(src) for n in available if n.startswith(src)}
+        mine = {n for n in names if source(n) in available}
+        super().__init__(cfg, par, rank, lambda name: get(source(name)), mine, kv_scales)
+
+    def __iter__(self) -> Named:
+        yield from super().__iter__()
+        for name in MTP_WEIGHTS:
+            yield name, self.need(name)
