@@ -17,7 +17,13 @@ from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
 from neffkit.errors import BuildError
-from neffkit.models.forms import PLAIN, ProjectionPolicy, Storage, is_projection_weight
+from neffkit.models.forms import (
+    PLAIN,
+    TIED_TABLE,
+    ProjectionPolicy,
+    Storage,
+    is_projection_weight,
+)
 from neffkit.models.registry import takes_hidden
 from neffkit.models.weights import has_kv_scales, rank_weight_specs
 from neffkit.targets import DTYPE_BYTES, E4M3FN_MAX
@@ -110,7 +116,11 @@ def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list
 
 def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
     """The bytes of each projection weight stored blocked (what picks its form), largest first."""
-    blocked = [w for w in layout.weights if len(w.shape) == 3 and is_projection_weight(w.name)]
+    blocked = [
+        w
+        for w in layout.weights
+        if len(w.shape) == 3 and (is_projection_weight(w.name) or w.name == TIED_TABLE)
+    ]
     sizes = [math.prod(w.shape) * DTYPE_BYTES[w.dtype] for w in blocked]
     return sorted(sizes, reverse=True)
 

@@ -37,6 +37,16 @@ from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
 from neffkit.targets import E4M3FN_MAX
 
+
+def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of an embedding table, plain [vocab, H] or blocked [vocab/L, H, L] (a tied table
+    stored for the LM head's blocked forms: forms.blocks)."""
+    if table.dim() == 2:
+        return table[ids]
+    lanes = table.shape[2]
+    return table[ids // lanes, :, ids % lanes]  # [..., H]
+
+
 # which keys a layer's queries see: (sliding window, attention chunk), None for unbounded
 Span = tuple[int | None, int | None]
 
@@ -322,11 +332,11 @@ class DecoderGraph(torch.nn.Module):
         rows (others read as zeros) and the all-reduce sums the one non-zero row per token."""
         table = w["model.embed_tokens.weight"]
         if self.par.tp == 1:
-            return table[ids]
-        rows = table.shape[0]
+            return lookup(table, ids)
+        rows = out_features(table)
         local = ids - rank * rows
         inside = (local >= 0) & (local < rows)
-        h = table[local.clamp(0, rows - 1)] * inside.unsqueeze(-1).to(table.dtype)
+        h = lookup(table, local.clamp(0, rows - 1)) * inside.unsqueeze(-1).to(table.dtype)
         return self.reduce(h, None)
 
     def logits(

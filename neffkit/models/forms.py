@@ -56,9 +56,16 @@ def is_projection_weight(name: str) -> bool:
     return name.endswith("_proj.weight") and not name.endswith("kv_b_proj.weight")
 
 
-def blocks(name: str, shape: tuple[int, ...], lanes: int) -> bool:
-    """Is this (bundle-dtype, not fp8) weight stored blocked under `lanes`?"""
-    return lanes > 0 and len(shape) == 2 and shape[0] % lanes == 0 and is_projection_weight(name)
+TIED_TABLE = "model.embed_tokens.weight"  # the LM head too, where the embeddings are tied
+
+
+def blocks(name: str, shape: tuple[int, ...], lanes: int, tied: bool = False) -> bool:
+    """Is this (bundle-dtype, not fp8) weight stored blocked under `lanes`? A tied embedding
+    table is (the lookup reads it as table[id // lanes, :, id % lanes]), so that the LM head it
+    also is takes the blocked forms: its 5-row verify step through `mm` cost twice its 1-row
+    reduction (SmolLM2's 49152 x 576 head)."""
+    projection = is_projection_weight(name) or (tied and name == TIED_TABLE)
+    return lanes > 0 and len(shape) == 2 and shape[0] % lanes == 0 and projection
 
 
 def blocked_shape(shape: tuple[int, ...], lanes: int) -> tuple[int, ...]:

@@ -122,7 +122,7 @@ def rank_weight_specs(
             out.append((name + SCALE, scale_grid(tuple(t.shape), cfg.fp8_block), torch.float32))
         else:
             shape = tuple(t.shape)
-            if blocks(name, shape, storage.lanes):
+            if blocks(name, shape, storage.lanes, cfg.tie_word_embeddings):
                 shape = blocked_shape(shape, storage.lanes)
             out.append((name, shape, weight_dtype(name, storage.dtype)))
     return out
@@ -186,7 +186,7 @@ def iter_rank_weights(
                 yield name + SCALE, _compact(block_scale)
                 continue
             cast = tensor.to(weight_dtype(name, storage.dtype))
-            if blocks(name, tuple(cast.shape), storage.lanes):
+            if blocks(name, tuple(cast.shape), storage.lanes, cfg.tie_word_embeddings):
                 cast = to_blocked(cast, storage.lanes)
             yield name, _compact(cast)
             del tensor, cast
