@@ -25,8 +25,9 @@ from neffkit.runtime.runner import GraphEntry, ModelRunner, padded_metadata
 from neffkit.runtime.scheduler import DecodeBatch, PrefillBatch, SequenceState, StepOutput
 
 
-class DraftModel:
-    """The draft's graphs and what it did (calls and seconds, for `run --json`)."""
+class GraphProposer:
+    """A proposer running graphs of its own bundle (a draft model, an MTP layer): their buckets,
+    and what it did (calls and seconds, for `run --json`)."""
 
     def __init__(self, runner: ModelRunner, spec: SpeculationRecord) -> None:
         self.runner = runner
@@ -38,6 +39,41 @@ class DraftModel:
         self.prefill_s = 0.0
         self.propose_s = 0.0
         self.calls = 0
+
+    def buckets(self, seqs: list[SequenceState], counts: list[int]) -> tuple[int, int] | None:
+        """(batch, context) for proposing `counts` tokens after each sequence, or None."""
+        need = max(s.length + k - 1 for s, k in zip(seqs, counts, strict=True))
+        context = smallest_fitting(self.contexts, need)
+        batch = smallest_fitting(self.batches, len(seqs))
+        return None if context is None or batch is None else (batch, context)
+
+    def call(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.calls += 1
+        return self.runner.execute(graph, meta)
+
+    def propose(self, rows: list[SequenceState], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] greedy draft tokens for each row (rows asking for none run nothing)."""
+        active = [i for i, k in enumerate(ks) if k > 0]
+        drafts: list[list[int]] = [[] for _ in rows]
+        seqs, counts = [rows[i] for i in active], [ks[i] for i in active]
+        shape = self.buckets(seqs, counts) if active else None
+        if shape is None:
+            return drafts
+        t0 = time.perf_counter()
+        for i, proposed in zip(active, self.drafts(seqs, counts, *shape), strict=True):
+            drafts[i] = proposed
+        self.propose_s += time.perf_counter() - t0
+        return drafts
+
+    def drafts(
+        self, seqs: list[SequenceState], counts: list[int], batch: int, context: int
+    ) -> list[list[int]]:
+        """counts[i] drafts for each sequence through the (batch, context) graphs."""
+        raise NotImplementedError
+
+
+class DraftModel(GraphProposer):
+    """A draft model's graphs proposing greedily (the module docstring)."""
 
     def prefill(self, batch: PrefillBatch, out: StepOutput) -> None:
         """The target's prefill chunks, through the draft's graph of the same buckets."""
@@ -52,20 +88,10 @@ class DraftModel:
     def observe(self, batch: DecodeBatch, out: StepOutput) -> None:
         """A target decode or verify step: nothing to keep (the draft reads tokens only)."""
 
-    def propose(self, rows: list[SequenceState], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] greedy draft tokens for each row (rows asking for none run nothing)."""
-        active = [i for i, k in enumerate(ks) if k > 0]
-        drafts: list[list[int]] = [[] for _ in rows]
-        if not active:
-            return drafts
-        seqs, counts = [rows[i] for i in active], [ks[i] for i in active]
+    def drafts(
+        self, seqs: list[SequenceState], counts: list[int], batch: int, context: int
+    ) -> list[list[int]]:
         tokens = [s.prompt_ids + s.output_ids for s in seqs]
-        need = max(len(t) + k - 1 for t, k in zip(tokens, counts, strict=True))
-        context = smallest_fitting(self.contexts, need)
-        batch = smallest_fitting(self.batches, len(seqs))
-        if context is None or batch is None:
-            return drafts
-        t0 = time.perf_counter()
         for seq, toks in zip(seqs, tokens, strict=True):
             _keep_verified(seq, toks)
         proposed = self._catch_up(seqs, tokens, batch, context)
@@ -76,15 +102,13 @@ class DraftModel:
                 if step < k:
                     pos = seq.length - 1 + step
                     fill_row(self.runner, meta, row, seq, [proposed[row][-1]], pos)
-            out = self._call(graph, meta)
+            out = self.call(graph, meta)[abi.NEXT_TOKENS]
             for row, k in enumerate(counts):
                 if step < k:
                     proposed[row].append(int(out[row]))
         for row, (seq, k) in enumerate(zip(seqs, counts, strict=True)):
             seq.drafting.speculated = proposed[row][: k - 1]  # their K/V is in the cache
-            drafts[active[row]] = proposed[row][:k]
-        self.propose_s += time.perf_counter() - t0
-        return drafts
+        return [p[:k] for p, k in zip(proposed, counts, strict=True)]
 
     def _catch_up(
         self, seqs: list[SequenceState], tokens: list[list[int]], batch: int, context: int
@@ -102,16 +126,12 @@ class DraftModel:
             for row, (seq, todo) in enumerate(zip(seqs, pending, strict=True)):
                 if todo:
                     fill_row(self.runner, meta, row, seq, todo[:width], seq.drafting.computed)
-            out = self._call(graph, meta)
+            out = self.call(graph, meta)[abi.NEXT_TOKENS]
             for row, (seq, todo) in enumerate(zip(seqs, pending, strict=True)):
                 if todo:
                     n = min(len(todo), width)
                     first[row] = int(out[row, n - 1])
                     seq.drafting.computed += n
-
-    def _call(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> np.ndarray:
-        self.calls += 1
-        return self.runner.execute(graph, meta)[abi.NEXT_TOKENS]
 
 
 def fill_row(

@@ -20,25 +20,13 @@ import time
 import numpy as np
 
 from neffkit.contract import abi
-from neffkit.contract.records import SpeculationRecord
-from neffkit.runtime.draft import fill_row
-from neffkit.runtime.limits import smallest_fitting
-from neffkit.runtime.runner import GraphEntry, ModelRunner, padded_metadata
+from neffkit.runtime.draft import GraphProposer, fill_row
+from neffkit.runtime.runner import GraphEntry, padded_metadata
 from neffkit.runtime.scheduler import DecodeBatch, PrefillBatch, SequenceState, StepOutput
 
 
-class MtpProposer:
-    """The MTP layer's graphs and what it did (calls and seconds, for `run --json`)."""
-
-    def __init__(self, runner: ModelRunner, spec: SpeculationRecord) -> None:
-        self.runner = runner
-        self.k = spec.num_tokens
-        config = runner.config
-        self.batches = tuple(b for b in config.decode_buckets if b <= spec.max_batch)
-        self.contexts = tuple(c for c in config.context_buckets if c > 1 + self.k)
-        self.prefill_s = 0.0
-        self.propose_s = 0.0
-        self.calls = 0
+class MtpProposer(GraphProposer):
+    """The MTP layer's graphs proposing greedily (the module docstring)."""
 
     def prefill(self, batch: PrefillBatch, out: StepOutput) -> None:
         """Consume the chunks' positions: token p + 1 (the sampled token after a prompt's last)
@@ -55,7 +43,7 @@ class MtpProposer:
             meta[abi.INPUT_IDS][0, at : at + n] = following
             meta[abi.PREVIOUS_HIDDEN][0, at : at + n] = hidden[at : at + n]
             at += n
-        result = self._call(graph, meta)
+        result = self.call(graph, meta)
         tokens, mtp_hidden = result[abi.NEXT_TOKENS], result[abi.HIDDEN_STATES]
         at = 0
         for i, chunk in enumerate(batch.chunks):
@@ -77,19 +65,9 @@ class MtpProposer:
             else:
                 seq.drafting.hidden.extend(hidden[row, : int(emitted[row])].copy())
 
-    def propose(self, rows: list[SequenceState], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] greedy draft tokens for each row (rows asking for none run nothing)."""
-        active = [i for i, k in enumerate(ks) if k > 0]
-        drafts: list[list[int]] = [[] for _ in rows]
-        if not active:
-            return drafts
-        seqs, counts = [rows[i] for i in active], [ks[i] for i in active]
-        context = smallest_fitting(self.contexts, max(s.length + k - 1 for s, k in
-                                                      zip(seqs, counts, strict=True)))  # fmt: skip
-        batch = smallest_fitting(self.batches, len(seqs))
-        if context is None or batch is None:
-            return drafts
-        t0 = time.perf_counter()
+    def drafts(
+        self, seqs: list[SequenceState], counts: list[int], batch: int, context: int
+    ) -> list[list[int]]:
         self._catch_up(seqs, batch, context)
         proposed = [[seq.drafting.head[0]] for seq in seqs]  # type: ignore[index]
         states = [seq.drafting.head[1] for seq in seqs]  # type: ignore[index]
@@ -101,15 +79,12 @@ class MtpProposer:
                     at = seq.length - 2 + step
                     fill_row(self.runner, meta, row, seq, [proposed[row][-1]], at)
                     meta[abi.PREVIOUS_HIDDEN][row, 0] = states[row]
-            out = self._call(graph, meta)
+            out = self.call(graph, meta)
             for row, k in enumerate(counts):
                 if step < k:
                     proposed[row].append(int(out[abi.NEXT_TOKENS][row]))
                     states[row] = out[abi.HIDDEN_STATES][row].copy()
-        for row, k in enumerate(counts):
-            drafts[active[row]] = proposed[row][:k]
-        self.propose_s += time.perf_counter() - t0
-        return drafts
+        return [p[:k] for p, k in zip(proposed, counts, strict=True)]
 
     def _catch_up(self, seqs: list[SequenceState], batch: int, context: int) -> None:
         """Feed each row the positions the target computed since the layer last ran (token
@@ -129,7 +104,7 @@ class MtpProposer:
                     fill_row(self.runner, meta, row, seq, following, p)
                     meta[abi.PREVIOUS_HIDDEN][row, :n] = np.stack(state.hidden[:n])
                     fed[row] = n
-            out = self._call(graph, meta)
+            out = self.call(graph, meta)
             for row, (seq, n) in enumerate(zip(seqs, fed, strict=True)):
                 if n:
                     state = seq.drafting
@@ -137,10 +112,6 @@ class MtpProposer:
                     state.head = (int(token), hidden[row, n - 1].copy())
                     state.computed += n
                     del state.hidden[:n]
-
-    def _call(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.calls += 1
-        return self.runner.execute(graph, meta)
 
 
 def _metadata(graph: GraphEntry) -> dict[str, np.ndarray]:
