@@ -94,6 +94,14 @@ def _parse_ids(text: str) -> list[int]:
     help="Server: refuse request fields it does not know with a 400 (default: log them once "
     "as ignored).",
 )
+@click.option(
+    "--tool-call-parser",
+    "tool_parser",
+    type=click.Choice(["hermes", "llama3_json"]),
+    default=None,
+    help="Server: find tool calls in the model's text for tool_choice auto (the model's format: "
+    "<tool_call> JSON, or Llama 3's JSON); required and named tool choices need none.",
+)
 def run(
     bundle: Path,
     prompts: tuple[str, ...],
@@ -163,4 +171,5 @@ def _serve(
         speculation=not no_speculation,
         strict_requests=server["strict_requests"],
         access_log=not server["no_access_log"],
+        tool_parser=server["tool_parser"],
     )

@@ -55,7 +55,7 @@ def model_layout(
         if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
             raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")
     options = {"mla_decode": manifest.mla_decode} if cfg.kv_kind == "mla" else {}
-    spec = manifest.speculation
+    spec, sampling = manifest.speculation, manifest.sampling
     is_mtp = takes_hidden(cfg)  # the MTP layer's own graphs
     hidden = cfg.hidden_size if is_mtp or (spec is not None and spec.method == "mtp") else 0
     return ModelLayout(
@@ -81,6 +81,9 @@ def model_layout(
         decode_state=manifest.decode_state,
         hidden_out=hidden,
         hidden_in=cfg.hidden_size if is_mtp else 0,
+        bitmask_words=-(-cfg.vocab_size // 32) if sampling.structured else 0,
+        penalty_tokens=sampling.penalty_tokens(manifest.buckets.context[-1], cfg.vocab_size),
+        bias_tokens=sampling.max_logit_bias,
     )
 
 
@@ -97,6 +100,9 @@ def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
         layout.decode_state == "device",
         layout.hidden_out,
         layout.hidden_in,
+        layout.bitmask_words,
+        layout.penalty_tokens,
+        layout.bias_tokens,
     )
 
 

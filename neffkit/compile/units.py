@@ -123,6 +123,11 @@ class ModelLayout:
     # (speculation.method mtp: the target returns its hidden states, the MTP layer takes them)
     hidden_out: int = 0
     hidden_in: int = 0
+    # logit inputs of the sampling graphs (abi.logit_inputs): bitmask words, penalty pairs and
+    # logit-bias pairs per row; 0: none
+    bitmask_words: int = 0
+    penalty_tokens: int = 0
+    bias_tokens: int = 0
 
 
 # --------------------------------------------------------------------------------------- traces

@@ -64,6 +64,7 @@ def representative_inputs(
         abi.SEQ_SLOTS: np.array([abi.state_slot(row) for row in tables]),
         abi.LAST_TOKENS: torch.randint(0, vocab, (nb,), generator=gen).numpy(),
     }
+    meta |= _logit_inputs(specs, vocab, gen)
     by_name = {w.name: i for i, w in enumerate(layout.weights)}
     out = []
     for s in specs:
@@ -109,3 +110,24 @@ def _packed_prefill(seqs: int, tokens: int, tables: np.ndarray, bs: int) -> dict
         abi.CONTEXT_LENS: lens,
         abi.LAST_TOKEN_INDEX: last,
     }
+
+
+def _logit_inputs(specs: list, vocab: int, gen: torch.Generator) -> dict[str, np.ndarray]:
+    """Every row constrained: half the vocabulary masked at random, penalties on random tokens
+    (some pairs padding), random biases, so a compiled graph's processing is compared too."""
+    out: dict[str, np.ndarray] = {}
+    for s in specs:
+        if s.name == abi.TOKEN_BITMASK:
+            bits = torch.randint(-(2**31), 2**31 - 1, s.shape, generator=gen, dtype=torch.int64)
+            out[s.name] = bits.to(torch.int32).numpy()
+        elif s.name in (abi.PENALTY_IDS, abi.BIAS_IDS):
+            out[s.name] = torch.randint(-1, vocab, s.shape, generator=gen).numpy()
+        elif s.name == abi.PENALTY_COUNTS:
+            out[s.name] = torch.randint(0, 3, s.shape, generator=gen).float().numpy()
+        elif s.name == abi.BIAS_VALUES:
+            out[s.name] = (torch.randn(s.shape, generator=gen) * 3).numpy()
+        elif s.name == "repetition_penalty":
+            out[s.name] = (1 + torch.rand(s.shape, generator=gen)).numpy()
+        elif s.name in abi.PENALTY_NAMES:
+            out[s.name] = (torch.rand(s.shape, generator=gen) * 2 - 1).numpy()
+    return out

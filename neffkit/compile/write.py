@@ -170,6 +170,9 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         kv_kind=layout.config.kv_kind,
         kv_dtype=layout.kv_dtype,
         decode_state=layout.decode_state,
+        bitmask_words=layout.bitmask_words,
+        penalty_tokens=layout.penalty_tokens,
+        bias_tokens=layout.bias_tokens,
     )
 
 

@@ -34,6 +34,18 @@ SAMPLING_INPUTS = (
     ("seed", "int64"),
 )
 SAMPLING_NAMES = tuple(name for name, _ in SAMPLING_INPUTS)
+# what a request does to the logits before sampling (kernels/logits.py), where the bundle has it:
+# a grammar's allowed tokens, [B, ceil(V/32)] (verify: [B, T, ceil(V/32)]), bit v % 32 of word
+# v // 32 (vLLM's and xgrammar's layout; sampling.structured)
+TOKEN_BITMASK = "token_bitmask"
+# [B, P] each row's distinct prompt and output tokens (-1 pads) and how often each occurs in the
+# output, and the three penalties [B] (sampling.max_penalty_tokens: P)
+PENALTY_IDS, PENALTY_COUNTS = "penalty_ids", "penalty_counts"
+PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+# [B, L] logit_bias pairs (-1 pads), min_tokens' stop tokens among them at -inf
+# (sampling.max_logit_bias: L)
+BIAS_IDS, BIAS_VALUES = "bias_ids", "bias_values"
+LOGIT_INPUTS = (TOKEN_BITMASK, PENALTY_IDS, PENALTY_COUNTS, *PENALTY_NAMES, BIAS_IDS, BIAS_VALUES)
 RANK = "rank"  # [1] int64: this graph's rank, as data (one artifact serves every rank)
 LAST_TOKENS = "last_tokens"  # [num_blocks] int64: each sequence's last sampled token
 
@@ -51,7 +63,15 @@ PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"
 
 # what a metadata array holds before the host writes a row into it: padding everywhere (slot -1
 # and block -1 land in the null block, top_p 1 keeps the whole vocabulary)
-PAD_VALUES: dict[str, float] = {SLOT_MAPPING: -1, BLOCK_TABLES: -1, "top_p": 1.0}
+PAD_VALUES: dict[str, float] = {
+    SLOT_MAPPING: -1,
+    BLOCK_TABLES: -1,
+    "top_p": 1.0,
+    TOKEN_BITMASK: -1,  # every token allowed
+    PENALTY_IDS: -1,
+    "repetition_penalty": 1.0,
+    BIAS_IDS: -1,
+}
 
 KV_KINDS = {"mha": ("k", "v"), "mla": ("kv",)}  # cache tensors per layer, by cache kind
 
@@ -105,6 +125,11 @@ class GraphShape:
     hidden_out: int = 0
     # width of the `previous_hidden` input (the MTP layer's graphs); 0: none
     hidden_in: int = 0
+    # logit inputs (kernels/logits.py); 0: none. Bitmask words (ceil(vocab / 32)), penalty
+    # pairs and logit-bias pairs per row
+    bitmask_words: int = 0
+    penalty_tokens: int = 0
+    bias_tokens: int = 0
 
     @property
     def packed(self) -> bool:
@@ -133,10 +158,28 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     if shape.device_state:
         specs.append(TensorSpec(SEQ_SLOTS, (b,), "int64"))
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
+    specs += logit_inputs(shape)
     if shape.phase == "prefill" and shape.prompt_logprobs:
         specs.append(TensorSpec(TARGET_IDS, (b, t), "int64"))
     if shape.hidden_in:
         specs.append(TensorSpec(PREVIOUS_HIDDEN, (lines, t, shape.hidden_in), "float32"))
+    return specs
+
+
+def logit_inputs(shape: GraphShape) -> list[TensorSpec]:
+    """The logit-processing inputs the shape has, in order (after the sampling values)."""
+    b, specs = shape.rows, []
+    if shape.bitmask_words:
+        lead = (b, shape.tokens) if shape.phase == "verify" else (b,)
+        specs.append(TensorSpec(TOKEN_BITMASK, (*lead, shape.bitmask_words), "int32"))
+    if shape.penalty_tokens:
+        p = shape.penalty_tokens
+        specs += [TensorSpec(PENALTY_IDS, (b, p), "int64"),
+                  TensorSpec(PENALTY_COUNTS, (b, p), "float32")]  # fmt: skip
+        specs += [TensorSpec(name, (b,), "float32") for name in PENALTY_NAMES]
+    if shape.bias_tokens:
+        specs += [TensorSpec(BIAS_IDS, (b, shape.bias_tokens), "int64"),
+                  TensorSpec(BIAS_VALUES, (b, shape.bias_tokens), "float32")]  # fmt: skip
     return specs
 
 

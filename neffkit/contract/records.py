@@ -190,6 +190,11 @@ class LayoutRecord(Record):
     # "device": graphs take the aliased `last_tokens` state after the caches (decode reads its
     # tokens there; the host sends `seq_slots`); "host": decode takes `input_ids`
     decode_state: str = "host"
+    # the sampling graphs' logit inputs (abi.logit_inputs; 0: none): a grammar's token bitmask
+    # (sampling.structured), penalty pairs and logit-bias pairs per row
+    bitmask_words: int = 0
+    penalty_tokens: int = 0
+    bias_tokens: int = 0
 
     @property
     def state_names(self) -> list[str]:

@@ -68,12 +68,17 @@ def sample(
     positions: torch.Tensor,  # [B] int64, position of the sampled token's predecessor
     max_top_k: int,
     num_logprobs: int,
+    processed: torch.Tensor | None = None,  # [B, V] float32: what to sample from (logits.py)
 ) -> Sampled:
+    """Tokens sampled from `processed` (default: the logits), logprobs reported from `logits`
+    (vLLM's raw logprobs: after a grammar's mask, before bias, penalties and temperature)."""
     logits = logits.float()
-    greedy = torch.argmax(logits, dim=-1)  # [B]; first max, like HF
+    chosen_from = logits if processed is None else processed
+    greedy = torch.argmax(chosen_from, dim=-1)  # [B]; first max, like HF
     width = min(max_top_k, logits.shape[-1])
-    # one sort serves the candidates and the top logprobs
-    ranked_logits, ranked_ids = torch.topk(logits, max(width, num_logprobs), dim=-1)
+    # one sort serves the candidates and the top logprobs (two when they rank different logits)
+    depth = max(width, num_logprobs) if processed is None else width
+    ranked_logits, ranked_ids = torch.topk(chosen_from, depth, dim=-1)
     cand_logits, cand_ids = ranked_logits[:, :width], ranked_ids[:, :width]  # [B, K], descending
     lane = torch.arange(width, device=logits.device)  # [K]
     k_eff = torch.where(top_k > 0, top_k.clamp(max=width), width)  # [B]
@@ -85,11 +90,13 @@ def sample(
     gumbel = -torch.log(-torch.log(uniform_noise(seed, positions, width)))
     choice = torch.argmax(scaled + gumbel, dim=-1, keepdim=True)  # [B, 1]
     sampled = cand_ids.gather(1, choice).squeeze(1)
-    whole = _sample_whole_vocabulary(logits, temperature, seed, positions)
+    whole = _sample_whole_vocabulary(chosen_from, temperature, seed, positions)
     truncated = (top_k > 0) | (top_p < 1)
     tokens = torch.where(temperature > 0, torch.where(truncated, sampled, whole), greedy)
     normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
     token_logprobs = (logits.gather(1, tokens.unsqueeze(1)) - normaliser).squeeze(1)
+    if processed is not None:
+        ranked_logits, ranked_ids = torch.topk(logits, num_logprobs, dim=-1)
     top = ranked_logits[:, :num_logprobs] - normaliser
     return Sampled(tokens, token_logprobs, ranked_ids[:, :num_logprobs], top)
 

@@ -32,7 +32,15 @@ def draft_manifest(manifest: Manifest) -> Manifest:
         parallel=Parallelism(),
         kv_cache=replace(manifest.kv_cache, memory_mb=None),
         buckets=replace(b, decode=tuple(n for n in b.decode if n <= spec.max_batch)),
-        sampling=Sampling(max_top_k=1, max_logprobs=1, prompt_logprobs=False),
+        # proposals are greedy: no grammar, penalties or biases (rows with them get no drafts)
+        sampling=Sampling(
+            max_top_k=1,
+            max_logprobs=1,
+            prompt_logprobs=False,
+            structured=False,
+            max_penalty_tokens=0,
+            max_logit_bias=0,
+        ),
         mla_decode=manifest.mla_decode if spec.method == "mtp" else "absorbed",
         decode_state="host",
         speculation=Speculation("ngram", spec.num_tokens, spec.max_batch),

@@ -34,6 +34,12 @@ def positive_int(value: Any, path: str) -> int:
     return value
 
 
+def non_negative_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{path}: expected an int >= 0, got {describe(value)}")
+    return value
+
+
 def choice(value: Any, choices: tuple[str, ...], path: str) -> str:
     if value not in choices:
         raise ManifestError(f"{path}: unknown value {value!r}; available: {', '.join(choices)}")

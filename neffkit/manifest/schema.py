@@ -69,6 +69,19 @@ class Sampling:
     # loglikelihood). Off by default, as TensorRT-LLM's gather_context_logits: it runs the LM
     # head on every prompt position, not only the last.
     prompt_logprobs: bool = False
+    # the sampling graphs take a token bitmask (structured outputs: JSON schemas, regexes,
+    # choices, grammars, forced tool calls); false builds them without it
+    structured: bool = True
+    # presence / frequency / repetition penalties track up to N distinct prompt and output tokens
+    # a request (None: the largest context bucket, which any request fits; 0: no penalties)
+    max_penalty_tokens: int | None = None
+    # logit_bias entries a request, min_tokens' stop tokens included (0: neither)
+    max_logit_bias: int = 300
+
+    def penalty_tokens(self, context: int, vocab: int) -> int:
+        """Penalty pairs per row, resolved against the largest context bucket."""
+        n = context if self.max_penalty_tokens is None else self.max_penalty_tokens
+        return min(n, vocab)
 
 
 @dataclass(frozen=True)

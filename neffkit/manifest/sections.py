@@ -12,6 +12,7 @@ from neffkit.manifest.fields import (
     describe,
     mapping,
     no_unknown,
+    non_negative_int,
     positive_int,
     string_list,
 )
@@ -149,11 +150,19 @@ def read_flag(value: Any, path: str) -> bool:
 
 def read_sampling(value: Any) -> Sampling:
     raw = mapping(value, "sampling")
-    no_unknown(raw, ("max_top_k", "max_logprobs", "prompt_logprobs"), "sampling")
+    keys = ("max_top_k", "max_logprobs", "prompt_logprobs", "structured", "max_penalty_tokens",
+            "max_logit_bias")  # fmt: skip
+    no_unknown(raw, keys, "sampling")
+    penalty = raw.get("max_penalty_tokens")
     return Sampling(
         max_top_k=positive_int(raw.get("max_top_k", 64), "sampling.max_top_k"),
         max_logprobs=positive_int(raw.get("max_logprobs", 5), "sampling.max_logprobs"),
         prompt_logprobs=read_flag(raw.get("prompt_logprobs", False), "sampling.prompt_logprobs"),
+        structured=read_flag(raw.get("structured", True), "sampling.structured"),
+        max_penalty_tokens=None
+        if penalty is None
+        else non_negative_int(penalty, "sampling.max_penalty_tokens"),
+        max_logit_bias=non_negative_int(raw.get("max_logit_bias", 300), "sampling.max_logit_bias"),
     )
 
 

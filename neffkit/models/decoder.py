@@ -25,6 +25,7 @@ from neffkit.contract.abi import GraphShape
 from neffkit.kernels.activation import gated
 from neffkit.kernels.attention import context_mask, packed_context_mask, paged_attention
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
+from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.quant import dequantize_blocks
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
@@ -197,9 +198,11 @@ class DecoderGraph(torch.nn.Module):
             last_pos = positions[:, -1]  # [B]
             h_last = self.norm(h[:, -1], w.get("model.norm.weight"))
             logits = self.logits(h_last, head, rank)  # [B, vocab]
+        masked, processed = process(logits, LogitInputs.of(m, abi.LOGIT_INPUTS))
         sampled = sample(
-            logits, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs
-        )
+            masked, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs,
+            processed,
+        )  # fmt: skip
         return sampled, prompt
 
     def _verify(self, h, m, w, rank, head) -> tuple[torch.Tensor, ...]:
@@ -215,7 +218,9 @@ class DecoderGraph(torch.nn.Module):
         logits = self.logits(x, head, rank)  # [B*T, vocab]
         params = [m[name].repeat_interleave(tokens) for name in abi.SAMPLING_NAMES]
         positions = m[abi.POSITIONS].reshape(-1)
-        s = sample(logits, *params, positions, self.max_top_k, self.shape.logprobs)
+        inputs = LogitInputs.of(m, abi.LOGIT_INPUTS).per_position(tokens)
+        masked, processed = process(logits, inputs)
+        s = sample(masked, *params, positions, self.max_top_k, self.shape.logprobs, processed)
         sampled = s.next_tokens.view(rows, tokens)
         drafts = m[abi.INPUT_IDS][:, 1:]  # -1 where a row proposes fewer than K
         rejected = (sampled[:, :-1] != drafts).to(torch.int32)

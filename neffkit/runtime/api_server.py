@@ -50,6 +50,7 @@ from neffkit.runtime.protocol import (
 )
 from neffkit.runtime.responses import ChatChunks, CompletionChunks, merge_events
 from neffkit.runtime.scheduler import SchedulerConfig
+from neffkit.runtime.structured import Grammars
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -69,8 +70,16 @@ class App:
         api_key: str | None = None,
         strict_requests: bool = False,
         access_log: bool = True,
+        tool_parser: str | None = None,
     ) -> None:
         self.loop, self.metrics = engine_loop, metrics
+        self.tool_parser = tool_parser
+        self.grammars = (
+            Grammars(tokenizer.to_json(), engine_loop.config.vocab_size,
+                     engine_loop.config.eos_token_ids)
+            if tokenizer is not None
+            else None
+        )  # fmt: skip
         self.unknown_fields, self.access_log = UnknownFields(strict_requests), access_log
         self.model_name, self.api_key = model_name, api_key
         self.tokenizer = tokenizer
@@ -87,8 +96,26 @@ class App:
                 f"this bundle has no tokenizer: send {param} as token ids", param=param
             )
         if request.messages is not None:
-            return [self.tokenizer.encode_chat(request.messages)]
+            return [self.tokenizer.encode_chat(request.messages, request.tools)]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts]
+
+    async def check_constraints(self, parsed: ApiRequest) -> None:
+        """A 400 for what the engine could not follow: auto tool choice without a parser, a
+        grammar that does not compile (compiled off the event loop, and cached)."""
+        tools = parsed.tool_request
+        if tools is not None and tools.choice == "auto" and self.tool_parser is None:
+            raise RequestError(
+                'tool_choice "auto" needs the server started with --tool-call-parser',
+                hint="start with --tool-call-parser hermes (or llama3_json), or send "
+                'tool_choice "required" or a named function',
+                param="tool_choice",
+            )
+        spec = parsed.params.structured
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise RequestError("structured outputs need the bundle's tokenizer", param=spec.field)
+        await asyncio.to_thread(self.grammars.check, spec)
 
     # ------------------------------------------------------------ running
 
@@ -137,9 +164,14 @@ class App:
 
     async def respond(self, request: Request, parsed: ApiRequest, kind: ChunksKind) -> Response:
         """Submit, then stream (SSE) or wait for the whole answer."""
+        await self.check_constraints(parsed)
         prompts = self.prompt_ids(parsed)
         choices = self.submit(parsed, prompts)
-        shape = kind(self.model_name, self.tokenizer, parsed, prompts)
+        shape = (
+            ChatChunks(self.model_name, self.tokenizer, parsed, prompts, self.tool_parser)
+            if kind is ChatChunks
+            else kind(self.model_name, self.tokenizer, parsed, prompts)
+        )
         if parsed.stream:
             return StreamingResponse(
                 self.sse(choices, shape, parsed.include_usage), media_type="text/event-stream"
@@ -162,7 +194,8 @@ class App:
                              "type": "engine_error", "param": None, "code": 500}  # fmt: skip
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     return
-                yield f"data: {json.dumps(shape.chunk(index, event))}\n\n"
+                for body in shape.chunks(index, event):
+                    yield f"data: {json.dumps(body)}\n\n"
                 if event.finish_reason is not None:
                     finished[index] = event
             if include_usage:
@@ -315,6 +348,7 @@ def serve(
     speculation: bool = True,
     strict_requests: bool = False,
     access_log: bool = True,
+    tool_parser: str | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
     in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
@@ -338,7 +372,8 @@ def serve(
     client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, shut_down)
     try:
         client.start()
-        app = App(bundle, tokenizer, client, metrics, name, api_key, strict_requests, access_log)
+        app = App(bundle, tokenizer, client, metrics, name, api_key, strict_requests, access_log,
+                  tool_parser)  # fmt: skip
         if access_log:
             enable_access_log()
         api = create_app(app)

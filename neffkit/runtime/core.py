@@ -26,10 +26,12 @@ import numpy as np
 
 from neffkit.errors import RequestError
 from neffkit.runtime.limits import output_budget
+from neffkit.runtime.logit_inputs import Penalties
 from neffkit.runtime.runner import ModelRunner
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs
 from neffkit.runtime.speculation import Proposer, per_row
+from neffkit.runtime.structured import Grammars
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -58,11 +60,14 @@ class EngineCore:
         prefix_caching: bool = True,
         speculation: bool = True,
         proposer: Proposer | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         """False turns off the bundle's prefix caching / speculative decoding for this engine;
         `proposer` replaces the bundle's speculation method's (tests drive the verify graphs
-        with chosen drafts)."""
+        with chosen drafts); `grammars` compiles structured-output constraints (the bundle's
+        tokenizer's)."""
         self.runner = runner
+        self.grammars = runner.grammars = grammars
         config = runner.config
         if not prefix_caching:
             config = replace(config, prefix_caching=False)
@@ -88,7 +93,19 @@ class EngineCore:
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         seq = SequenceState(next(REQUEST_IDS), list(prompt_ids), params, seed & 0xFFFFFFFF)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq)  # checks what the bundle can serve first
+        if params.penalized:
+            seq.penalties = Penalties(layout.penalty_tokens, params, seq.prompt_ids)
+        if params.structured is not None:
+            if self.grammars is None:
+                self.scheduler.abort(seq, "error")
+                raise RequestError("structured outputs need the bundle's tokenizer",
+                                   param=params.structured.field)  # fmt: skip
+            try:
+                seq.grammar = self.grammars.matcher(params.structured)
+            except RequestError:
+                self.scheduler.abort(seq, "error")
+                raise
         return seq
 
     def abort(self, seq: SequenceState, reason: str = "abort") -> None:
@@ -205,7 +222,8 @@ def core_main(
         run_on_ranks(
             bundle,
             lambda loaded: serve_engine(
-                EngineCore(loaded.runner, prefix_caching, speculation), conn
+                EngineCore(loaded.runner, prefix_caching, speculation, grammars=loaded.grammars()),
+                conn,
             ),
             executor=executor,
             timeout_s=dist_timeout_s,

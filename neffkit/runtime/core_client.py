@@ -155,7 +155,7 @@ class EngineClient:
                     f"(limit {self.max_waiting}, --max-waiting)"
                 )
             detok = (
-                IncrementalDetokenizer(self.tokenizer, stop, include_stop)
+                IncrementalDetokenizer(self.tokenizer, stop, include_stop, params.min_tokens)
                 if self.tokenizer
                 else None
             )

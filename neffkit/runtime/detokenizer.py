@@ -17,9 +17,14 @@ REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings count only after this many tokens (vLLM)
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
         self.ids: list[int] = []
@@ -46,7 +51,7 @@ class IncrementalDetokenizer:
         self.ids += new_ids
         new = self._decode_new()
         self.text += new
-        if self.stop and new:
+        if self.stop and new and len(self.ids) > self.min_tokens:
             cut = self._find_stop(len(new))
             if cut is not None:
                 self.text, self.stopped = self.text[:cut], True

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from neffkit.contract.records import BundleRecord, SpeculationRecord
 from neffkit.errors import RequestError
+from neffkit.runtime.logit_inputs import Penalties, stop_count
 from neffkit.runtime.sampling_params import SamplingParams
 
 
@@ -30,6 +31,10 @@ class SchedulerConfig:
     prefill_batch: tuple[int, ...] = (1,)  # rows per prefill call (packed prompts)
     prefix_caching: bool = True  # full prompt blocks shared across requests (kv_blocks.py)
     speculation: SpeculationRecord | None = None  # verify graphs in the bundle (speculation.py)
+    # the sampling graphs' logit inputs (0: none): grammar bitmask words, penalty and bias pairs
+    bitmask_words: int = 0
+    penalty_tokens: int = 0
+    bias_tokens: int = 0
 
     @classmethod
     def of(cls, record: BundleRecord) -> SchedulerConfig:
@@ -48,6 +53,9 @@ class SchedulerConfig:
             prefill_batch=lay.buckets.prefill_batch,
             prefix_caching=lay.prefix_caching,
             speculation=lay.speculation,
+            bitmask_words=lay.bitmask_words,
+            penalty_tokens=lay.penalty_tokens,
+            bias_tokens=lay.bias_tokens,
         )
 
     @property
@@ -93,6 +101,7 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
     _check_logprobs(config, params)
     budget = output_budget(config, len(prompt_ids), params)
     budget = budget if params.max_tokens == 0 else max(budget, 1)  # 0: prompt logprobs only
+    _check_logit_processing(config, prompt_ids, params, budget)
     total = len(prompt_ids) + budget
     if total > config.max_model_len:
         raise RequestError(
@@ -124,4 +133,46 @@ def _check_logprobs(config: SchedulerConfig, params: SamplingParams) -> None:
             "prompt logprobs (echo with logprobs) need a bundle built with "
             "sampling.prompt_logprobs: true",
             param="echo",
+        )
+
+
+def _check_logit_processing(
+    config: SchedulerConfig, prompt_ids: list[int], params: SamplingParams, budget: int
+) -> None:
+    """What the bundle's logit inputs can carry: a grammar needs the bitmask, penalties their
+    pairs (every distinct token the request can see), biases and min_tokens theirs."""
+    spec = params.structured
+    if spec is not None and not config.bitmask_words:
+        raise RequestError(
+            f"{spec.field}: this bundle was built without the token bitmask structured outputs "
+            "need (sampling.structured: false)",
+            hint="build with sampling.structured: true (the default)",
+            param=spec.field,
+        )
+    if params.penalized:
+        need = Penalties.bound(params, prompt_ids, budget)
+        if need > config.penalty_tokens:
+            name = (
+                "repetition_penalty" if params.repetition_penalty != 1.0
+                else "frequency_penalty" if params.frequency_penalty
+                else "presence_penalty"
+            )  # fmt: skip
+            raise RequestError(
+                f"{name}: this request may see {need} distinct tokens; the bundle's penalties "
+                f"track {config.penalty_tokens} (sampling.max_penalty_tokens)",
+                hint="lower max_tokens, or build with a larger sampling.max_penalty_tokens",
+                param=name,
+            )
+    for t, _ in params.logit_bias:
+        if t >= config.vocab_size:
+            raise RequestError(f"logit_bias: token id {t} is outside the vocabulary "
+                               f"[0, {config.vocab_size})", param="logit_bias")  # fmt: skip
+    pairs = len(params.logit_bias) + stop_count(params, config.eos_token_ids)
+    if pairs > config.bias_tokens:
+        field = "logit_bias" if params.logit_bias else "min_tokens"
+        raise RequestError(
+            f"{field}: {pairs} biased tokens (logit_bias entries, and min_tokens' EOS and stop "
+            f"tokens); this bundle takes {config.bias_tokens} (sampling.max_logit_bias)",
+            hint="send fewer, or build with a larger sampling.max_logit_bias",
+            param=field,
         )

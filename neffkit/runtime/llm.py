@@ -29,7 +29,9 @@ class LLM:
         self, loaded: LoadedBundle, prefix_caching: bool = True, speculation: bool = True
     ) -> None:
         self.loaded = loaded
-        self.core = EngineCore(loaded.runner, prefix_caching, speculation)
+        self.core = EngineCore(
+            loaded.runner, prefix_caching, speculation, grammars=loaded.grammars()
+        )
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -40,6 +42,8 @@ class LLM:
         pairs = list(zip(prompts, per_prompt, strict=True))
         for prompt, p in pairs:
             check_fits(self.core.scheduler.config, prompt, p)
+            if p.structured is not None and self.core.grammars is not None:
+                self.core.grammars.check(p.structured)
         seqs = [self.core.add_request(prompt, p) for prompt, p in pairs]
         timings = self.core.runner.timings
         while self.core.has_work():

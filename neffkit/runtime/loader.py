@@ -37,6 +37,7 @@ from neffkit.runtime.kv import allocate_kv_cache
 from neffkit.runtime.mtp import MtpProposer
 from neffkit.runtime.runner import GraphEntry, ModelRunner
 from neffkit.runtime.scheduler import SchedulerConfig
+from neffkit.runtime.structured import Grammars
 from neffkit.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,11 @@ class LoadedBundle:
     runner: ModelRunner
     tokenizer: Tokenizer | None
     load_seconds: float
+
+    def grammars(self) -> Grammars | None:
+        """Structured-output grammars over the bundle's tokenizer (None: it has none)."""
+        config = self.runner.config
+        return Grammars.of(self.tokenizer, config.vocab_size, config.eos_token_ids)
 
 
 def runtime_lnc(bundle: Bundle) -> int:

@@ -12,14 +12,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from neffkit.errors import RequestError
+from neffkit.runtime.request_constraints import (
+    GUIDED,
+    ToolRequest,
+    parse_constraint,
+    parse_logit_bias,
+    parse_tools,
+)
 from neffkit.runtime.sampling_params import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     SamplingParams,
+    StructuredSpec,
     is_int,
 )
+from neffkit.runtime.tools import tool_constraint
 
 MAX_CHOICES = 64  # prompts × n in one request (each holds its own KV blocks)
 # OpenAI/vLLM request fields this server does not implement (yet): a request that sets one to
@@ -27,22 +36,18 @@ MAX_CHOICES = 64  # prompts × n in one request (each holds its own KV blocks)
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "min_tokens": (None, 0),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 # Every field each endpoint reads (or refuses by name above); any other is unknown to the server:
 # logged as ignored, or refused under --strict-requests (access.py).
 _COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                   "stop_token_ids", "ignore_eos", "stream", "stream_options",
                   "include_stop_str_in_output", "n", "logprobs", "top_logprobs", "echo",
-                  "return_token_ids", "return_tokens_as_token_ids", *UNSUPPORTED)  # fmt: skip
+                  "return_token_ids", "return_tokens_as_token_ids", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                  "response_format", "structured_outputs", *GUIDED, *UNSUPPORTED)  # fmt: skip
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
-CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens"))
+CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "tools",
+                         "tool_choice", "parallel_tool_calls"))  # fmt: skip
 
 
 # ---------------------------------------------------------------- OpenAI request bodies
@@ -53,7 +58,8 @@ class ApiRequest:
     """A parsed /v1/completions or /v1/chat/completions body (the prompt not yet encoded)."""
 
     prompts: list[str | list[int]]  # completions: one or more prompts, text or token ids
-    messages: list[dict[str, str]] | None  # chat: role/content pairs, content flattened
+    # chat: role/content pairs, content flattened (and tool calls / results, for the template)
+    messages: list[dict[str, Any]] | None
     params: SamplingParams
     stop: tuple[str, ...]
     stream: bool
@@ -63,6 +69,8 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt precedes the text (and its logprobs, if asked)
     return_token_ids: bool = False  # vLLM's: each choice also carries its prompt and output ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
+    tools: tuple[dict[str, Any], ...] = ()  # chat: rendered by the template (tool_choice none too)
+    tool_request: ToolRequest | None = None  # chat: what tool_choice asks (tools.py)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -117,10 +125,17 @@ def _sampling(
     max_tokens_field: str,
     default_max_tokens: int | None,
     logprobs: tuple[int | None, int | None],
+    constraint: StructuredSpec | None,
 ) -> SamplingParams:
     stop_ids = _get(body, "stop_token_ids", (list,), [])
     try:
         return SamplingParams(
+            presence_penalty=_float(body, "presence_penalty", 0.0),
+            frequency_penalty=_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=_float(body, "repetition_penalty", 1.0),
+            logit_bias=parse_logit_bias(body.get("logit_bias")),
+            min_tokens=_get(body, "min_tokens", (int,), 0),
+            structured=constraint,
             max_tokens=_get(body, max_tokens_field, (int,), default_max_tokens),
             temperature=_float(body, "temperature", DEFAULT_TEMPERATURE),
             top_k=_get(body, "top_k", (int,), DEFAULT_TOP_K),
@@ -203,7 +218,7 @@ def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
     top = _get(body, "logprobs", (int,), None)
     echo = _get(body, "echo", (bool,), False)
     logprobs = (top, top if echo else None)
-    params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS, logprobs)
+    params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS, logprobs, parse_constraint(body))
     return ApiRequest(prompts, None, params, _stop(body), *_stream_flags(body),
                       _include_stop(body), _n(body, len(prompts)), echo,
                       *_id_flags(body))  # fmt: skip
@@ -250,10 +265,39 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
             content = "".join(texts)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", param="messages")
-        flat.append({"role": m["role"], "content": content})
+        flat.append({"role": m["role"], "content": content, **_tool_fields(m, i)})
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     logprobs = (_chat_logprobs(body), None)
-    params = _sampling(body, field, None, logprobs)  # chat: up to the context limit, as vLLM
+    tools = parse_tools(body)
+    constraint = parse_constraint(body)
+    forced = tool_constraint(tools) if tools is not None else None
+    if forced is not None and constraint is not None:
+        raise RequestError(f"tool_choice {body['tool_choice']!r} and {constraint.field} both "
+                           "constrain the output; give one", param="tool_choice")  # fmt: skip
+    # chat: up to the context limit, as vLLM
+    params = _sampling(body, field, None, logprobs, forced or constraint)
     return ApiRequest([], flat, params, _stop(body), *_stream_flags(body),
-                      _include_stop(body), _n(body, 1), False,
-                      *_id_flags(body))  # fmt: skip
+                      _include_stop(body), _n(body, 1), False, *_id_flags(body),
+                      tuple(body.get("tools") or ()), tools)  # fmt: skip
+
+
+def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant's earlier tool calls and a tool result's id, for the chat template; call
+    arguments given as JSON text become objects, as templates expect (vLLM does the same)."""
+    out = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+    calls = message.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise RequestError(f"messages[{i}].tool_calls must be a list of objects",
+                           param="messages")  # fmt: skip
+    parsed = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                pass  # a template that wants text gets text
+        parsed.append({**c, "function": fn})
+    return out | {"tool_calls": parsed}

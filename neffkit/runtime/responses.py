@@ -12,6 +12,7 @@ from neffkit.runtime.core_client import Event
 from neffkit.runtime.logprobs import WINDOW, CompletionLogprobs, TokenNamer, chat_logprobs
 from neffkit.runtime.protocol import ApiRequest
 from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.runtime.tools import ToolStream, finish_reason, parse_calls
 
 
 def merge_events(events: list[Event]) -> Event:
@@ -95,6 +96,9 @@ class CompletionChunks(ChoiceShapes):
     def first(self, index: int) -> JsonObject:
         return {}
 
+    def chunks(self, index: int, e: Event) -> list[JsonObject]:
+        return [self.chunk(index, e)]
+
     def chunk(self, index: int, e: Event) -> JsonObject:
         return {**self.base, "choices": [self._choice(index, e)]}
 
@@ -107,14 +111,22 @@ class CompletionChunks(ChoiceShapes):
 
 
 class ChatChunks(ChoiceShapes):
-    """/v1/chat/completions bodies; the first streamed chunk carries the role, as OpenAI's does."""
+    """/v1/chat/completions bodies; the first streamed chunk carries the role, as OpenAI's does.
+    With tools, calls are parsed out of the text (tools.py)."""
 
     def __init__(
-        self, model: str, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
+        self,
+        model: str,
+        tokenizer: Tokenizer | None,
+        parsed: ApiRequest,
+        prompts: list[list[int]],
+        tool_parser: str | None = None,
     ) -> None:
         super().__init__(tokenizer, parsed, prompts)
         self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                      "model": model}  # fmt: skip
+        self.tool_parser = tool_parser  # the server's --tool-call-parser (tool_choice auto)
+        self._tool_streams: dict[int, ToolStream] = {}
 
     def _logprobs(self, index: int, e: Event) -> JsonObject | None:
         if not self.logprobs:
@@ -136,14 +148,45 @@ class ChatChunks(ChoiceShapes):
         body["choices"][0] |= self.token_ids(index, e)  # type: ignore[index]
         return body
 
+    def chunks(self, index: int, e: Event) -> list[JsonObject]:
+        """The streamed bodies of an event: one, or with tools, the content and tool-call
+        deltas it completes (a call's id and name, then its arguments: vLLM's order)."""
+        req = self.parsed.tool_request
+        if req is None:
+            return [self.chunk(index, e)]
+        stream = self._tool_streams.setdefault(index, ToolStream(req, self.tool_parser))
+        deltas = stream.feed(e.text)
+        finish = None
+        if e.finish_reason is not None:
+            more, finish = stream.finish(e.finish_reason)
+            deltas += more
+        logprobs = self._logprobs(index, e)
+        if not deltas and finish is None and logprobs is None:
+            return []
+        bodies = [self._delta(index, d, None) for d in deltas] or [self._delta(index, {}, None)]
+        last = bodies[-1]["choices"][0]  # type: ignore[index]
+        last["finish_reason"], last["logprobs"] = finish, logprobs
+        last |= self.token_ids(index, e)
+        return bodies
+
     def usage(self, usage: JsonObject) -> JsonObject:
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
+    def _message(self, e: Event) -> tuple[JsonObject, str | None]:
+        """A whole choice's message (tool calls parsed out of it) and finish reason."""
+        req = self.parsed.tool_request
+        if req is None:
+            return {"role": "assistant", "content": e.text}, e.finish_reason
+        content, calls = parse_calls(req, self.tool_parser, e.text)
+        message: JsonObject = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, finish_reason(req, calls, e.finish_reason)
+
     def whole(self, events: list[Event], usage: JsonObject) -> JsonObject:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": e.text},
-             "logprobs": self._logprobs(i, e), "finish_reason": e.finish_reason}
-            | self.token_ids(i, e)
-            for i, e in enumerate(events)
-        ]  # fmt: skip
+        choices = []
+        for i, e in enumerate(events):
+            message, finish = self._message(e)
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(i, e),
+                            "finish_reason": finish} | self.token_ids(i, e))  # fmt: skip
         return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}

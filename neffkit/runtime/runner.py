@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from neffkit.contract import abi
+from neffkit.runtime.logit_inputs import fill_bitmasks, write_row
 from neffkit.runtime.scheduler import (
     DecodeBatch,
     PrefillBatch,
@@ -23,6 +24,7 @@ from neffkit.runtime.scheduler import (
     StepOutput,
 )
 from neffkit.runtime.speculation import DraftProposer
+from neffkit.runtime.structured import Grammars
 
 # metadata arrays in the graph's input order → its user outputs in order (next tokens first);
 # the executor binds the rest
@@ -81,8 +83,11 @@ class DecodeBuffers:
     PER_STEP = (abi.POSITIONS, abi.SLOT_MAPPING, abi.CONTEXT_LENS)  # rewritten every step
     PER_ROW = (abi.BLOCK_TABLES, abi.SEQ_SLOTS, *abi.SAMPLING_NAMES)
 
-    def __init__(self, graph: GraphEntry, block_size: int) -> None:
+    def __init__(
+        self, graph: GraphEntry, block_size: int, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
         self.meta = padded_metadata(graph.meta_specs)
         m = self.meta
         # host state: the last sampled token is sent; device state: the graph reads it from
@@ -94,12 +99,14 @@ class DecodeBuffers:
         every = (*self.PER_STEP, abi.INPUT_IDS)
         self._step_bytes = sum(m[n].nbytes for n in every if n in m)
         self._row_bytes = sum(m[n].nbytes for n in self.PER_ROW if n in m)
+        self._logit_bytes = sum(m[n].nbytes for n in abi.LOGIT_INPUTS if n in m)
+        self._masked = False  # a row had a grammar last step: the bitmask is not all ones
         for i in range(graph.rows):
             self._pad(i)
 
-    def fill(self, seqs: list[SequenceState]) -> int:
+    def fill(self, seqs: list[SequenceState], grammars: Grammars | None = None) -> int:
         bs = self.block_size
-        rows_changed = False
+        rows_changed = logits_changed = False
         for i, seq in enumerate(seqs):
             pos = seq.length - 1  # the last sampled token enters the cache at this position
             used = pos // bs + 1
@@ -108,9 +115,13 @@ class DecodeBuffers:
             self.pos[i, 0] = pos
             self.slots[i, 0] = abi.slot(seq.blocks[used - 1], pos, bs)
             self.lens[i] = pos + 1
+            row = self.rows[i]
+            new_request = row is None or row[0] != seq.request_id
+            if new_request or seq.processes_logits:  # counts and min_tokens move every step
+                write_row(self.meta, i, seq, self.eos_token_ids)
+                logits_changed = True
             if self.rows[i] != (seq.request_id, used):
-                row = self.rows[i]
-                if row is None or row[0] != seq.request_id:
+                if new_request:
                     write_sampling(self.meta, i, seq)
                     if self.seq_slots is not None:
                         self.seq_slots[i] = abi.state_slot(seq.blocks)
@@ -122,7 +133,14 @@ class DecodeBuffers:
             if self.rows[i] is not None:
                 self._pad(i)
                 rows_changed = True
-        return self._step_bytes + (self._row_bytes if rows_changed else 0)
+        matchers = [s.grammar for s in seqs]
+        masked = any(m is not None for m in matchers)
+        if masked or self._masked:
+            fill_bitmasks(self.meta, matchers, grammars)
+            logits_changed = True
+        self._masked = masked
+        changed = self._row_bytes if rows_changed else 0
+        return self._step_bytes + changed + (self._logit_bytes if logits_changed else 0)
 
     def _pad(self, i: int) -> None:
         """A padding row: nothing visible, its K/V write goes to the null slot (and its token
@@ -163,6 +181,7 @@ class ModelRunner:
         self.timings = Timings()
         self._decode_buffers: dict[str, DecodeBuffers] = {}
         self.draft: DraftProposer | None = None  # speculation.method draft: its own graphs
+        self.grammars: Grammars | None = None  # structured outputs: the engine sets it
 
     def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one graph on host metadata; returns its outputs by name."""
@@ -208,7 +227,13 @@ class ModelRunner:
             if abi.SEQ_SLOTS in meta:  # device state: where the sequence's token goes
                 meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
             write_sampling(meta, i, seq)
+            write_row(meta, i, seq, self.config.eos_token_ids)
             at += n
+        # a chunk that is not its prompt's last samples nothing that is kept: no mask needed
+        matchers = [c.seq.grammar if c.start + c.length == len(c.seq.prompt_ids) else None
+                    for c in batch.chunks]  # fmt: skip
+        if any(m is not None for m in matchers):
+            fill_bitmasks(meta, matchers, self.grammars)
         if abi.TARGET_IDS in meta:  # each position's next prompt token (0 past the end)
             (chunk,) = batch.chunks  # prompt logprobs prefill alone (Scheduler.next_prefill)
             following = chunk.seq.prompt_ids[chunk.start + 1 : chunk.start + chunk.length + 1]
@@ -222,9 +247,9 @@ class ModelRunner:
         buffers = self._decode_buffers.get(graph.name)
         if buffers is None:
             buffers = self._decode_buffers[graph.name] = DecodeBuffers(
-                graph, self.config.block_size
+                graph, self.config.block_size, self.config.eos_token_ids
             )
-        self.timings.decode_meta_bytes += buffers.fill(batch.rows)
+        self.timings.decode_meta_bytes += buffers.fill(batch.rows, self.grammars)
         t0 = time.perf_counter()
         outputs = self._run(graph, buffers.meta)
         self.timings.decode_s += time.perf_counter() - t0
@@ -253,6 +278,8 @@ class ModelRunner:
             if abi.SEQ_SLOTS in meta:
                 meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
             write_sampling(meta, i, seq)
+            write_row(meta, i, seq, self.config.eos_token_ids)
+        fill_bitmasks(meta, [s.grammar for s in batch.rows], self.grammars)
         t0 = time.perf_counter()
         outputs = self._run(graph, meta)
         self.timings.decode_s += time.perf_counter() - t0

@@ -33,6 +33,23 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# what a grammar may be given as (structured.py compiles them with llguidance)
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A request's output constraint: a JSON schema (text), a regex, a JSON list of choices, or
+    a Lark / GBNF grammar; `field` is the request field it came from (errors name it)."""
+
+    kind: str
+    source: str
+    field: str = "structured_outputs"
+    # JSON: any whitespace between tokens (vLLM's default); False: compact JSON, no whitespace
+    # (vLLM's disable_any_whitespace), which keeps small models from wandering in whitespace
+    any_whitespace: bool = True
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops; validated on construction."""
@@ -46,6 +63,24 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per output token: its logprob and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # vLLM's / OpenAI's logit processing (kernels/logits.py): penalties over the output tokens
+    # (repetition: over the prompt's too), biases by token id, EOS and stop tokens banned until
+    # min_tokens are out, and a grammar the output must follow
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    structured: StructuredSpec | None = None
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty set: the request needs the graphs' penalty inputs."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1.0
+        )
 
     def __post_init__(self) -> None:
         # 0 generates nothing: a prompt's own logprobs (echo), what lm-eval's loglikelihood asks
@@ -71,6 +106,32 @@ class SamplingParams:
             raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}", param="seed")
         if not all(is_int(t) for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """vLLM's ranges: penalties in [-2, 2] and > 0, biases clamped to [-100, 100] by the
+        parser, min_tokens within max_tokens."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {value}", param=name)
+        if not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
+            value = self.repetition_penalty
+            raise RequestError(f"repetition_penalty must be > 0 and finite, got {value}",
+                               param="repetition_penalty")  # fmt: skip
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens!r}",
+                               param="min_tokens")  # fmt: skip
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                               f"({self.max_tokens})", param="min_tokens")  # fmt: skip
+        for token, bias in self.logit_bias:
+            if not is_int(token) or token < 0 or not math.isfinite(bias):
+                raise RequestError(f"logit_bias: {token!r}: {bias!r} is not a token id and a "
+                                   "finite bias", param="logit_bias")  # fmt: skip
+        spec = self.structured
+        if spec is not None and spec.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"unknown constraint kind {spec.kind!r}", param=spec.field)
 
 
 OFFLINE = SamplingParams(max_tokens=OFFLINE_MAX_TOKENS, temperature=OFFLINE_TEMPERATURE)

@@ -25,11 +25,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import Any
 
 from neffkit.runtime.kv_blocks import BlockHash, BlockPool, extend_hashes
 from neffkit.runtime.limits import SchedulerConfig, check_fits, smallest_fitting
+from neffkit.runtime.logit_inputs import Penalties
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.speculation import (
     BatchProposer,
@@ -41,45 +41,7 @@ from neffkit.runtime.speculation import (
     record_outcome,
     verify_batch_size,
 )
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One position's logprobs: the token's own, and the N most likely tokens' (ids, values)."""
-
-    logprob: float
-    top_ids: tuple[int, ...]
-    top_logprobs: tuple[float, ...]
-
-
-class StepOutput:
-    """A graph call's outputs by name; logprobs are read out only for the rows that asked."""
-
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self.arrays = arrays
-        self.tokens: list[int] = arrays["next_tokens"].tolist()
-
-    def logprobs(self, row: int, top: int, position: int | None = None) -> TokenLogprobs:
-        """Row `row`'s logprobs (a verify step's: at `position` of the row)."""
-        a = self.arrays
-        at = row if position is None else (row, position)
-        return TokenLogprobs(
-            float(a["token_logprobs"][at]),
-            tuple(a["top_logprob_ids"][at][:top].tolist()),
-            tuple(a["top_logprobs"][at][:top].tolist()),
-        )
-
-    def prompt_logprobs(self, positions: range, top: int) -> list[TokenLogprobs]:
-        """Chunk positions' logprobs of the prompt token after each (prefill graphs built with
-        sampling.prompt_logprobs)."""
-        a = self.arrays
-        chosen = a["prompt_logprobs"][positions.start : positions.stop].tolist()
-        ids = a["prompt_top_logprob_ids"][positions.start : positions.stop, :top].tolist()
-        values = a["prompt_top_logprobs"][positions.start : positions.stop, :top].tolist()
-        return [
-            TokenLogprobs(c, tuple(i), tuple(v))
-            for c, i, v in zip(chosen, ids, values, strict=True)
-        ]
+from neffkit.runtime.step_output import StepOutput, TokenLogprobs
 
 
 @dataclass
@@ -100,6 +62,23 @@ class SequenceState:
     # with params.prompt_logprobs: one entry per prompt token after the first
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     drafting: DraftState = field(default_factory=DraftState)  # speculation's back-off
+    # with penalties: its distinct tokens and output counts (logit_inputs.py)
+    penalties: Penalties | None = None
+    # with a constraint: its grammar matcher (structured.py), advanced by each output token
+    grammar: Any = None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Penalties, biases or min_tokens: its logit inputs change as it generates."""
+        p = self.params
+        return self.penalties is not None or bool(p.logit_bias) or p.min_tokens > 0
+
+    @property
+    def may_draft(self) -> bool:
+        """A verify graph gives a row's values to every position: exact unless they change from
+        token to token (penalty counts, min_tokens until reached, a grammar's state)."""
+        fixed = self.penalties is None and self.grammar is None
+        return fixed and len(self.output_ids) >= self.params.min_tokens
 
     @property
     def length(self) -> int:
@@ -309,9 +288,8 @@ class Scheduler:
         batch = verify_batch_size(spec, self.config.decode_buckets, len(rows))
         if batch is None:
             return None
-        ks = [
-            draft_count(spec, s.params.max_tokens - len(s.output_ids) - 1, s.drafting) for s in rows
-        ]
+        ks = [draft_count(spec, s.params.max_tokens - len(s.output_ids) - 1, s.drafting)
+              if s.may_draft else 0 for s in rows]  # fmt: skip
         drafts = proposer(rows, ks) if any(ks) else []
         if not any(drafts):
             return None
@@ -359,6 +337,12 @@ class Scheduler:
         token = out.tokens[row] if token is None else token
         seq.output_ids.append(token)
         params = seq.params
+        if seq.penalties is not None:
+            seq.penalties.add(token)
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            seq.finish_reason = "error"  # the graph sampled what the mask forbade
+            self._release(seq)
+            return
         if params.logprobs is not None:
             seq.output_logprobs.append(out.logprobs(row, params.logprobs, position))
         if not params.ignore_eos and token in self.config.eos_token_ids:

@@ -9,6 +9,7 @@ bundle's chat template (`chat_template.jinja`, else `tokenizer_config.json`'s) w
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,14 @@ class Tokenizer:
         template = path / "chat_template.jinja"  # transformers >= 4.43 saves it beside the config
         return cls(tok, config, template.read_text() if template.exists() else None)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, without padding or truncation (what a grammar
+        library builds its token trie from)."""
+        tok = _HFTokenizer.from_str(self._tok.to_str())
+        tok.no_padding()
+        tok.no_truncation()
+        return tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -69,9 +78,13 @@ class Tokenizer:
         return [t[len(before) :] if t.startswith(before) else self.decode([c])
                 for t, c in zip(texts, candidates, strict=True)]  # fmt: skip
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The conversation as prompt text: the bundle's chat template, else the default.
-        A template that refuses the conversation (`raise_exception`) is a RequestError."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
+    ) -> str:
+        """The conversation as prompt text: the bundle's chat template, else the default; `tools`
+        (OpenAI's function definitions) go to the template's own tools support, as HF's
+        apply_chat_template passes them. A template that refuses the conversation
+        (`raise_exception`) is a RequestError."""
         import jinja2
 
         if self._template is None:
@@ -85,6 +98,7 @@ class Tokenizer:
         try:
             return self._template.render(
                 messages=messages,
+                tools=list(tools) or None,
                 add_generation_prompt=True,
                 bos_token=_token_text(self.config.get("bos_token")),
                 eos_token=_token_text(self.config.get("eos_token")),
@@ -93,8 +107,10 @@ class Tokenizer:
             raise RequestError(f"the chat template refused the messages: {exc}",
                                param="messages") from None  # fmt: skip
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
 
 
 def _raise_template_error(message: str) -> None:

@@ -294,7 +294,10 @@ def test_tp2_bundle_serves_from_rank0(tp_bundle) -> None:
 FUZZ_FIELDS = (
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos",
-    "logprobs", "echo", "presence_penalty", "logit_bias",
+    "logprobs", "echo", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_tokens", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice", "json_schema",
+    "schema", "regex", "choice", "grammar", "function", "name", "parameters",
 )  # fmt: skip
 
 

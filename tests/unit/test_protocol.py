@@ -48,9 +48,34 @@ OK = {"model": "m", "prompt": "hi"}
         ({"echo": True}, None),
         ({"echo": 1}, "echo"),
         ({"top_logprobs": 2}, "top_logprobs"),  # chat's field
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 0.5}, None),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"presence_penalty": 0}, None),
-        ({"logit_bias": {"5": 100}}, "logit_bias"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1.3}, None),
+        ({"logit_bias": {"5": 100}}, None),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": True}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"min_tokens": 4}, None),
+        ({"min_tokens": 99}, "min_tokens"),  # above max_tokens
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"response_format": {"type": "json_object"}}, None),
+        ({"response_format": {"type": "text"}}, None),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, None),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": ["a", 1]}, "guided_choice"),
+        ({"guided_regex": "x", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"model": 5}, "model"),
@@ -138,3 +163,103 @@ def test_token_ids_outside_the_vocabulary_are_refused() -> None:
             check_fits(runner.config, [1, bad], params)
         assert err.value.param == "prompt" and f"token id {bad}" in err.value.message
     assert "outside the vocabulary" in str(json.dumps(err.value.message))
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}  # fmt: skip
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}]}
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [WEATHER]}, None),
+        ({"tools": [WEATHER], "tool_choice": "required"}, None),
+        ({"tools": [WEATHER], "tool_choice": "none"}, None),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                              "function": {"name": "get_weather"}}}, None),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                              "function": {"name": "other"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": "get_weather"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_chat_tool_fields(extra, param) -> None:
+    body = {**CHAT, **extra}
+    if param is None:
+        parsed = parse_chat(body, "m")
+        assert parsed.tools == tuple(extra.get("tools", ()))
+        return
+    with pytest.raises(RequestError) as err:
+        parse_chat(body, "m")
+    assert err.value.param == param
+
+
+def test_tool_choices_become_constraints_and_calls() -> None:
+    """required: a JSON array of {name, parameters} (vLLM's schema), named: the parameters;
+    calls parsed back in OpenAI's shape, and hermes / llama3_json text parsed for auto."""
+    import json
+
+    import jsonschema
+
+    from neffkit.runtime.tools import ToolStream, finish_reason, parse_calls
+
+    required = parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": "required"}, "m")
+    spec = required.params.structured
+    assert spec is not None and spec.kind == "json" and spec.field == "tool_choice"
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    jsonschema.validate(json.loads(text), json.loads(spec.source))
+    req = required.tool_request
+    content, calls = parse_calls(req, None, text)
+    assert content is None and calls[0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    assert finish_reason(req, calls, "stop") == "tool_calls"
+    named = parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, "m")  # fmt: skip
+    assert json.loads(named.params.structured.source) == WEATHER["function"]["parameters"]
+    _, calls = parse_calls(named.tool_request, None, '{"city": "Oslo"}')
+    assert calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert finish_reason(named.tool_request, calls, "stop") == "stop"
+
+    auto = parse_chat({**CHAT, "tools": [WEATHER]}, "m").tool_request
+    call = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    hermes = f"Let me check.\n<tool_call>\n{call}\n</tool_call>"
+    content, calls = parse_calls(auto, "hermes", hermes)
+    assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"]) == {
+        "city": "Rome"}  # fmt: skip
+    assert parse_calls(auto, "hermes", "no calls here") == ("no calls here", [])
+    llama = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
+    assert parse_calls(auto, "llama3_json", llama)[1][0]["function"]["name"] == "get_weather"
+    # streamed: content up to the tag (a partial tag held back), then the call's two deltas
+    stream, deltas = ToolStream(auto, "hermes"), []
+    for i in range(0, len(hermes), 3):
+        deltas += stream.feed(hermes[i : i + 3])
+    more, reason = stream.finish("stop")
+    deltas += more
+    text = "".join(d.get("content", "") for d in deltas)
+    assert text.strip() == "Let me check." and "<" not in text
+    heads = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert heads[0]["function"]["name"] == "get_weather" and reason == "tool_calls"
+    assert json.loads(heads[1]["function"]["arguments"]) == {"city": "Rome"}
+
+
+def test_tool_messages_reach_the_template() -> None:
+    """An assistant's tool calls (arguments as objects) and the tool's result with its id."""
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]}  # fmt: skip
+    messages = parse_chat(body, "m").messages
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}

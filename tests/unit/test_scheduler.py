@@ -28,6 +28,9 @@ class FakeLoaded:
     def __init__(self, runner) -> None:
         self.runner = runner
 
+    def grammars(self) -> None:  # no tokenizer: no structured outputs
+        return None
+
 
 def drain(core: EngineCore, until=None, max_steps: int = 500) -> None:
     """Step until `until()` (default: no work left); a scheduler that stalls fails, not hangs."""

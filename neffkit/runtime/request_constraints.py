@@ -1,0 +1,172 @@
+"""The request fields that shape the logits, parsed: OpenAI's `response_format`, vLLM's
+`structured_outputs` and its older `guided_*` fields into one StructuredSpec; `logit_bias`;
+`tools` and `tool_choice` (tools.py turns them into a constraint and parses calls back).
+
+Exactly one constraint may be given; a malformed one is a RequestError naming its field. The
+grammar itself is compiled later (structured.py), where a source that does not compile is a 400
+naming the same field. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+from neffkit.errors import RequestError
+from neffkit.runtime.sampling_params import StructuredSpec
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
+
+
+def _schema_text(value: Any, field: str) -> str:
+    """A JSON schema given as an object (or, vLLM's guided_json, as JSON text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{field} is not valid JSON: {exc}", param=field) from None
+    if not isinstance(value, dict | bool):
+        raise RequestError(f"{field} must be a JSON schema object", param=field)
+    return json.dumps(value)
+
+
+def _one(kind: str, value: Any, field: str) -> StructuredSpec:
+    """One constraint of a kind from its request value."""
+    if kind == "json":
+        return StructuredSpec("json", _schema_text(value, field), field)
+    if kind == "json_object":
+        return StructuredSpec("json", '{"type": "object"}', field)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise RequestError(f"{field} must be a non-empty list of strings", param=field)
+        return StructuredSpec("choice", json.dumps(value), field)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{field} must be a non-empty string", param=field)
+    return StructuredSpec(kind, value, field)
+
+
+def _response_format(value: Any) -> StructuredSpec | None:
+    field = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise RequestError(f"{field} must be an object with a type", param=field)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _one("json_object", None, field)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise RequestError(f"{field}.json_schema must be an object with a schema",
+                               param=field)  # fmt: skip
+        return _one("json", spec["schema"], field)
+    raise RequestError(f"{field}.type {kind!r} is not supported; use text, json_object or "
+                       "json_schema", param=field)  # fmt: skip
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value: Any) -> StructuredSpec | None:
+    field = "structured_outputs"
+    if not isinstance(value, dict):
+        raise RequestError(f"{field} must be an object", param=field)
+    unknown = sorted(set(value) - set(STRUCTURED_KEYS) - {"disable_any_whitespace"})
+    if unknown:
+        raise RequestError(f"{field}.{unknown[0]} is not supported; one of "
+                           f"{', '.join(STRUCTURED_KEYS)}", param=field)  # fmt: skip
+    given = [k for k in STRUCTURED_KEYS if value.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise RequestError(f"{field}: give one of {', '.join(given)}", param=field)
+    compact = value.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise RequestError(f"{field}.disable_any_whitespace must be true or false", param=field)
+    if not given:
+        return None
+    return replace(_one(given[0], value[given[0]], field), any_whitespace=not compact)
+
+
+def parse_constraint(body: dict[str, Any]) -> StructuredSpec | None:
+    """The request's output constraint, from whichever single field gives one."""
+    found: list[StructuredSpec] = []
+    if body.get("response_format") is not None:
+        spec = _response_format(body["response_format"])
+        found += [spec] if spec else []
+    if body.get("structured_outputs") is not None:
+        spec = _structured_outputs(body["structured_outputs"])
+        found += [spec] if spec else []
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append(_one(kind, body[name], name))
+    if len(found) > 1:
+        fields = ", ".join(s.field for s in found)
+        raise RequestError(f"only one output constraint per request; got {fields}",
+                           param=found[1].field)  # fmt: skip
+    return found[0] if found else None
+
+
+def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} → sorted (id, bias) pairs, biases clamped to [-100, 100] (vLLM)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError("logit_bias must be an object of token id → bias", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias: key {key!r} is not a token id",
+                               param="logit_bias") from None  # fmt: skip
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise RequestError(f"logit_bias[{key!r}] must be a number", param="logit_bias")
+        pairs.append((token, max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))))
+    return tuple(sorted(pairs))
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """`tools` and what `tool_choice` asks of them: "auto", "required" or a function's name."""
+
+    tools: tuple[dict[str, Any], ...]
+    choice: str  # "auto" | "required" | "named"
+    name: str | None = None  # the function tool_choice names
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """None when no tools are given or tool_choice is "none" (the template still sees them)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise RequestError("tool_choice needs tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list", param="tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            tool.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise RequestError(f"tools[{i}] must be {{type: function, function: {{name, ...}}}}",
+                               param="tools")  # fmt: skip
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object",
+                               param="tools")  # fmt: skip
+    choice = body.get("tool_choice", "auto")
+    if choice in ("auto", "required", "none"):
+        return None if choice == "none" else ToolRequest(tuple(tools), choice)
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str) or choice.get("type") != "function":
+        raise RequestError('tool_choice must be "none", "auto", "required" or '
+                           '{"type": "function", "function": {"name": ...}}',
+                           param="tool_choice")  # fmt: skip
+    if name not in [t["function"]["name"] for t in tools]:
+        raise RequestError(f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice")  # fmt: skip
+    return ToolRequest(tuple(tools), "named", name)

@@ -1,0 +1,54 @@
+"""A graph call's sampled outputs as the scheduler reads them: tokens, and the logprobs of the rows
+that asked. A grammar's mask leaves -inf among a row's top logprobs when it allows fewer tokens
+than asked for; those read as -9999.0, as vLLM's OpenAI server writes them (JSON has no -inf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FLOOR = -9999.0
+
+
+def _floor(values: list[float]) -> tuple[float, ...]:
+    return tuple(max(v, FLOOR) for v in values)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs: the token's own, and the N most likely tokens' (ids, values)."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+class StepOutput:
+    """A graph call's outputs by name; logprobs are read out only for the rows that asked."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+        self.tokens: list[int] = arrays["next_tokens"].tolist()
+
+    def logprobs(self, row: int, top: int, position: int | None = None) -> TokenLogprobs:
+        """Row `row`'s logprobs (a verify step's: at `position` of the row)."""
+        a = self.arrays
+        at = row if position is None else (row, position)
+        return TokenLogprobs(
+            max(float(a["token_logprobs"][at]), FLOOR),
+            tuple(a["top_logprob_ids"][at][:top].tolist()),
+            _floor(a["top_logprobs"][at][:top].tolist()),
+        )
+
+    def prompt_logprobs(self, positions: range, top: int) -> list[TokenLogprobs]:
+        """Chunk positions' logprobs of the prompt token after each (prefill graphs built with
+        sampling.prompt_logprobs)."""
+        a = self.arrays
+        chosen = a["prompt_logprobs"][positions.start : positions.stop].tolist()
+        ids = a["prompt_top_logprob_ids"][positions.start : positions.stop, :top].tolist()
+        values = a["prompt_top_logprobs"][positions.start : positions.stop, :top].tolist()
+        return [
+            TokenLogprobs(c, tuple(i), tuple(v))
+            for c, i, v in zip(chosen, ids, values, strict=True)
+        ]
