@@ -464,6 +464,23 @@ def speculation(d: dict[str, Any]) -> str:
     )
 
 
+def structured(d: dict[str, Any]) -> str:
+    rows = [
+        [r["batch"], *(f"{v:.2f}" for v in r["ms_per_step"].values()),
+         f"{r['unconstrained_rows_with_inputs_vs_plain']:.3f}x",
+         f"{r['json_schema_rows_vs_unconstrained']:.3f}x"]
+        for r in d["rows"]
+    ]  # fmt: skip
+    header = ["batch", "plain graphs ms", "with logit inputs ms", "JSON-schema rows ms",
+              "inputs / plain", "schema / unconstrained"]  # fmt: skip
+    return (
+        f"**Structured outputs** (`bench/structured.py`, {d['model']}): what the token bitmask, "
+        "penalty and bias inputs cost rows that use none of them, and what following a JSON "
+        f"schema adds (llguidance's mask on the host, applied in the graph). {d['method']}.\n\n"
+        + _table(header, rows)
+    )
+
+
 def bf16_agreement(d: dict[str, Any]) -> str:
     rows = []
     for m in d["models"]:
@@ -517,6 +534,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("prefix_cache", prefix_cache),
     ("speculation", speculation),
     ("speculation_draft", speculation),
+    ("structured", structured),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),

@@ -1,10 +1,11 @@
 """Fuzz a running (or freshly started) `neffkit run` server with generated requests.
 
-Bodies mix plausible values (short prompts, small max_tokens, in- and out-of-vocabulary token ids)
-with hostile ones (wrong types, nulls, huge numbers, NaN, nested junk, truncated JSON), for both
-/v1/completions and /v1/chat/completions, streamed and not. The server must answer every one with
-a status below 500 and an OpenAI error body on every 4xx, keep /health at 200, and give the same
-greedy answer before and after.
+Bodies mix plausible values (short prompts, small max_tokens, in- and out-of-vocabulary token ids,
+penalties, logit biases, JSON schemas, regexes, choices and grammars that compile or do not, tools
+and tool choices) with hostile ones (wrong types, nulls, huge numbers, NaN, nested junk,
+truncated JSON), for both /v1/completions and /v1/chat/completions, streamed and not. The server
+must answer every one with a status below 500 and an OpenAI error body on every 4xx, keep
+/health at 200, and give the same greedy answer before and after.
 
     python tools/fuzz_server.py BUNDLE --requests 10000 --seed 0
 
@@ -28,8 +29,21 @@ from typing import Any
 FIELDS = (
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos",
-    "logprobs", "echo", "presence_penalty", "logit_bias", "user",
+    "logprobs", "echo", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_tokens", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice",
+    "parallel_tool_calls", "user",
 )  # fmt: skip
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2},
+    {"type": "object", "properties": {"n": {"type": "wat"}}},  # invalid: a 400
+    {"type": "string", "pattern": "[a-"},  # invalid regex inside a schema
+    True,
+]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"u": {"enum": ["c", "f"]}}, "required": ["u"],
+    "additionalProperties": False}}}  # fmt: skip
 
 
 def junk(rng: random.Random, depth: int = 0) -> Any:
@@ -75,6 +89,60 @@ def plausible(rng: random.Random, field: str, vocab: int) -> Any:
         "stream_options": lambda: {"include_usage": rng.random() < 0.5},
         "n": lambda: rng.choice([1, 2]),
         "ignore_eos": lambda: rng.random() < 0.5,
+        "presence_penalty": lambda: rng.choice([0, 0.5, -2, 2.5, 1.5]),
+        "frequency_penalty": lambda: rng.choice([0, 1.0, -1.5, 3]),
+        "repetition_penalty": lambda: rng.choice([1, 1.2, 0.0, 0.8, -1]),
+        "logit_bias": lambda: rng.choice(
+            [
+                {},
+                {str(rng.randrange(vocab)): rng.uniform(-150, 150)},
+                {str(vocab): 1},
+                {"x": 1},
+                {"3": "a"},
+            ]
+        ),
+        "min_tokens": lambda: rng.choice([0, 1, 3, 50, -1]),
+        "response_format": lambda: rng.choice(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "xml"},
+                {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": rng.choice(SCHEMAS)},
+                },
+                {"type": "json_schema", "json_schema": {"name": "x"}},
+            ]
+        ),
+        "structured_outputs": lambda: rng.choice(
+            [
+                {"regex": "[a-c]{1,3}"},
+                {"regex": "[a-"},
+                {"choice": ["yes", "no"]},
+                {"choice": []},
+                {"json": rng.choice(SCHEMAS)},
+                {"grammar": 'start: "a" | "b"'},
+                {"grammar": "start: (("},
+                {"regex": "a", "choice": ["a"]},
+                {"json_object": True, "disable_any_whitespace": True},
+            ]
+        ),
+        "guided_json": lambda: rng.choice([*SCHEMAS, "{not json", json.dumps(SCHEMAS[0])]),
+        "guided_regex": lambda: rng.choice(["[0-9]+", "(", ""]),
+        "guided_choice": lambda: rng.choice([["a", "b"], [], [1, 2], "a"]),
+        "guided_grammar": lambda: rng.choice(['root ::= "x" | "y"', 'start: "z"', "::="]),
+        "tools": lambda: rng.choice([[TOOL], [], [{"type": "function"}], [TOOL, TOOL]]),
+        "tool_choice": lambda: rng.choice(
+            [
+                "auto",
+                "none",
+                "required",
+                "sometimes",
+                {"type": "function", "function": {"name": "f"}},
+                {"type": "function", "function": {"name": "g"}},
+            ]
+        ),
+        "parallel_tool_calls": lambda: rng.random() < 0.5,
     }.get(field, lambda: junk(rng))()
 
 

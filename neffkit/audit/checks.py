@@ -168,9 +168,13 @@ def _view_of_input(nodes: list[Node], node: Node) -> bool:
 
 
 def _bool_and(g: GraphFacts) -> Iterator[Finding]:
+    """Boolean masks only: the hazard is a mask AND (an integer bitwise AND, such as a grammar
+    bitmask's bit test, is another instruction)."""
     nodes = g.nodes
     for node in nodes:
         if not node.target.startswith(("aten.bitwise_and", "aten.logical_and", "aten.__and__")):
+            continue
+        if node.dtype not in ("bool", ""):
             continue
         shapes = [nodes[r].shape for r in node.refs[:2]]
         if node.numel >= BIG_MASK and len(shapes) == 2 and shapes[0] != shapes[1]:

@@ -13,7 +13,12 @@ from neffkit.cli.app import cli, console
 @cli.command()
 @click.argument("manifest", type=click.Path(path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Bundle directory.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Worker processes (default: cores).")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    help="Worker processes (default: the CPUs this process may use).",
+)
 @click.option(
     "--cache",
     "cache_location",

@@ -64,6 +64,13 @@ def _parse_ids(text: str) -> list[int]:
     is_flag=True,
     help="Decode one token a step in a bundle built with speculation.",
 )
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Engine threads (default: $NEFFKIT_ENGINE_THREADS, else the CPUs this process may use: "
+    "its affinity and cgroup quota).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
 @click.option(
@@ -102,6 +109,13 @@ def _parse_ids(text: str) -> list[int]:
     help="Server: find tool calls in the model's text for tool_choice auto (the model's format: "
     "<tool_call> JSON, or Llama 3's JSON); required and named tool choices need none.",
 )
+@click.option(
+    "--disable-any-whitespace",
+    "compact_json",
+    is_flag=True,
+    help="Server: JSON constraints allow no whitespace between tokens unless a request asks "
+    "(structured_outputs.disable_any_whitespace: false); small models wander in whitespace.",
+)
 def run(
     bundle: Path,
     prompts: tuple[str, ...],
@@ -118,6 +132,7 @@ def run(
     executor: str,
     no_prefix_caching: bool,
     no_speculation: bool,
+    threads: int | None,
     **server: Any,
 ) -> None:
     """Generate from BUNDLE (with --prompt, --chat or --prompt-ids), or serve the OpenAI API
@@ -126,6 +141,7 @@ def run(
     from neffkit.runtime.sampling_params import SamplingParams
 
     if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
+        server["threads"] = threads
         sys.exit(_serve(bundle, executor, dist_timeout, no_prefix_caching, no_speculation, server))
 
     request = GenerateRequest(
@@ -135,6 +151,7 @@ def run(
         params=SamplingParams(max_tokens, temperature, top_k, top_p, seed, (), ignore_eos),
         prefix_caching=not no_prefix_caching,
         speculation=not no_speculation,
+        threads=threads,
     )
     report = run_offline(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints
@@ -172,4 +189,6 @@ def _serve(
         strict_requests=server["strict_requests"],
         access_log=not server["no_access_log"],
         tool_parser=server["tool_parser"],
+        compact_json=server["compact_json"],
+        threads=server["threads"],
     )

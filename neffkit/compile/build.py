@@ -48,6 +48,7 @@ from neffkit.contract.staging import staging_dir
 from neffkit.errors import BuildError
 from neffkit.manifest import Manifest
 from neffkit.manifest.draft import draft_manifest
+from neffkit.platform.cpus import usable_cpus
 
 if TYPE_CHECKING:
     from neffkit.compile.cache import Cache
@@ -298,7 +299,7 @@ def _pool(
 ) -> AbstractContextManager[RunParallel]:
     """The build's workers: local processes, or Ray tasks on `cluster`."""
     if cluster is None:
-        return worker_pool(jobs or os.cpu_count() or 1)
+        return worker_pool(jobs or usable_cpus())
     import torch
 
     from neffkit.compile.cluster import ray_pool, task_memory

@@ -53,45 +53,48 @@ NONE = LogitInputs(None, None, None, None, None, None, None, None)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens to -inf. Bit i of a word as (word // 2**i) & 1 on its unsigned value:
-    shifts have no StableHLO lowering in torch-mlir, and the powers of two come from arange
-    (a tensor constant would be lifted out of the graph, which the neuron target refuses)."""
+    """Disallowed tokens to -inf: `word & (1 << lane)` per token. The lane bits come from arange
+    (shifts have no StableHLO lowering in torch-mlir, and a tensor constant would be lifted out
+    of the graph, which the neuron target refuses); bit 31 is int32's sign bit."""
     rows, vocab = logits.shape
-    words = bitmask.to(torch.int64) & 0xFFFFFFFF  # [N, W], unsigned
-    lanes = torch.arange(32, device=logits.device, dtype=torch.float32)
-    powers = torch.exp2(lanes).to(torch.int64)  # exact in float32 up to 2**31
-    bits = torch.div(words.unsqueeze(-1), powers, rounding_mode="trunc") & 1  # [N, W, 32]
-    allowed = bits.reshape(rows, -1)[:, :vocab] != 0
-    return logits.masked_fill(~allowed, float("-inf"))
+    lanes = torch.arange(32, device=logits.device)
+    bits = torch.exp2(lanes.clamp(max=30).to(torch.float32)).to(torch.int32)  # exact
+    bits = torch.where(lanes == 31, torch.full_like(bits, -(2**31)), bits)
+    allowed = (bitmask.unsqueeze(-1) & bits) != 0  # [N, W, 32]
+    return logits.masked_fill(~allowed.reshape(rows, -1)[:, :vocab], float("-inf"))
 
 
-def _scatter(rows: int, vocab: int, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[N, V] zeros with `values` added at `ids` (pads, id -1, add nothing)."""
-    valid = ids >= 0
-    index = torch.where(valid, ids, 0).clamp(max=vocab - 1)
-    src = torch.where(valid, values, torch.zeros_like(values))
-    dense = torch.zeros(rows, vocab, dtype=values.dtype, device=values.device)
-    return dense.scatter_add(1, index, src)
+def _index(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Pair ids as gather / scatter indices: pads (-1) point at token 0 and carry a zero."""
+    return torch.where(ids >= 0, ids, 0).clamp(max=vocab - 1)
 
 
 def process(logits: torch.Tensor, c: LogitInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [N, V] → float32 (masked: what logprobs are reported from, processed: what is
-    sampled from; None when the graph has no logit inputs: the same)."""
+    sampled from; None when the graph has no logit inputs: the same).
+
+    Biases and penalties touch only their pairs' tokens: the logits there are gathered, changed
+    and added back (`scatter_add` of the differences; pads add zero), so a step makes one pass
+    over the vocabulary for each, not several. A penalty pair's tokens are distinct."""
     logits = logits.float()
     if all(t is None for t in c):
         return logits, None
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     masked = logits if c.bitmask is None else apply_bitmask(logits, c.bitmask)
     x = masked
     if c.bias_ids is not None and c.bias_values is not None:
-        x = x + _scatter(rows, vocab, c.bias_ids, c.bias_values)
+        valid = c.bias_ids >= 0
+        bias = torch.where(valid, c.bias_values, torch.zeros_like(c.bias_values))
+        x = x.scatter_add(1, _index(c.bias_ids, vocab), bias)
     if c.penalty_ids is not None and c.penalty_counts is not None:
         assert c.presence is not None and c.frequency is not None and c.repetition is not None
-        ids = c.penalty_ids
-        seen = _scatter(rows, vocab, ids, torch.ones_like(c.penalty_counts)) > 0  # prompt|output
-        counts = _scatter(rows, vocab, ids, c.penalty_counts)  # output occurrences
-        penalty = torch.where(seen, c.repetition.unsqueeze(1), 1.0)
-        x = torch.where(x > 0, x / penalty, x * penalty)
-        x = x - c.frequency.unsqueeze(1) * counts
-        x = x - c.presence.unsqueeze(1) * (counts > 0).to(x.dtype)
+        index = _index(c.penalty_ids, vocab)
+        seen = x.gather(1, index)  # [N, P]: the logits of the tokens seen so far
+        repetition = c.repetition.unsqueeze(1)
+        penalized = torch.where(seen > 0, seen / repetition, seen * repetition)
+        counts = c.penalty_counts
+        penalized = penalized - c.frequency.unsqueeze(1) * counts
+        penalized = penalized - c.presence.unsqueeze(1) * (counts > 0).to(counts.dtype)
+        live = (c.penalty_ids >= 0) & torch.isfinite(seen)  # a masked token stays -inf
+        x = x.scatter_add(1, index, torch.where(live, penalized - seen, torch.zeros_like(seen)))
     return masked, x

@@ -71,9 +71,11 @@ class App:
         strict_requests: bool = False,
         access_log: bool = True,
         tool_parser: str | None = None,
+        compact_json: bool = False,
     ) -> None:
         self.loop, self.metrics = engine_loop, metrics
         self.tool_parser = tool_parser
+        self.compact_json = compact_json  # JSON constraints without whitespace unless asked
         self.grammars = (
             Grammars(tokenizer.to_json(), engine_loop.config.vocab_size,
                      engine_loop.config.eos_token_ids)
@@ -99,7 +101,7 @@ class App:
             return [self.tokenizer.encode_chat(request.messages, request.tools)]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts]
 
-    async def check_constraints(self, parsed: ApiRequest) -> None:
+    async def check_constraints(self, parsed: ApiRequest) -> ApiRequest:
         """A 400 for what the engine could not follow: auto tool choice without a parser, a
         grammar that does not compile (compiled off the event loop, and cached)."""
         tools = parsed.tool_request
@@ -112,10 +114,14 @@ class App:
             )
         spec = parsed.params.structured
         if spec is None:
-            return
+            return parsed
         if self.grammars is None:
             raise RequestError("structured outputs need the bundle's tokenizer", param=spec.field)
+        if spec.any_whitespace is None:  # the server's default
+            spec = replace(spec, any_whitespace=not self.compact_json)
+            parsed = replace(parsed, params=replace(parsed.params, structured=spec))
         await asyncio.to_thread(self.grammars.check, spec)
+        return parsed
 
     # ------------------------------------------------------------ running
 
@@ -164,7 +170,7 @@ class App:
 
     async def respond(self, request: Request, parsed: ApiRequest, kind: ChunksKind) -> Response:
         """Submit, then stream (SSE) or wait for the whole answer."""
-        await self.check_constraints(parsed)
+        parsed = await self.check_constraints(parsed)
         prompts = self.prompt_ids(parsed)
         choices = self.submit(parsed, prompts)
         shape = (
@@ -349,6 +355,8 @@ def serve(
     strict_requests: bool = False,
     access_log: bool = True,
     tool_parser: str | None = None,
+    compact_json: bool = False,
+    threads: int | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
     in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
@@ -360,7 +368,9 @@ def serve(
     name = model_name or record.name
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
-    core, conn = start_core(bundle_path, executor, dist_timeout_s, prefix_caching, speculation)
+    core, conn = start_core(
+        bundle_path, executor, dist_timeout_s, prefix_caching, speculation, threads
+    )
     server: list[uvicorn.Server] = []  # the running server, for shut_down
 
     def shut_down(detail: str) -> None:  # the reader thread: uvicorn polls should_exit
@@ -373,7 +383,7 @@ def serve(
     try:
         client.start()
         app = App(bundle, tokenizer, client, metrics, name, api_key, strict_requests, access_log,
-                  tool_parser)  # fmt: skip
+                  tool_parser, compact_json)  # fmt: skip
         if access_log:
             enable_access_log()
         api = create_app(app)

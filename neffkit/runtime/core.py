@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -25,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from neffkit.errors import RequestError
+from neffkit.platform.cpus import resolve_threads
 from neffkit.runtime.limits import output_budget
 from neffkit.runtime.logit_inputs import Penalties
 from neffkit.runtime.runner import ModelRunner
@@ -194,14 +194,15 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
             conn.send((STEP, (outputs, stats)))
 
 
-def engine_threads() -> int:
-    """Intra-op threads of the engine core: every core (`NEFFKIT_ENGINE_THREADS` overrides).
+def engine_threads(requested: int | None = None) -> int:
+    """Intra-op threads of the engine core: `--threads`, else `NEFFKIT_ENGINE_THREADS`, else
+    every CPU this process may use (platform/cpus.py: affinity and cgroup quota).
 
     Leaving one core to the HTTP process paid when decode steps were microseconds (demo model);
     with batched decode compute-bound, two threads serve more on a 2-core host at 1 stream and
     at 8 (bench/serve.py on the 125M model: 62 vs 52 and 230 vs 137 tok/s). On the demo model
     throughput is level within noise and the 1-stream ITL p99 rises from ~1 to ~5 ms."""
-    return int(os.environ.get("NEFFKIT_ENGINE_THREADS", 0)) or os.cpu_count() or 1
+    return resolve_threads(requested)
 
 
 def core_main(
@@ -211,12 +212,13 @@ def core_main(
     dist_timeout_s: float,
     prefix_caching: bool,
     speculation: bool,
+    threads: int | None = None,
 ) -> None:
     """Entry point of the core process (spawned by the server)."""
     try:
         import torch
 
-        torch.set_num_threads(engine_threads())
+        torch.set_num_threads(engine_threads(threads))
         from neffkit.runtime.distributed import run_on_ranks
 
         run_on_ranks(
@@ -248,12 +250,21 @@ def start_core(
     dist_timeout_s: float,
     prefix_caching: bool = True,
     speculation: bool = True,
+    threads: int | None = None,
 ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(
         target=core_main,
-        args=(theirs, str(bundle), executor, dist_timeout_s, prefix_caching, speculation),
+        args=(
+            theirs,
+            str(bundle),
+            executor,
+            dist_timeout_s,
+            prefix_caching,
+            speculation,
+            threads,
+        ),  # fmt: skip
         name="neffkit-engine-core",
         daemon=True,
     )

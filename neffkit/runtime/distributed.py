@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from neffkit.contract.read import read_bundle
 from neffkit.errors import NeffkitError, RequestError
+from neffkit.platform.cpus import usable_cpus
 from neffkit.runtime.loader import LoadedBundle, load
 from neffkit.runtime.runner import GraphEntry, ModelRunner
 
@@ -158,7 +159,7 @@ def _init(backend: str, timeout_s: float) -> dist.ProcessGroup:
     # Ranks share this host's cores: an intra-op pool per rank sized to every core oversubscribes
     # them, and busy-waiting pools then starve the collectives (measured: 90+ ms/token on 2 cores).
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+        torch.set_num_threads(max(1, usable_cpus() // local_ranks))
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return dist.new_group(backend="gloo", timeout=timeout)  # the control group
 

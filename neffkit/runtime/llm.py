@@ -13,7 +13,7 @@ from pathlib import Path
 
 from neffkit.contract.codec import JsonObject
 from neffkit.errors import RequestError
-from neffkit.runtime.core import EngineCore
+from neffkit.runtime.core import EngineCore, engine_threads
 from neffkit.runtime.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
 from neffkit.runtime.limits import check_fits
 from neffkit.runtime.loader import LoadedBundle
@@ -63,6 +63,7 @@ class GenerateRequest:
     params: SamplingParams = OFFLINE
     prefix_caching: bool = True  # False: the bundle's prefix caching off for this run
     speculation: bool = True  # False: plain decoding in a bundle with verify graphs
+    threads: int | None = None  # engine threads (None: platform/cpus.py's default)
 
 
 def run_offline(
@@ -80,12 +81,17 @@ def run_offline(
         raise RequestError(
             "nothing to generate: give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3"
         )
+    import torch
+
+    torch.set_num_threads(engine_threads(request.threads))  # ranks > 1 split the CPUs instead
     return run_on_ranks(
         bundle_path, lambda loaded: _report(loaded, request), executor, dist_timeout_s
     )
 
 
 def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
+    import torch
+
     tok = loaded.tokenizer
     if (request.texts or request.chats) and tok is None:
         raise RequestError("this bundle has no tokenizer: use --prompt-ids")
@@ -120,6 +126,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
             "wall_s": round(wall, 4),
             "cached_prompt_tokens": sum(s.num_cached for s in seqs),
             "verify_steps": t.verify_steps,
+            "threads": torch.get_num_threads(),  # the engine's intra-op threads
         },
         "speculation": _speculation_report(llm),
     }

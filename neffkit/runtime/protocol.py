@@ -8,13 +8,14 @@ The one place where an HTTP request is validated. Errors are RequestErrors carry
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from neffkit.errors import RequestError
 from neffkit.runtime.request_constraints import (
     GUIDED,
     ToolRequest,
+    any_whitespace,
     parse_constraint,
     parse_logit_bias,
     parse_tools,
@@ -271,6 +272,8 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
     tools = parse_tools(body)
     constraint = parse_constraint(body)
     forced = tool_constraint(tools) if tools is not None else None
+    if forced is not None:
+        forced = replace(forced, any_whitespace=any_whitespace(body))
     if forced is not None and constraint is not None:
         raise RequestError(f"tool_choice {body['tool_choice']!r} and {constraint.field} both "
                            "constrain the output; give one", param="tool_choice")  # fmt: skip

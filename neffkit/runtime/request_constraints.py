@@ -81,12 +81,18 @@ def _structured_outputs(value: Any) -> StructuredSpec | None:
     given = [k for k in STRUCTURED_KEYS if value.get(k) not in (None, False)]
     if len(given) > 1:
         raise RequestError(f"{field}: give one of {', '.join(given)}", param=field)
-    compact = value.get("disable_any_whitespace", False)
-    if not isinstance(compact, bool):
-        raise RequestError(f"{field}.disable_any_whitespace must be true or false", param=field)
-    if not given:
-        return None
-    return replace(_one(given[0], value[given[0]], field), any_whitespace=not compact)
+    return _one(given[0], value[given[0]], field) if given else None
+
+
+def any_whitespace(body: dict[str, Any]) -> bool | None:
+    """Not vLLM's structured_outputs.disable_any_whitespace (for whichever field gave a schema);
+    None when the request leaves it to the server."""
+    value = body.get("structured_outputs")
+    compact = value.get("disable_any_whitespace") if isinstance(value, dict) else None
+    if compact is not None and not isinstance(compact, bool):
+        raise RequestError("structured_outputs.disable_any_whitespace must be true or false",
+                           param="structured_outputs")  # fmt: skip
+    return None if compact is None else not compact
 
 
 def parse_constraint(body: dict[str, Any]) -> StructuredSpec | None:
@@ -105,7 +111,7 @@ def parse_constraint(body: dict[str, Any]) -> StructuredSpec | None:
         fields = ", ".join(s.field for s in found)
         raise RequestError(f"only one output constraint per request; got {fields}",
                            param=found[1].field)  # fmt: skip
-    return found[0] if found else None
+    return replace(found[0], any_whitespace=any_whitespace(body)) if found else None
 
 
 def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -134,6 +140,7 @@ class ToolRequest:
     tools: tuple[dict[str, Any], ...]
     choice: str  # "auto" | "required" | "named"
     name: str | None = None  # the function tool_choice names
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call (required)
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -158,9 +165,12 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object",
                                param="tools")  # fmt: skip
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
     choice = body.get("tool_choice", "auto")
     if choice in ("auto", "required", "none"):
-        return None if choice == "none" else ToolRequest(tuple(tools), choice)
+        return None if choice == "none" else ToolRequest(tuple(tools), choice, None, parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or choice.get("type") != "function":
         raise RequestError('tool_choice must be "none", "auto", "required" or '
@@ -169,4 +179,4 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     if name not in [t["function"]["name"] for t in tools]:
         raise RequestError(f"tool_choice names {name!r}, which is not among the tools",
                            param="tool_choice")  # fmt: skip
-    return ToolRequest(tuple(tools), "named", name)
+    return ToolRequest(tuple(tools), "named", name, parallel)

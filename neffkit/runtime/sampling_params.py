@@ -46,8 +46,9 @@ class StructuredSpec:
     source: str
     field: str = "structured_outputs"
     # JSON: any whitespace between tokens (vLLM's default); False: compact JSON, no whitespace
-    # (vLLM's disable_any_whitespace), which keeps small models from wandering in whitespace
-    any_whitespace: bool = True
+    # (vLLM's disable_any_whitespace), which keeps small models from wandering in whitespace;
+    # None: the server's default (--disable-any-whitespace), else True
+    any_whitespace: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -339,10 +339,14 @@ class Scheduler:
         params = seq.params
         if seq.penalties is not None:
             seq.penalties.add(token)
-        if seq.grammar is not None and not seq.grammar.consume_token(token):
-            seq.finish_reason = "error"  # the graph sampled what the mask forbade
-            self._release(seq)
-            return
+        if seq.grammar is not None:
+            if not seq.grammar.consume_token(token):
+                seq.finish_reason = "error"  # the graph sampled what the mask forbade
+            elif seq.grammar.is_stopped():  # complete, nothing may follow: done, EOS or not
+                seq.finish_reason = "stop"
+            if seq.finished:
+                self._release(seq)
+                return
         if params.logprobs is not None:
             seq.output_logprobs.append(out.logprobs(row, params.logprobs, position))
         if not params.ignore_eos and token in self.config.eos_token_ids:

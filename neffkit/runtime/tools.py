@@ -3,7 +3,8 @@ become a JSON-schema constraint on the output (so the call is valid by construct
 leaves the model free and a parser for the model's format finds the calls in its text.
 
 - required: the output is a JSON array of {"name", "parameters"} objects, one of the tools each
-  (vLLM's schema); finish_reason "tool_calls".
+  (vLLM's schema, closed to other keys so a call ends after its parameters); finish_reason
+  "tool_calls".
 - named: the output is the function's arguments (its parameters schema); finish_reason "stop".
 - auto: `hermes` (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen, Hermes,
   SmolLM3 and others) or `llama3_json` (a JSON object with "name" and "parameters", Llama 3.x),
@@ -42,10 +43,12 @@ def tool_constraint(req: ToolRequest) -> StructuredSpec | None:
         items = [
             {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                             "parameters": _parameters(t)},
-             "required": ["name", "parameters"]}
+             "required": ["name", "parameters"], "additionalProperties": False}
             for t in req.tools
         ]  # fmt: skip
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if not req.parallel:
+            schema["maxItems"] = 1
         return StructuredSpec("json", json.dumps(schema), "tool_choice")
     return None
 

@@ -163,6 +163,8 @@ class MaskAnd(torch.nn.Module):
 def test_nk106_broadcast_bool_and():
     big, row = torch.ones(256, 512, dtype=torch.bool), torch.ones(1, 512, dtype=torch.bool)
     assert rules(facts_of(MaskAnd(), (big, row), ["a", "b"])) == ["NK106"]
+    words, lanes = torch.ones(256, 512, 1, dtype=torch.int32), torch.ones(32, dtype=torch.int32)
+    assert rules(facts_of(MaskAnd(), (words, lanes), ["a", "b"])) == []  # a bit test
     assert rules(facts_of(MaskAnd(), (big, big), ["a", "b"])) == []
 
 

@@ -9,7 +9,6 @@ bundle.json. No torch, no model code, no tracing: the split Neuron teams already
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import replace
@@ -23,6 +22,7 @@ from neffkit.contract.codec import JsonObject
 from neffkit.contract.read import read_bundle
 from neffkit.contract.staging import staging_dir
 from neffkit.errors import BundleError
+from neffkit.platform.cpus import usable_cpus
 
 
 def finish_bundle(
@@ -47,7 +47,7 @@ def finish_bundle(
     version = neuronx_cc.compiler_version(binary)
     dest = Path(output) if output else Path(path)
     stems = [g.stem for g in record.graphs]
-    with worker_pool(jobs or os.cpu_count() or 1) as run_parallel, staging_dir(dest) as stage:
+    with worker_pool(jobs or usable_cpus()) as run_parallel, staging_dir(dest) as stage:
         shutil.copytree(bundle.root, stage, dirs_exist_ok=True)
         (stage / "bundle.json").unlink()
         spec = record.layout.speculation
