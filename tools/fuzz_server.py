@@ -169,8 +169,8 @@ def is_openai_error(resp: Any) -> bool:
     return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
 
 
-def send(client: Any, url: str, path: str, raw: bytes) -> tuple[int | str, bool]:
-    """(status or 'dropped', whether a 4xx carried an OpenAI error body)."""
+def send(client: Any, url: str, path: str, raw: bytes) -> tuple[int | str, bool, str]:
+    """(status or 'dropped', whether a 4xx carried an OpenAI error body, the response text)."""
     import httpx
 
     try:
@@ -178,9 +178,9 @@ def send(client: Any, url: str, path: str, raw: bytes) -> tuple[int | str, bool]
                            headers={"content-type": "application/json"}) as resp:  # fmt: skip
             resp.read()
             ok_body = resp.status_code < 400 or resp.status_code >= 500 or is_openai_error(resp)
-            return resp.status_code, ok_body
-    except httpx.HTTPError:
-        return "dropped", True
+            return resp.status_code, ok_body, resp.text
+    except httpx.HTTPError as exc:
+        return "dropped", True, repr(exc)
 
 
 def greedy(client: Any, url: str) -> str:
@@ -193,13 +193,19 @@ def fuzz(url: str, vocab: int, requests: int, seed: int) -> dict[str, Any]:
 
     rng = random.Random(seed)
     statuses: Counter[str] = Counter()
+    failures: list[dict[str, Any]] = []
     bad_bodies = 0
     with httpx.Client(timeout=60) as client:
         before = greedy(client, url)
         for _ in range(requests):
-            status, ok_body = send(client, url, *request(rng, vocab))
+            path, raw = request(rng, vocab)
+            status, ok_body, text = send(client, url, path, raw)
             statuses[str(status)] += 1
             bad_bodies += not ok_body
+            failed = status == "dropped" or int(status) >= 500 or not ok_body
+            if failed and len(failures) < 10:  # what to reproduce them with
+                failures.append({"path": path, "body": raw.decode(errors="replace")[:600],
+                                 "status": status, "response": text[:300]})  # fmt: skip
         health = client.get(url + "/health").status_code
         after = greedy(client, url)
     server_errors = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
@@ -214,6 +220,7 @@ def fuzz(url: str, vocab: int, requests: int, seed: int) -> dict[str, Any]:
         "greedy_unchanged": before == after,
         "ok": server_errors == 0 and "dropped" not in statuses and bad_bodies == 0
         and health == 200 and before == after,
+        "failures": failures,
     }  # fmt: skip
 
 

@@ -155,8 +155,8 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if (
-            tool.get("type") != "function"
-            or not isinstance(fn, dict)
+            not isinstance(fn, dict)
+            or tool.get("type") != "function"
             or not isinstance(fn.get("name"), str)
         ):
             raise RequestError(f"tools[{i}] must be {{type: function, function: {{name, ...}}}}",

@@ -263,3 +263,21 @@ def test_tool_messages_reach_the_template() -> None:
     messages = parse_chat(body, "m").messages
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [[True, 0.0, None], 1e308]},
+        {"tools": [-1.0, {"model": 31}], "guided_choice": True},
+        {"tools": [8], "parallel_tool_calls": ["x"]},
+        {"tools": [WEATHER], "parallel_tool_calls": "yes"},
+        {"guided_grammar": 1e-320},
+        {"structured_outputs": {"choice": []}},
+        {"tool_choice": {"type": "function"}, "tools": [WEATHER]},
+    ],
+)
+def test_malformed_tools_and_constraints_are_400s(extra) -> None:
+    """What the fuzzer found: every malformed shape is a RequestError, never a crash."""
+    with pytest.raises(RequestError):
+        parse_chat({**CHAT, **extra}, "m")
