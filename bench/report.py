@@ -481,6 +481,17 @@ def structured(d: dict[str, Any]) -> str:
     )
 
 
+def threads(d: dict[str, Any]) -> str:
+    rows = [[r["setting"], f"{r['quiet_tok_s']:.0f}", f"{r['contended_tok_s']:.0f}",
+             f"{r['kept']:.0%}"] for r in d["rows"]]  # fmt: skip
+    header = ["engine setting", "quiet tok/s", "beside a busy process tok/s", "kept"]
+    return (
+        f"**A shared host** (`bench/threads.py`, {d['model']}): {d['method']}. Under "
+        f"`taskset -c 0` the engine takes {d['taskset_c0_engine_threads']} thread(s) by "
+        "default.\n\n" + _table(header, rows)
+    )
+
+
 def bf16_agreement(d: dict[str, Any]) -> str:
     rows = []
     for m in d["models"]:
@@ -535,6 +546,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("speculation", speculation),
     ("speculation_draft", speculation),
     ("structured", structured),
+    ("threads", threads),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),

@@ -34,6 +34,8 @@ SETTINGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "default": ((), {}),
     "--threads 1": (("--threads", "1"), {}),
     "OMP_WAIT_POLICY=PASSIVE": ((), {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "GOMP_SPINCOUNT=10000": ((), {"GOMP_SPINCOUNT": "10000"}),
+    "GOMP_SPINCOUNT=300000": ((), {"GOMP_SPINCOUNT": "300000"}),
 }
 BUSY = [sys.executable, "-c", "while True: pass"]
 
@@ -83,11 +85,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     args = ap.parse_args()
     bundle = batch_bundle("float32", "kernel")
-    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    chosen = {name: SETTINGS[name] for name in args.settings}
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
     for _ in range(args.rounds):
-        for name, (flags, env) in SETTINGS.items():
+        for name, (flags, env) in chosen.items():
             result = serve_once(bundle, flags, env, args)
             runs[name].append(result)
             print(f"{name}: quiet {result['quiet']:.1f} tok/s, "
