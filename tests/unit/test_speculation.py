@@ -192,3 +192,49 @@ def test_a_draft_model_catches_up_after_plain_decode_steps() -> None:
     counts = core.scheduler.spec
     assert counts.drafts > 0 and counts.accepted_tokens == counts.draft_tokens
     assert any(n.startswith("decode_8x") for n, _ in model.calls)  # plain steps happened
+
+
+class _OpenMatcher:
+    """A grammar that allows everything and never completes (what the scheduler sees of one)."""
+
+    def __init__(self) -> None:
+        self.consumed: list[int] = []
+
+    def consume_token(self, token: int) -> bool:
+        self.consumed.append(token)
+        return True
+
+    def is_stopped(self) -> bool:
+        return False
+
+
+def test_rows_with_a_grammar_get_no_drafts_but_advance_it() -> None:
+    """Drafts would need the grammar's state at every position: a constrained row decodes
+    plainly (its matcher sees every token once), its neighbours still speculate."""
+    core, model = _core((1, 4), speculation=True)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompt = [7, 8, 9, 10, 11] * 3
+    constrained = core.add_request(prompt, params)
+    constrained.grammar = matcher = _OpenMatcher()
+    assert not constrained.may_draft
+    while core.has_work():
+        core.step()
+    assert not any(n.startswith("verify") for n, _ in model.calls)  # alone: plain decoding
+    assert matcher.consumed == constrained.output_ids == oracle(prompt, 20, period=PERIOD)
+    asked: dict[int, list[int]] = {}  # request id → the draft counts asked of the proposer
+    propose = core.scheduler.proposer
+
+    def recording(rows, ks):
+        for seq, k in zip(rows, ks, strict=True):
+            asked.setdefault(seq.request_id, []).append(k)
+        return propose(rows, ks)
+
+    core.scheduler.proposer = recording
+    free = core.add_request(prompt, params)
+    constrained = core.add_request(prompt, params)
+    constrained.grammar = matcher = _OpenMatcher()
+    while core.has_work():
+        core.step()
+    assert any(n.startswith("verify") for n, _ in model.calls)  # the free row speculates
+    assert set(asked[constrained.request_id]) == {0} and max(asked[free.request_id]) > 0
+    assert free.output_ids == constrained.output_ids == matcher.consumed
