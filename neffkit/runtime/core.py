@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import time
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -24,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 from neffkit.errors import RequestError
-from neffkit.platform.cpus import resolve_threads
+from neffkit.platform.cpus import ENV, resolve_threads
+from neffkit.runtime.governor import ThreadGovernor
 from neffkit.runtime.limits import output_budget
 from neffkit.runtime.logit_inputs import Penalties
 from neffkit.runtime.runner import ModelRunner
@@ -61,6 +64,7 @@ class EngineCore:
         speculation: bool = True,
         proposer: Proposer | None = None,
         grammars: Grammars | None = None,
+        governor: ThreadGovernor | None = None,
     ) -> None:
         """False turns off the bundle's prefix caching / speculative decoding for this engine;
         `proposer` replaces the bundle's speculation method's (tests drive the verify graphs
@@ -68,6 +72,7 @@ class EngineCore:
         tokenizer's)."""
         self.runner = runner
         self.grammars = runner.grammars = grammars
+        self.governor = governor  # threads under contention (governor.py); None: fixed
         config = runner.config
         if not prefix_caching:
             config = replace(config, prefix_caching=False)
@@ -127,7 +132,12 @@ class EngineCore:
             touched += sched.prefilled(prefill, out)
         batch = sched.next_decode()
         if batch is not None:
+            t0 = time.perf_counter()
             out = self.runner.decode(batch)
+            if self.governor is not None:
+                kind = "verify" if batch.drafts is not None else "decode"
+                self.governor.observe(f"{kind}_b{batch.batch}_c{batch.context}",
+                                      time.perf_counter() - t0)  # fmt: skip
             if self.draft is not None:  # an MTP layer keeps the target's hidden states
                 self.draft.observe(batch, out)
             touched += sched.decoded(batch, out)
@@ -218,13 +228,25 @@ def core_main(
     try:
         import torch
 
-        torch.set_num_threads(engine_threads(threads))
+        full = engine_threads(threads)
+        torch.set_num_threads(full)
         from neffkit.runtime.distributed import run_on_ranks
+
+        def governor(loaded) -> ThreadGovernor | None:  # where nobody chose the count, one rank
+            chosen = threads is not None or os.environ.get(ENV) or "OMP_NUM_THREADS" in os.environ
+            ranks = loaded.bundle.record.layout.world_size
+            return None if chosen or ranks > 1 else ThreadGovernor(full, torch.set_num_threads)
 
         run_on_ranks(
             bundle,
             lambda loaded: serve_engine(
-                EngineCore(loaded.runner, prefix_caching, speculation, grammars=loaded.grammars()),
+                EngineCore(
+                    loaded.runner,
+                    prefix_caching,
+                    speculation,
+                    grammars=loaded.grammars(),
+                    governor=governor(loaded),
+                ),  # fmt: skip
                 conn,
             ),
             executor=executor,
