@@ -54,13 +54,19 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
     return max(1, cpus)
 
 
+def chosen_threads(requested: int | None) -> int | None:
+    """The count somebody chose: `requested` (a flag), else `NEFFKIT_ENGINE_THREADS`; None."""
+    if requested is not None:
+        return requested
+    env = os.environ.get(ENV, "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else None
+
+
 def resolve_threads(requested: int | None, what: str = "engine") -> int:
-    """`requested` (a flag), else `NEFFKIT_ENGINE_THREADS`, else the usable CPUs; asking for
-    more than the usable CPUs is allowed, with one warning line on stderr."""
+    """The chosen count (chosen_threads), else the usable CPUs; asking for more than the usable
+    CPUs is allowed, with one warning line on stderr."""
     usable = usable_cpus()
-    if requested is None:
-        env = os.environ.get(ENV, "").strip()
-        requested = int(env) if env.isdigit() and int(env) > 0 else None
+    requested = chosen_threads(requested)
     if requested is None:
         return usable
     if requested > usable and (what, requested) not in _warned:

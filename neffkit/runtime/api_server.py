@@ -76,12 +76,8 @@ class App:
         self.loop, self.metrics = engine_loop, metrics
         self.tool_parser = tool_parser
         self.compact_json = compact_json  # JSON constraints without whitespace unless asked
-        self.grammars = (
-            Grammars(tokenizer.to_json(), engine_loop.config.vocab_size,
-                     engine_loop.config.eos_token_ids)
-            if tokenizer is not None
-            else None
-        )  # fmt: skip
+        config = engine_loop.config
+        self.grammars = Grammars.of(tokenizer, config.vocab_size, config.eos_token_ids)
         self.unknown_fields, self.access_log = UnknownFields(strict_requests), access_log
         self.model_name, self.api_key = model_name, api_key
         self.tokenizer = tokenizer

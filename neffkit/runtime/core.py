@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from neffkit.errors import RequestError
-from neffkit.platform.cpus import ENV, resolve_threads
+from neffkit.platform.cpus import chosen_threads, resolve_threads
 from neffkit.runtime.governor import ThreadGovernor
 from neffkit.runtime.limits import output_budget
 from neffkit.runtime.logit_inputs import Penalties
@@ -98,19 +98,14 @@ class EngineCore:
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         seq = SequenceState(next(REQUEST_IDS), list(prompt_ids), params, seed & 0xFFFFFFFF)
-        self.scheduler.add(seq)  # checks what the bundle can serve first
-        if params.penalized:
-            seq.penalties = Penalties(layout.penalty_tokens, params, seq.prompt_ids)
-        if params.structured is not None:
+        if params.structured is not None:  # compiled before it is queued: a bad one queues nothing
             if self.grammars is None:
-                self.scheduler.abort(seq, "error")
                 raise RequestError("structured outputs need the bundle's tokenizer",
                                    param=params.structured.field)  # fmt: skip
-            try:
-                seq.grammar = self.grammars.matcher(params.structured)
-            except RequestError:
-                self.scheduler.abort(seq, "error")
-                raise
+            seq.grammar = self.grammars.matcher(params.structured)
+        self.scheduler.add(seq)  # checks what the bundle can serve
+        if params.penalized:  # as wide as the bundle's pairs, which add checked it fits
+            seq.penalties = Penalties(layout.penalty_tokens, params, seq.prompt_ids)
         return seq
 
     def abort(self, seq: SequenceState, reason: str = "abort") -> None:
@@ -233,7 +228,7 @@ def core_main(
         from neffkit.runtime.distributed import run_on_ranks
 
         def governor(loaded) -> ThreadGovernor | None:  # where nobody chose the count, one rank
-            chosen = threads is not None or os.environ.get(ENV) or "OMP_NUM_THREADS" in os.environ
+            chosen = chosen_threads(threads) is not None or "OMP_NUM_THREADS" in os.environ
             ranks = loaded.bundle.record.layout.world_size
             return None if chosen or ranks > 1 else ThreadGovernor(full, torch.set_num_threads)
 

@@ -62,22 +62,25 @@ class Penalties:
         return prompt + max_tokens
 
 
+def min_tokens_stops(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens min_tokens bans while it holds: EOS (unless ignored) and the stop ids, once
+    each."""
+    eos = () if params.ignore_eos else eos_token_ids
+    return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+
+
 def bias_pairs(seq: Row, eos_token_ids: tuple[int, ...]) -> list[tuple[int, float]]:
     """logit_bias, and the EOS and stop tokens at -inf while fewer than min_tokens are out."""
     p = seq.params
     pairs = list(p.logit_bias)
     if len(seq.output_ids) < p.min_tokens:
-        stops = (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)
-        pairs += [(t, float("-inf")) for t in dict.fromkeys(stops)]
+        pairs += [(t, float("-inf")) for t in min_tokens_stops(p, eos_token_ids)]
     return pairs
 
 
 def stop_count(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> int:
     """The bias pairs min_tokens adds while it holds."""
-    if not params.min_tokens:
-        return 0
-    eos = () if params.ignore_eos else eos_token_ids
-    return len(dict.fromkeys((*eos, *params.stop_token_ids)))
+    return len(min_tokens_stops(params, eos_token_ids)) if params.min_tokens else 0
 
 
 def write_row(

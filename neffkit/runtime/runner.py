@@ -279,7 +279,9 @@ class ModelRunner:
                 meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
             write_sampling(meta, i, seq)
             write_row(meta, i, seq, self.config.eos_token_ids)
-        fill_bitmasks(meta, [s.grammar for s in batch.rows], self.grammars)
+        matchers = [s.grammar for s in batch.rows]
+        if any(m is not None for m in matchers):  # fresh metadata allows every token already
+            fill_bitmasks(meta, matchers, self.grammars)
         t0 = time.perf_counter()
         outputs = self._run(graph, meta)
         self.timings.decode_s += time.perf_counter() - t0

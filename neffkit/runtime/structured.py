@@ -5,9 +5,9 @@ step's graph applies before sampling (kernels/logits.py).
 A JSON schema, a regex, a list of choices or a Lark / GBNF grammar becomes llguidance's grammar
 text once per distinct source (cached); each request gets its own matcher from it. The matcher's
 bitmask for the next token is written into the graph's `token_bitmask` rows (bit v % 32 of word
-v // 32 allows token v), the rows of several requests filled in parallel by llguidance's own
-threads. When a grammar is complete the mask allows only the end-of-sequence tokens, so the
-request stops there.
+v // 32 allows token v), many rows at once on llguidance's own threads. A grammar that is
+complete and allows nothing more ends its request (the scheduler); one that is complete but may
+go on allows the end-of-sequence tokens too.
 
 llguidance is imported when the first grammar is compiled: a bundle that never sees one does not
 need it.
