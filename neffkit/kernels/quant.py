@@ -6,7 +6,8 @@ so one layout covers DeepSeek's fine-grained blocks (128, 128), per-channel scal
 per-tensor scale (0, 0). The graph widens the weight and multiplies each block by its scale
 right before the projection that reads it, so Inductor can fuse the dequantization into the
 projection's loop (one row: the weight is read as fp8 bytes once) and the bundle holds a quarter
-of the float32 bytes.
+of the float32 bytes. On the cpu target projection weights are stored blocked (projection.py),
+their scales as `lane_scales`, and decode rows read the fp8 bytes in neffkit's kernel.
 """
 
 from __future__ import annotations
@@ -60,3 +61,29 @@ def dequantize_blocks(
     blocks = wide.unflatten(-1, (-1, b[1])).unflatten(-3, (-1, b[0]))  # [.., R, br, C, bc]
     scaled = blocks * scale.unsqueeze(-1).unsqueeze(-3)
     return scaled.flatten(-2).flatten(-3, -2)[..., :rows, :cols].to(dtype)
+
+
+def lane_scales(
+    grid: torch.Tensor, shape: tuple[int, ...] | list[int], block: tuple[int, ...], lanes: int
+) -> torch.Tensor:
+    """An [out, in] weight's block scales (`scale_grid` layout) for its blocked form
+    [out/lanes, in, lanes]: [out/lanes, in-blocks, lanes], lane j of output block b the scale
+    of output b*lanes + j, so a kernel scales a whole output tile per K block with one vector."""
+    rows = shape[-2]
+    b = effective_block(shape, block)
+    per_row = grid.float().repeat_interleave(b[0], dim=0)[:rows]  # [out, in-blocks]
+    return per_row.reshape(rows // lanes, lanes, -1).transpose(1, 2).contiguous()
+
+
+def dequantize_blocked(
+    weight: torch.Tensor, scales: torch.Tensor, k_block: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A blocked fp8 weight [NB, K, L] times its `lane_scales` [NB, KB, L], in `dtype`: each K
+    block's rows broadcast against one scale vector (the broadcast form, as `dequantize_blocks`)."""
+    nb, k, lanes = weight.shape
+    wide = weight.to(torch.float32)
+    pad = -k % k_block
+    if pad:
+        wide = torch.nn.functional.pad(wide, (0, 0, 0, pad))
+    blocks = wide.reshape(nb, -1, k_block, lanes) * scales.unsqueeze(2)
+    return blocks.reshape(nb, -1, lanes)[:, :k].to(dtype)

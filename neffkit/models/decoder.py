@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.forms import PLAIN, ProjectionPolicy
 from neffkit.models.parallel import Parallelism
-from neffkit.models.projection import materialized, out_features, project
+from neffkit.models.projection import BlockedFp8, materialized, out_features, project
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
 from neffkit.targets import E4M3FN_MAX
@@ -359,7 +360,7 @@ class DecoderGraph(torch.nn.Module):
         return self.reduce(spread, None).flatten(-2)[..., : self.cfg.vocab_size]
 
     # ------------------------------------------------------------ shared helpers
-    def project(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, weight: torch.Tensor | BlockedFp8) -> torch.Tensor:
         return project(x, weight, self.projection)
 
     def linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
@@ -380,13 +381,19 @@ class DecoderGraph(torch.nn.Module):
             partial = fc.all_reduce(partial, "sum", dist.group.WORLD)  # string op: picklable
         return partial if bias is None else partial + bias
 
-    def _dequantized(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _dequantized(self, w: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Plain fp8 weights widened; blocked ones (cpu projections) kept as fp8 with their
+        lane scales, for `project` to read in the kernel (`BlockedFp8`)."""
         dtype = w["model.embed_tokens.weight"].dtype  # the bundle's dtype (never quantized)
-        out = {}
+        out: dict[str, Any] = {}
         for name, tensor in w.items():
             if name.endswith(FP8_SCALE):
                 continue
             scale = w.get(name + FP8_SCALE)
+            if scale is not None and tensor.dim() == 3:
+                k_block = self.cfg.fp8_block[1] or tensor.shape[1]
+                out[name] = BlockedFp8(tensor, scale, k_block)
+                continue
             if scale is not None:
                 tensor = dequantize_blocks(tensor, scale, self.cfg.fp8_block, dtype)
             out[name] = tensor

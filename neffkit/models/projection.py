@@ -26,9 +26,22 @@ Other forms: "reduction" (plain layout, a single row, the original GEMV form), "
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from neffkit.kernels.quant import dequantize_blocked
 from neffkit.models.forms import ProjectionPolicy
+
+
+@dataclass(frozen=True)
+class BlockedFp8:
+    """A blocked fp8 projection weight [out/L, in, L] with its `lane_scales` [out/L, KB, L]:
+    decode rows read its bytes in the kernel (`blocked_rows_fp8`); other forms dequantize."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    k_block: int
 
 
 def to_blocked(weight: torch.Tensor, lanes: int) -> torch.Tensor:
@@ -43,8 +56,10 @@ def from_blocked(weight: torch.Tensor) -> torch.Tensor:
     return weight.transpose(1, 2).reshape(nb * lanes, in_features)
 
 
-def out_features(weight: torch.Tensor) -> int:
+def out_features(weight: torch.Tensor | BlockedFp8) -> int:
     """A projection weight's output size, plain or blocked."""
+    if isinstance(weight, BlockedFp8):
+        weight = weight.weight
     return weight.shape[0] * weight.shape[2] if weight.dim() == 3 else weight.shape[0]
 
 
@@ -60,10 +75,19 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(x, x.shape, x.stride())
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, policy: ProjectionPolicy) -> torch.Tensor:
+def project(
+    x: torch.Tensor, weight: torch.Tensor | BlockedFp8, policy: ProjectionPolicy
+) -> torch.Tensor:
     """x @ weight.T for a plain [out, in] or blocked [out/L, in, L] weight (module docstring)."""
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = x.numel() // in_features
+    if isinstance(weight, BlockedFp8):
+        fp8 = weight
+        if policy.form(rows, True, fp8.weight.numel()) == "kernel-rows":
+            xf = materialized(x.reshape(rows, in_features).float())
+            out = torch.ops.neffkit.blocked_rows_fp8(xf, fp8.weight, fp8.scales, fp8.k_block)
+            return out.to(x.dtype).reshape(*lead, out.shape[-1])
+        weight = dequantize_blocked(fp8.weight, fp8.scales, fp8.k_block, x.dtype)
     nbytes = weight.numel() * weight.element_size()
     form = policy.form(rows, weight.dim() == 3, nbytes)  # bundle.json records the forms
     if form == "kernel-rows":

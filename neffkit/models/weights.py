@@ -16,7 +16,7 @@ import torch
 
 from neffkit.contract.tensor_files import TensorReader, read_header
 from neffkit.errors import ModelError
-from neffkit.kernels.quant import effective_block, expand_scales, scale_grid
+from neffkit.kernels.quant import effective_block, expand_scales, lane_scales, scale_grid
 from neffkit.models.config import ModelConfig
 from neffkit.models.forms import Storage, blocked_shape, blocks
 from neffkit.models.parallel import Parallelism
@@ -107,7 +107,7 @@ def rank_weight_specs(
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, bundle dtype) of one rank's weights, in graph order, from headers only:
     tracing never needs values. An fp8 weight keeps float8_e4m3fn and is followed by its
-    float32 block scales (`<name>.scale`)."""
+    float32 block scales (`<name>.scale`); stored blocked, its scales are `lane_scales`."""
     storage = _storage(storage)
     index, entries = _headers(model_dir, cfg)
 
@@ -118,8 +118,13 @@ def rank_weight_specs(
     out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for name, t in rank_weights(cfg, par, rank, meta, set(index), storage.kv_scales):
         if t.dtype == FP8:
-            out.append((name, tuple(t.shape), FP8))
-            out.append((name + SCALE, scale_grid(tuple(t.shape), cfg.fp8_block), torch.float32))
+            shape = tuple(t.shape)
+            grid = scale_grid(shape, cfg.fp8_block)
+            if blocks(name, shape, storage.lanes):  # scales as lane_scales
+                grid = (shape[0] // storage.lanes, grid[-1], storage.lanes)
+                shape = blocked_shape(shape, storage.lanes)
+            out.append((name, shape, FP8))
+            out.append((name + SCALE, grid, torch.float32))
         else:
             shape = tuple(t.shape)
             if blocks(name, shape, storage.lanes, cfg.tie_word_embeddings):
@@ -182,6 +187,10 @@ def iter_rank_weights(
                 block_scale = _per_block(name, scale, cfg.fp8_block)
                 if rescale != 1.0:  # into ±240: the weight scaled down, its scale up
                     tensor, block_scale = (tensor.float() * rescale).to(FP8), block_scale / rescale
+                if blocks(name, tuple(tensor.shape), storage.lanes):
+                    shape, lanes = tuple(tensor.shape), storage.lanes
+                    block_scale = lane_scales(block_scale, shape, cfg.fp8_block, lanes)
+                    tensor = to_blocked(tensor, lanes)
                 yield name, _compact(tensor)
                 yield name + SCALE, _compact(block_scale)
                 continue

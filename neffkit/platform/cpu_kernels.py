@@ -1,4 +1,5 @@
-"""neffkit's own C++ CPU kernel library: `neffkit::blocked_rows` (csrc/blocked_rows.cpp).
+"""neffkit's own C++ CPU kernel library: `neffkit::blocked_rows` and `blocked_rows_fp8`
+(csrc/blocked_rows.cpp).
 
 Decode projections of a few rows on blocked weights: each weight vector is loaded once for all
 rows (see the source for why Inductor's reductions do not get there). AOTInductor packages call
@@ -130,7 +131,14 @@ def ensure_for_tracing() -> Path:
 @functools.cache
 def _register_fake() -> None:
     torch.library.register_fake(f"neffkit::{OP}")(_blocked_rows_fake)
+    torch.library.register_fake(f"neffkit::{OP}_fp8")(_blocked_rows_fp8_fake)
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]), dtype=torch.float32)
+
+
+def _blocked_rows_fp8_fake(
+    x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, k_block: int
+) -> torch.Tensor:
+    return _blocked_rows_fake(x, w)

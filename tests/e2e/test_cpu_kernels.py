@@ -114,3 +114,40 @@ def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
     package = aoti_compile_and_package(program, package_path=str(tmp_path / "proj.pt2"))
     out = aoti_load_package(package)(x, blocked)
     torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
+@pytest.mark.parametrize("block", [(16, 16), (128, 64), (1, 0), (0, 0)])
+def test_blocked_rows_fp8_equals_the_dequantized_matmul(rows, block):
+    """The fp8 path: e4m3 bytes widened in register, scaled per (partial) K block by
+    `lane_scales`, for fine-grained blocks, per-channel and per-tensor scales."""
+    from neffkit.kernels.quant import expand_scales, lane_scales, scale_grid
+
+    cpu_kernels.ensure_for_tracing()
+    gen = torch.Generator().manual_seed(rows)
+    out_features, in_features = 256, 200  # 200: the last K block of 16 and 64 is partial
+    weight = (torch.randn(out_features, in_features, generator=gen) * 64).to(torch.float8_e4m3fn)
+    shape = (out_features, in_features)
+    grid = torch.rand(scale_grid(shape, block), generator=gen) + 0.5
+    exact = weight.double() * expand_scales(grid, shape, block).double()
+    k_block = block[1] or in_features
+    x = torch.randn(rows, in_features, generator=gen)
+    got = torch.ops.neffkit.blocked_rows_fp8(
+        x, to_blocked(weight, 16), lane_scales(grid, shape, block, 16), k_block
+    )
+    want = x.double() @ exact.t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+def test_fp8_widening_is_exact_for_every_byte():
+    """All 256 e4m3fn encodings, subnormals and signed zeros included, read back exactly (the
+    two NaN bytes, never in a checkpoint's weights, read as +-480)."""
+    cpu_kernels.ensure_for_tracing()
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    weight = torch.zeros(1, 256, 16, dtype=torch.float8_e4m3fn)
+    weight[0, :, 3] = values
+    got = torch.ops.neffkit.blocked_rows_fp8(torch.eye(256), weight, torch.ones(1, 1, 16), 256)
+    finite = ~values.float().isnan()
+    assert torch.equal(got[finite, 3], values.float()[finite])
+    assert got[~finite, 3].tolist() == [480.0, -480.0]
+    assert not got[:, [0, 1, 2, 4]].any()

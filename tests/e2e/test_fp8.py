@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from neffkit.platform import cpu_kernels
 from tests.conftest import (
     COMMON,
     LONG,
@@ -27,6 +28,7 @@ from tests.conftest import (
     REPO,
     SHORT,
     build_session_bundle,
+    bundle_json,
     cached_dir,
 )
 from tests.conftest import run_ids as _run
@@ -85,24 +87,40 @@ def channel_model(session_dir: Path) -> tuple[Path, Path]:
 # tp=2 of block scales in `make test-all`; per-channel scales at tp=2 run in `make test`
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.matrix)])
 def test_fp8_bundle_equals_hf_on_the_dequantized_weights(tp, fp8_model, session_dir, hf_greedy):
+    """tp=1 decodes through the kernel's fp8 path (cpu_kernel: on, where the CPU has it): the
+    blocked projections' fp8 bytes widened in register, scaled per partial K block; prefill
+    dequantizes the same blocked weights."""
     fp8, exact = fp8_model
+    kernel = tp == 1 and cpu_kernels.supported()
+    compiler = {"cpu_kernel": "on" if kernel else "auto"}
     result = build_session_bundle(
-        session_dir, fp8, f"fp8_tp{tp}", buckets=BUCKETS, parallel={"tp": tp}
+        session_dir, fp8, f"fp8_tp{tp}", buckets=BUCKETS, parallel={"tp": tp}, compiler=compiler
     )
     prompts = [SHORT, LONG, *MIXED]
     got = _run(result.bundle, prompts)
     assert got == [hf_greedy(exact, p, MAX_NEW) for p in prompts]
-    # the shard stores fp8 projections with one float32 scale per (partial) block
+    # the shard stores fp8 projections with one float32 scale per (partial) block; those whose
+    # outputs fill 16-lane blocks are stored blocked, their scales one vector per block
     with safe_open(str(result.bundle / "weights" / "rank0.safetensors"), "pt") as f:
         dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}  # noqa: SIM118
         shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}  # noqa: SIM118
+    blocked = 0
     for layer in range(COMMON["num_hidden_layers"]):
         for proj in PROJECTIONS:
             kind = "self_attn" if proj[0] in "qkvo" else "mlp"
             name = f"model.layers.{layer}.{kind}.{proj}.weight"
             assert dtypes[name] == "F8_E4M3" and dtypes[name + ".scale"] == "F32", name
+            if len(shapes[name]) == 3:
+                blocks, cols, lanes = shapes[name]
+                assert shapes[name + ".scale"] == [blocks, -(-cols // 16), lanes], name
+                blocked += 1
+                continue
             rows, cols = shapes[name]
+            assert rows % 16, name  # only outputs that do not fill a lane block stay plain
             assert shapes[name + ".scale"] == [-(-rows // 16), -(-cols // 16)], name
+    assert blocked == 5 * COMMON["num_hidden_layers"]  # all but o_proj and down_proj (72 out)
+    forms = {g["projection"] for g in bundle_json(result.bundle)["graphs"]}
+    assert ("kernel-rows" in forms) == kernel, forms
     assert dtypes["model.embed_tokens.weight"] == "F32"  # unquantized tensors keep the dtype
     assert dtypes["model.norm.weight"] == "F32"
 

@@ -122,6 +122,96 @@ void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_
   }
 }
 
+// ---- fp8 (e4m3fn) weights, widened in register, scaled per K block ----
+//
+// w: [NB, K, 16] float8_e4m3fn bytes; scales: [NB, KB, 16] float32, lane j of K block kb of
+// output block b the scale of output b*16 + j over K values [kb*k_block, (kb+1)*k_block). One
+// layout for fine-grained blocks (128 x 128), per-channel (KB = 1) and per-tensor scales. The
+// bytes streamed are a quarter of float32's: a decode step reads fp8 width, not the dequantized
+// weight (which Inductor's graph would widen through a software conversion first).
+//
+// e4m3fn -> float16 is a move of the byte's bits: sign to bit 15, exponent and mantissa to bits
+// 7..13 (a shift left by 8, an arithmetic shift right by 1, bit 14 cleared). Read as float16
+// that is the value times 2^-8, subnormals included (e4m3's subnormals land on float16's), and
+// VCVTPH2PS widens it exactly (it ignores MXCSR's denormals-are-zero); the 2^8 goes into the
+// block scale. The NaN byte (0x7f/0xff, never in a checkpoint's weights) reads as +-480.
+
+inline __m512 load_fp8(const uint8_t* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1),
+                                        _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
+  return _mm512_cvtph_ps(half);
+}
+
+// R x U partial sums of one K block and R x U totals stay in registers with U weight vectors:
+// 2*R*U + U + 1 <= 32 zmm.
+constexpr int fp8_tile_blocks(int rows) { return rows == 1 ? 8 : (rows == 2 ? 4 : (rows <= 7 ? 2 : 1)); }
+constexpr float kFp8ToHalf = 256.0f;  // load_fp8 reads the value times 2^-8
+
+template <int R, int U>
+void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, int64_t KB,
+              int64_t k_block, float* out, int64_t ldo, int64_t b0) {
+  constexpr int64_t kStepsPerLine = 64 / kLanes;  // 4 K steps of 16 bytes a line
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const uint8_t* wb = w + b0 * K * kLanes;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const int64_t k0 = kb * k_block, k1 = k0 + k_block < K ? k0 + k_block : K;
+    __m512 part[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) part[r][u] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      __m512 wv[U];
+      for (int u = 0; u < U; ++u) {
+        if (k % kStepsPerLine == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(
+                           wb + (u * K + k + kStepsPerLine * kAhead) * kLanes),
+                       _MM_HINT_T0);
+        wv[u] = load_fp8(wb + (u * K + k) * kLanes);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+        for (int u = 0; u < U; ++u) part[r][u] = _mm512_fmadd_ps(xv, wv[u], part[r][u]);
+      }
+    }
+    for (int u = 0; u < U; ++u) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + ((b0 + u) * KB + kb) * kLanes),
+                                     _mm512_set1_ps(kFp8ToHalf));
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(part[r][u], s, acc[r][u]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+}
+
+template <int R>
+void run_rows_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, int64_t KB,
+                  int64_t k_block, float* out, int64_t ldo, int64_t begin, int64_t end) {
+  constexpr int U = fp8_tile_blocks(R);
+  int64_t b = begin;
+  for (; b + U <= end; b += U) tile_fp8<R, U>(x, K, w, scales, KB, k_block, out, ldo, b);
+  for (; b < end; ++b) tile_fp8<R, 1>(x, K, w, scales, KB, k_block, out, ldo, b);
+}
+
+void run_blocks_fp8(int64_t R, const float* x, int64_t K, const uint8_t* w, const float* scales,
+                    int64_t KB, int64_t k_block, float* out, int64_t ldo, int64_t begin,
+                    int64_t end) {
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    const int64_t rows = R - r0 < 8 ? R - r0 : 8;
+    const float* xr = x + r0 * K;
+    float* o = out + r0 * ldo;
+#define NEFFKIT_FP8_ROWS(n) \
+  case n: run_rows_fp8<n>(xr, K, w, scales, KB, k_block, o, ldo, begin, end); break;
+    switch (rows) {
+      NEFFKIT_FP8_ROWS(1) NEFFKIT_FP8_ROWS(2) NEFFKIT_FP8_ROWS(3) NEFFKIT_FP8_ROWS(4)
+      NEFFKIT_FP8_ROWS(5) NEFFKIT_FP8_ROWS(6) NEFFKIT_FP8_ROWS(7) default:
+        run_rows_fp8<8>(xr, K, w, scales, KB, k_block, o, ldo, begin, end);
+    }
+#undef NEFFKIT_FP8_ROWS
+  }
+}
+
 // ---- bf16 rows on bf16 weights: AMX tiles (where the CPU and the OS have them) ----
 //
 // The FMA path above tops out at ~60 GMAC/s for bf16 on two cores (the widening and one FMA per
@@ -266,6 +356,31 @@ at::Tensor blocked_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
   return out;
 }
 
+at::Tensor blocked_rows_fp8(const at::Tensor& x_in, const at::Tensor& w_in,
+                            const at::Tensor& scales_in, int64_t k_block) {
+  TORCH_CHECK(x_in.dim() == 2 && w_in.dim() == 3 && w_in.size(2) == kLanes,
+              "blocked_rows_fp8: expects x [R, K] and w [NB, K, 16]");
+  TORCH_CHECK(w_in.scalar_type() == at::kFloat8_e4m3fn, "blocked_rows_fp8: w must be e4m3fn");
+  const int64_t R = x_in.size(0), K = x_in.size(1), NB = w_in.size(0), N = NB * kLanes;
+  TORCH_CHECK(w_in.size(1) == K && k_block > 0, "blocked_rows_fp8: x and w disagree on K");
+  const int64_t KB = (K + k_block - 1) / k_block;
+  TORCH_CHECK(scales_in.dim() == 3 && scales_in.size(0) == NB && scales_in.size(1) == KB &&
+                  scales_in.size(2) == kLanes,
+              "blocked_rows_fp8: scales must be [NB, ceil(K / k_block), 16]");
+  const at::Tensor x = x_in.contiguous().to(at::kFloat);
+  const at::Tensor w = w_in.contiguous();
+  const at::Tensor scales = scales_in.contiguous().to(at::kFloat);
+  at::Tensor out = at::empty({R, N}, x.options().dtype(at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
+    run_blocks_fp8(R, xp, K, wp, sp, KB, k_block, o, N, b0, b1);
+  });
+  return out;
+}
+
 }  // namespace
 
 // Whether bf16 rows go through AMX (and can: CPU and OS), after asking for `enable`. For the
@@ -277,7 +392,11 @@ bool set_amx(bool enable) {
 
 TORCH_LIBRARY(neffkit, m) {
   m.def("blocked_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("blocked_rows_fp8(Tensor x, Tensor w, Tensor scales, int k_block) -> Tensor");
   m.def("set_amx(bool enable) -> bool", &set_amx);
 }
 
-TORCH_LIBRARY_IMPL(neffkit, CPU, m) { m.impl("blocked_rows", &blocked_rows); }
+TORCH_LIBRARY_IMPL(neffkit, CPU, m) {
+  m.impl("blocked_rows", &blocked_rows);
+  m.impl("blocked_rows_fp8", &blocked_rows_fp8);
+}
