@@ -178,19 +178,12 @@ def iter_rank_weights(
         if cfg.fp8_block
         else None
     )
-    rescale = storage.fp8_rescale
     try:
         for name, tensor in rank_weights(cfg, par, rank, read, available, kv_scales):
             scale = next(scales)[1] if scales is not None else None
             if tensor.dtype == FP8:
                 assert scale is not None
-                block_scale = _per_block(name, scale, cfg.fp8_block)
-                if rescale != 1.0:  # into ±240: the weight scaled down, its scale up
-                    tensor, block_scale = (tensor.float() * rescale).to(FP8), block_scale / rescale
-                if blocks(name, tuple(tensor.shape), storage.lanes):
-                    shape, lanes = tuple(tensor.shape), storage.lanes
-                    block_scale = lane_scales(block_scale, shape, cfg.fp8_block, lanes)
-                    tensor = to_blocked(tensor, lanes)
+                tensor, block_scale = _fp8_stored(name, tensor, scale, cfg.fp8_block, storage)
                 yield name, _compact(tensor)
                 yield name + SCALE, _compact(block_scale)
                 continue
@@ -203,6 +196,21 @@ def iter_rank_weights(
         for reader in readers.values():
             reader.close()
         readers.clear()
+
+
+def _fp8_stored(
+    name: str, tensor: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], storage: Storage
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 weight and its scales as the bundle stores them: one scale per block, the values
+    within the target's fp8 range, blocked (scales as `lane_scales`) where projections are."""
+    block_scale = _per_block(name, scale, block)
+    rescale = storage.fp8_rescale
+    if rescale != 1.0:  # into ±240: the weight scaled down, its scale up
+        tensor, block_scale = (tensor.float() * rescale).to(FP8), block_scale / rescale
+    if blocks(name, tuple(tensor.shape), storage.lanes):
+        block_scale = lane_scales(block_scale, tuple(tensor.shape), block, storage.lanes)
+        tensor = to_blocked(tensor, storage.lanes)
+    return tensor, block_scale
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
