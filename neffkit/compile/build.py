@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neffkit.compile.audit import audit_units
+from neffkit.compile.autotune import autotuned
 from neffkit.compile.backends import get_backend
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache import open_cache
@@ -125,6 +126,7 @@ def _target_build(
         layout = target_layout(manifest, backend)
         if uses_kernel(layout) and not dry_run:  # graphs call it: verify runs them here
             ensure_kernels()
+            layout = _measured_forms(layout, specs, progress)
     with _pool(cluster, jobs, layout, result) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
         units = _checked_units(ctx, specs, backend, store, result, clock, fail=not dry_run)
@@ -139,6 +141,21 @@ def _target_build(
             return _finished(result, units)
         _write(ctx, backend, store, dest, units, result, clock, verify, draft)
     return _finished(result, units)
+
+
+def _measured_forms(layout: ModelLayout, specs: Planned, progress: Progress) -> ModelLayout:
+    """cpu_kernel auto: each decode row count takes the kernel only where it measured faster
+    here than Inductor's form (compile/autotune.py); timed before any worker runs."""
+    if layout.projection.kernel != "auto":
+        return layout
+    rows = [s.rows * s.tokens for s, _ in specs if s.rows * s.tokens <= layout.projection.max_rows]
+    layout, timings = autotuned(layout, rows)
+    for t in timings if progress.enabled else ():
+        progress.message(
+            f"decode rows {t.rows}: projections {t.kernel_ms:.2f} ms in neffkit's kernel, "
+            f"{t.inductor_ms:.2f} ms in Inductor's form: {'kernel' if t.kernel else 'Inductor'}"
+        )
+    return layout
 
 
 def _has_draft(manifest: Manifest) -> bool:

@@ -133,12 +133,13 @@ def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
 
 def uses_kernel(layout: ModelLayout) -> bool:
     """Do this layout's decode graphs call neffkit's CPU kernel (some blocked weight takes the
-    kernel form)?"""
+    kernel form at some row count)?"""
     policy = layout.projection
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
     sizes = blocked_weight_bytes(layout)
-    return any(policy.form(1, True, size) == "kernel-rows" for size in sizes)
+    rows = range(1, policy.max_rows + 1)
+    return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
 
 
 def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
@@ -165,3 +166,13 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
             )
         return policy
     return dataclasses.replace(policy, kernel=mode)
+
+
+def projection_form(layout: ModelLayout, rows: int) -> str:
+    """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
+    that differ by weight size are joined with "+", the largest weights' form first)."""
+    sizes = blocked_weight_bytes(layout)
+    if not sizes:
+        return layout.projection.form(rows, False)
+    forms = dict.fromkeys(layout.projection.form(rows, True, size) for size in sizes)
+    return "+".join(forms)

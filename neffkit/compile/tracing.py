@@ -8,6 +8,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from neffkit.compile.cache.keys import trace_key
+from neffkit.compile.layout import projection_form
 from neffkit.compile.units import BuildContext, TraceResult
 from neffkit.compile.workers import trace_job
 
@@ -30,7 +31,8 @@ def trace_graphs(
     nothing changed traces nothing (`counters["traced"]` counts real traces)."""
     world = ctx.manifest.parallel.tp
     pairs = [(spec, r) for spec, _ in specs for r in range(world)]
-    keys = [trace_key(ctx.manifest, backend, s, r) for s, r in pairs] if cache else []
+    keys = [trace_key(ctx.manifest, backend, s, r, projection_form(ctx.layout, s.rows * s.tokens))
+            for s, r in pairs] if cache else []  # fmt: skip
     flat: list[TraceResult | None] = [_hit(cache.lookup_trace(k)) for k in keys] if cache else []
     flat = flat or [None] * len(pairs)
     misses = [i for i, t in enumerate(flat) if t is None]

@@ -41,6 +41,19 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class FormTiming:
+    """One decode row count's projections timed here in both forms (ms for the whole graph)."""
+
+    rows: int
+    kernel_ms: float
+    inductor_ms: float
+
+    @property
+    def kernel(self) -> bool:
+        return self.kernel_ms <= self.inductor_ms
+
+
+@dataclass(frozen=True)
 class GraphSpec:
     name: str
     phase: str  # "prefill" | "decode" | "verify"
@@ -128,6 +141,8 @@ class ModelLayout:
     bitmask_words: int = 0
     penalty_tokens: int = 0
     bias_tokens: int = 0
+    # cpu_kernel auto: what the build measured per decode row count (compile/autotune.py)
+    kernel_timings: tuple[FormTiming, ...] = ()
 
 
 # --------------------------------------------------------------------------------------- traces

@@ -19,7 +19,7 @@ import neffkit
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache.keys import weights_key
 from neffkit.compile.cache.local import KEY_JSON, link_or_copy
-from neffkit.compile.layout import blocked_weight_bytes
+from neffkit.compile.layout import projection_form
 from neffkit.compile.units import GraphUnit, ModelLayout
 from neffkit.contract.bundle import write_bundle_json, write_zst_text
 from neffkit.contract.records import (
@@ -30,6 +30,7 @@ from neffkit.contract.records import (
     Fp8Record,
     GraphBuckets,
     GraphRecord,
+    KernelTiming,
     LayoutRecord,
     ManifestRecord,
     ModelRecord,
@@ -91,16 +92,6 @@ def copy_tokenizer(model_dir: Path, out: Path) -> None:
         shutil.copyfile(model_dir / name, out / name)
 
 
-def projection_form(layout: ModelLayout, rows: int) -> str:
-    """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
-    that differ by weight size are joined with "+", the largest weights' form first)."""
-    sizes = blocked_weight_bytes(layout)
-    if not sizes:
-        return layout.projection.form(rows, False)
-    forms = dict.fromkeys(layout.projection.form(rows, True, size) for size in sizes)
-    return "+".join(forms)
-
-
 def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayout) -> GraphRecord:
     """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
     spec, t = u.spec, u.trace
@@ -131,8 +122,18 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
         artifact_metadata=u.metadata,
         verify=u.verify,
         projection=projection_form(layout, spec.rows * spec.tokens),
+        kernel_timing=_kernel_timing(layout, spec.rows * spec.tokens),
         **hlo,
     )
+
+
+def _kernel_timing(layout: ModelLayout, rows: int) -> KernelTiming | None:
+    """What cpu_kernel auto measured for a graph of `rows` rows, if it measured (kept per host,
+    so a rebuild here records the same figures)."""
+    for t in layout.kernel_timings:
+        if t.rows == rows:
+            return KernelTiming(t.kernel_ms, t.inductor_ms, "kernel" if t.kernel else "inductor")
+    return None
 
 
 DRAFT_DIR = "draft"  # a draft model's bundle, inside the target's

@@ -58,6 +58,16 @@ class VerifyRecord(Record):
 
 
 @dataclass(frozen=True)
+class KernelTiming(Record):
+    """cpu_kernel auto: a decode graph's projections timed on the build host in both forms (ms
+    for the whole graph), and the form it took (compile/autotune.py)."""
+
+    kernel_ms: float
+    inductor_ms: float
+    chosen: str
+
+
+@dataclass(frozen=True)
 class CompilerRecord(Record):
     """How neuronx-cc made one NEFF: its argv (paths relative to the bundle), version, log."""
 
@@ -120,6 +130,7 @@ class GraphRecord(Record):
     # "blocked-bmm" (cpu prefill: bmm over the blocks), "reduction" (one row, plain weights),
     # "mm" (a library GEMM), "dot" (HLO)
     projection: str | None = None
+    kernel_timing: KernelTiming | None = None  # cpu_kernel auto's measurement (decode graphs)
 
     @property
     def stem(self) -> str:
@@ -134,6 +145,8 @@ class GraphRecord(Record):
         if self.hlo is None:  # only neuron graphs carry the HLO fields
             for key in NEURON_GRAPH_FIELDS:
                 del data[key]
+        if self.kernel_timing is None:
+            del data["kernel_timing"]
         return data
 
 

@@ -23,6 +23,9 @@ class ProjectionPolicy:
     # or "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's reductions)
     kernel: str = "off"
     kernel_min_bytes: int = 1 << 20
+    # "auto": the row counts whose decode graphs take the kernel, as the build measured them
+    # on its host (compile/autotune.py); None: every row count
+    kernel_rows: frozenset[int] | None = None
     # Inductor targets: attention's queries stored once, after RoPE, before the score reduction
     # (see `materialized`: otherwise Inductor inlines RoPE into that reduction and recomputes
     # it for every key; 125M bf16 model, 8 rows: ~0.9 ms of a layer's attention, bench/batch.py)
@@ -35,7 +38,8 @@ class ProjectionPolicy:
             if rows > self.max_rows:
                 return "blocked-bmm"
             big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
-            if self.kernel == "on" or (self.kernel == "auto" and big):
+            measured = self.kernel_rows is None or rows in self.kernel_rows
+            if self.kernel == "on" or (self.kernel == "auto" and big and measured):
                 return "kernel-rows"
             return "blocked-rows"
         if self.max_rows == 0:
@@ -60,7 +64,7 @@ TIED_TABLE = "model.embed_tokens.weight"  # the LM head too, where the embedding
 
 
 def blocks(name: str, shape: tuple[int, ...], lanes: int, tied: bool = False) -> bool:
-    """Is this (bundle-dtype, not fp8) weight stored blocked under `lanes`? A tied embedding
+    """Is this weight (bundle dtype or fp8) stored blocked under `lanes`? A tied embedding
     table is (the lookup reads it as table[id // lanes, :, id % lanes]), so that the LM head it
     also is takes the blocked forms: its 5-row verify step through `mm` cost twice its 1-row
     reduction (SmolLM2's 49152 x 576 head)."""

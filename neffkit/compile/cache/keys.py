@@ -92,9 +92,12 @@ def _installed(names: tuple[str, ...]) -> dict[str, str]:
     return found
 
 
-def trace_key(manifest: Manifest, backend: Backend, spec: GraphSpec, rank: int) -> CacheKey:
+def trace_key(
+    manifest: Manifest, backend: Backend, spec: GraphSpec, rank: int, projection: str = ""
+) -> CacheKey:
     """Everything one rank's trace of one graph is made from: the early key
-    (docs/design.md#caches)."""
+    (docs/design.md#caches). `projection`: the forms its projections take (cpu_kernel auto
+    chooses them by measuring on the build host)."""
     import torch
 
     return CacheKey(
@@ -110,6 +113,7 @@ def trace_key(manifest: Manifest, backend: Backend, spec: GraphSpec, rank: int) 
             "backend": f"{backend.name} {backend.version}",
             # cpu_kernel: auto takes the kernel only where the CPU runs it
             "cpu_kernel": _cpu_kernel_runs() if backend.name == "cpu" else None,
+            "projection": projection,
             "graph": asdict(spec),
             "rank": rank,
             "format": FORMAT_VERSION,

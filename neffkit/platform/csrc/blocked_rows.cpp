@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -39,11 +40,25 @@ constexpr int64_t kLanes = 16;
 // least two weight streams in flight
 constexpr int tile_blocks(int rows) { return rows >= 5 ? 2 : (rows >= 3 ? 4 : 8); }
 
-// Weight lines are fetched this many K steps ahead of use (one 64-byte line per K step of a
-// float32 block, per two of a bf16 block). With several rows a K step does several FMAs, and
-// the hardware prefetcher alone leaves too few lines in flight for a slowly consumed stream:
-// batch 8 ran at 5 GB/s a core, batch 1 at 15.
-constexpr int64_t kAhead = 32;
+// Weight lines are fetched this many lines ahead of use (one 64-byte line per K step of a
+// float32 block, per two of a bf16 block). On the Intel host it was tuned on, with several rows
+// a K step does several FMAs and the hardware prefetcher alone left too few lines in flight for
+// a slowly consumed stream: batch 8 ran at 5 GB/s a core, batch 1 at 15. On AMD Zen 4 the
+// hardware prefetcher alone streams faster: the 125M model's projections at one row, float32,
+// alternating in one process, 13.7 vs 15.3 ms and 10.3 vs 14.7 ms in two runs, bf16 6.5 vs
+// 8.8 ms; eight rows equal within the noise. $NEFFKIT_KERNEL_PREFETCH overrides (benchmarks).
+int64_t prefetch_lines() {
+  static const int64_t lines = [] {
+    if (const char* env = std::getenv("NEFFKIT_KERNEL_PREFETCH")) return std::atoll(env);
+    unsigned a, b, c, d;
+    char vendor[13] = {};
+    if (__get_cpuid(0, &a, &b, &c, &d)) {
+      std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
+    }
+    return std::strcmp(vendor, "AuthenticAMD") == 0 ? 0LL : 32LL;
+  }();
+  return lines;
+}
 
 // One K step of a block's 16 lanes as float32: loaded, or (bf16) widened in-register.
 inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
@@ -69,12 +84,12 @@ void tile(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t b0
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   const W* wb = w + b0 * K * kLanes;
+  const int64_t ahead = kStepsPerLine * prefetch_lines();
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[U];
     for (int u = 0; u < U; ++u) {
-      if (k % kStepsPerLine == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(
-                         wb + (u * K + k + kStepsPerLine * kAhead) * kLanes),
+      if (ahead && k % kStepsPerLine == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (u * K + k + ahead) * kLanes),
                      _MM_HINT_T0);
       wv[u] = load_lanes(wb + (u * K + k) * kLanes);
     }
@@ -131,14 +146,14 @@ void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_
 // weight (which Inductor's graph would widen through a software conversion first).
 //
 // e4m3fn -> float16 is a move of the byte's bits: sign to bit 15, exponent and mantissa to bits
-// 7..13 (a shift left by 8, an arithmetic shift right by 1, bit 14 cleared). Read as float16
+// 7..13 (sign-extended to 16 bits and shifted left by 7, bit 14 then cleared). Read as float16
 // that is the value times 2^-8, subnormals included (e4m3's subnormals land on float16's), and
 // VCVTPH2PS widens it exactly (it ignores MXCSR's denormals-are-zero); the 2^8 goes into the
 // block scale. The NaN byte (0x7f/0xff, never in a checkpoint's weights) reads as +-480.
 
 inline __m512 load_fp8(const uint8_t* p) {
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 1),
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7),
                                         _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
   return _mm512_cvtph_ps(half);
 }
@@ -156,6 +171,7 @@ void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, 
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   const uint8_t* wb = w + b0 * K * kLanes;
+  const int64_t ahead = kStepsPerLine * prefetch_lines();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const int64_t k0 = kb * k_block, k1 = k0 + k_block < K ? k0 + k_block : K;
     __m512 part[R][U];
@@ -164,9 +180,8 @@ void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, 
     for (int64_t k = k0; k < k1; ++k) {
       __m512 wv[U];
       for (int u = 0; u < U; ++u) {
-        if (k % kStepsPerLine == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(
-                           wb + (u * K + k + kStepsPerLine * kAhead) * kLanes),
+        if (ahead && k % kStepsPerLine == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(wb + (u * K + k + ahead) * kLanes),
                        _MM_HINT_T0);
         wv[u] = load_fp8(wb + (u * K + k) * kLanes);
       }

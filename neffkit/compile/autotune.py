@@ -1,0 +1,172 @@
+"""`compiler.cpu_kernel: auto`: per decode graph, neffkit's kernel or Inductor's blocked-rows
+form, whichever streams that graph's projections faster on the build host.
+
+Which form wins depends on the CPU, not only on its ISA: the kernel was tuned on an Intel host,
+and on an AMD Zen 4 host Inductor's fused reduction was faster at one row (LAB.md). So, as
+Inductor's max-autotune times its templates, the build times both forms on this host for each
+decode row count: every large blocked projection weight of the model (random values, the model's
+shapes and dtypes, as many copies as the graph has, up to `MAX_BYTES`), run through
+`models.projection.project` compiled by Inductor under each policy, alternating, medians.
+Measurements are kept per host and model shape (beside the kernel library, `cpu_kernels.cache_dir`)
+so a rebuild here picks the same forms and writes the same bundle; bundle.json records them per
+graph (`kernel_timing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from neffkit.compile.units import FormTiming, ModelLayout
+from neffkit.contract.abi import TensorSpec
+from neffkit.models.forms import TIED_TABLE, ProjectionPolicy, is_projection_weight
+from neffkit.models.projection import BlockedFp8, project
+from neffkit.platform import cpu_kernels, cpus, host
+
+MAX_BYTES = 1 << 30  # weights allocated to time a graph's projections (a larger model: a share)
+REPEATS = 5  # timed runs of each form, alternating
+FP8 = "float8_e4m3fn"
+
+
+def autotuned(layout: ModelLayout, rows: list[int]) -> tuple[ModelLayout, tuple[FormTiming, ...]]:
+    """The layout with the kernel taken only at the row counts where it measured faster."""
+    policy = layout.projection
+    weights = _timed_weights(layout)
+    if policy.kernel != "auto" or not weights or not rows:
+        return layout, ()
+    timings = tuple(_cached(layout, weights, r) for r in sorted(set(rows)))
+    chosen = frozenset(t.rows for t in timings if t.kernel)
+    projection = dataclasses.replace(policy, kernel_rows=chosen)
+    return dataclasses.replace(layout, projection=projection, kernel_timings=timings), timings
+
+
+def _timed_weights(layout: ModelLayout) -> list[TensorSpec]:
+    """The blocked projection weights `auto` would give the kernel (of kernel_min_bytes or
+    more), each followed by its scales if fp8."""
+    by_name = {w.name: w for w in layout.weights}
+    out = []
+    for w in layout.weights:
+        blocked = len(w.shape) == 3 and (is_projection_weight(w.name) or w.name == TIED_TABLE)
+        if blocked and math.prod(w.shape) * _bytes(w.dtype) >= layout.projection.kernel_min_bytes:
+            out.append(w)
+            if w.dtype == FP8:
+                out.append(by_name[w.name + ".scale"])
+    return out
+
+
+def _bytes(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTiming:
+    """A measurement this host made before for these shapes, or a new one (kept)."""
+    threads = cpus.usable_cpus()
+    key = json.dumps([
+        [(w.shape, w.dtype) for w in weights], rows, layout.dtype, layout.config.fp8_block,
+        threads, torch.__version__, host.cpu_description(), sorted(host.cpu_flags()),
+        cpu_kernels.SOURCE.read_bytes().hex(), Path(__file__).read_bytes().hex(),
+    ], default=list)  # fmt: skip
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    path = cpu_kernels.cache_dir() / "autotune" / f"{digest}.json"
+    if path.exists():
+        return FormTiming(**json.loads(path.read_text()))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timing = measure(layout, weights, rows)
+    finally:
+        torch.set_num_threads(previous)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(timing)))
+    tmp.replace(path)
+    return timing
+
+
+def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTiming:
+    """Both forms of one row count's projections, compiled and timed alternately (module doc)."""
+    cpu_kernels.ensure_for_tracing()
+    dtype = getattr(torch, layout.dtype)
+    share, flat, k_block = _weights(weights, layout.config.fp8_block)
+    groups = _unflatten(flat, k_block)
+    xs = {k: torch.randn(rows, k).to(dtype) for k in {_in_features(w) for w in groups}}
+    runs = {}
+    for form in ("kernel", "inductor"):
+        policy = dataclasses.replace(layout.projection, kernel="on" if form == "kernel" else "off")
+        runs[form] = _compiled(policy, xs, flat, k_block)
+    samples: dict[str, list[float]] = {form: [] for form in runs}
+    for run in runs.values():  # warm up: first calls allocate
+        run()
+    for _ in range(REPEATS):
+        for form, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            samples[form].append(time.perf_counter() - t0)
+    ms = {form: 1000 * statistics.median(s) / share for form, s in samples.items()}
+    return FormTiming(rows, round(ms["kernel"], 3), round(ms["inductor"], 3))
+
+
+def _weights(
+    weights: list[TensorSpec], fp8_block: tuple[int, ...] | None
+) -> tuple[float, list[torch.Tensor], int]:
+    """Random tensors of the weights' shapes: every weight once, or a `MAX_BYTES` share of
+    each shape (the share, so the time can be scaled back to the whole graph)."""
+    total = sum(math.prod(w.shape) * _bytes(w.dtype) for w in weights)
+    share = min(1.0, MAX_BYTES / total)
+    counts = Counter((w.shape, w.dtype) for w in weights if not w.name.endswith(".scale"))
+    scales = {(w.shape, w.dtype): s for w, s in zip(weights, weights[1:], strict=False)
+              if s.name == w.name + ".scale"}  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    flat: list[torch.Tensor] = []
+    taken = 0
+    for (shape, dtype), count in counts.items():
+        for _ in range(max(1, round(count * share))):
+            flat.append((torch.randn(shape, generator=gen) * 0.05).to(getattr(torch, dtype)))
+            if dtype == FP8:
+                flat.append(torch.rand(scales[shape, dtype].shape, generator=gen) + 0.5)
+            taken += math.prod(shape) * _bytes(dtype)
+    k_block = (fp8_block[1] if fp8_block else 0) or 0
+    weight_total = sum(math.prod(s) * _bytes(d) * c for (s, d), c in counts.items())
+    return taken / weight_total, flat, k_block
+
+
+def _unflatten(flat: list[torch.Tensor], k_block: int) -> list[torch.Tensor | BlockedFp8]:
+    out: list[torch.Tensor | BlockedFp8] = []
+    i = 0
+    while i < len(flat):
+        if flat[i].dtype == torch.float8_e4m3fn:
+            out.append(BlockedFp8(flat[i], flat[i + 1], k_block or flat[i].shape[1]))
+            i += 2
+        else:
+            out.append(flat[i])
+            i += 1
+    return out
+
+
+def _in_features(w: torch.Tensor | BlockedFp8) -> int:
+    return (w.weight if isinstance(w, BlockedFp8) else w).shape[1]
+
+
+def _compiled(
+    policy: ProjectionPolicy, xs: dict[int, torch.Tensor], flat: list[torch.Tensor], k_block: int
+) -> Callable[[], object]:
+    """The projections under `policy`, compiled by Inductor as a graph compiles them."""
+    keys = sorted(xs)
+
+    def projections(*args: torch.Tensor) -> list[torch.Tensor]:
+        x_by_k = dict(zip(keys, args[: len(keys)], strict=True))
+        return [project(x_by_k[_in_features(w)], w, policy)
+                for w in _unflatten(list(args[len(keys) :]), k_block)]  # fmt: skip
+
+    fn = torch.compile(projections, fullgraph=True, dynamic=False)
+    args = [xs[k] for k in keys] + flat
+    return lambda: fn(*args)

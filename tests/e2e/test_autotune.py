@@ -1,0 +1,60 @@
+"""cpu_kernel auto times neffkit's kernel against Inductor's form on this host, per decode row
+count, takes the faster, and keeps the measurement so a rebuild here chooses the same."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from neffkit.compile.autotune import autotuned
+from neffkit.compile.layout import projection_form, target_layout, uses_kernel
+from neffkit.contract.records import GraphRecord
+from neffkit.manifest import load_manifest
+from neffkit.platform import cpu_kernels
+from tests.conftest import write_manifest
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-512")
+
+
+def test_auto_takes_the_form_that_measured_faster_and_keeps_the_measurement(
+    tmp_path, monkeypatch, hf_model_dir
+):
+    monkeypatch.setenv("NEFFKIT_KERNEL_CACHE", str(tmp_path / "kernels"))
+    manifest = load_manifest(write_manifest(tmp_path / "m.yaml", hf_model_dir("llama")))
+    layout = target_layout(manifest)
+    assert layout.projection.kernel == "auto"
+    # every blocked weight counts as large here, so auto has something to time on a tiny model
+    small = dataclasses.replace(layout.projection, kernel_min_bytes=0)
+    layout = dataclasses.replace(layout, projection=small)
+    tuned, timings = autotuned(layout, [1, 3, 3])
+    assert [t.rows for t in timings] == [1, 3]
+    assert all(t.kernel_ms > 0 and t.inductor_ms > 0 for t in timings)
+    assert tuned.projection.kernel_rows == {t.rows for t in timings if t.kernel_ms <= t.inductor_ms}
+    for t in timings:  # the graphs write what was measured faster, and record both figures
+        want = "kernel-rows" if t.kernel else "blocked-rows"
+        assert projection_form(tuned, t.rows) == want
+    assert uses_kernel(tuned) == any(t.kernel for t in timings)
+    # kept per host and shape: the same figures again, nothing re-measured (files untouched)
+    kept = sorted((tmp_path / "kernels" / "autotune").glob("*.json"))
+    assert len(kept) == 2
+    stamps = [p.stat().st_mtime_ns for p in kept]
+    again, timings_again = autotuned(layout, [3, 1])
+    assert timings_again == timings and again.projection == tuned.projection
+    assert [p.stat().st_mtime_ns for p in kept] == stamps
+    assert {json.loads(p.read_text())["rows"] for p in kept} == {1, 3}
+
+
+def test_graph_records_carry_the_measurement_and_omit_it_otherwise():
+    from neffkit.contract.records import GraphBuckets, KernelTiming
+
+    base = dict(name="decode_b1", phase="decode", buckets=GraphBuckets(1, 1, 64), artifact=None,
+                ir="ir/x.txt.zst", graph_sha256="0", cache_key=None, options={},
+                option_origins={}, flags=(), flag_origins={}, io_alias=(), inputs=(),
+                outputs=(), ranks="all")  # fmt: skip
+    timed = GraphRecord(**base, kernel_timing=KernelTiming(1.5, 2.0, "kernel"))
+    data = timed.to_json()
+    assert data["kernel_timing"] == {"kernel_ms": 1.5, "inductor_ms": 2.0, "chosen": "kernel"}
+    assert GraphRecord.from_json(data) == timed
+    assert "kernel_timing" not in GraphRecord(**base).to_json()
