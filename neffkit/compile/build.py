@@ -28,6 +28,7 @@ from neffkit.compile.backends import get_backend
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache import open_cache
 from neffkit.compile.cache.lookup import lookup_units, remember_unit, restore_unit, store_unit
+from neffkit.compile.calibrate import calibrated
 from neffkit.compile.flags import resolve_options
 from neffkit.compile.layout import target_layout, uses_kernel
 from neffkit.compile.plan import Planned, make_plan, shard_share
@@ -244,6 +245,7 @@ def _write(
         if draft is not None:  # hashed into bundle.json's files with the target's own
             os.replace(draft, stage / DRAFT_DIR)
         with clock("weights"):  # 6. cast (and shard) into weights/rank{r}.safetensors
+            layout = calibrated(manifest, layout)  # fp8 KV scales the checkpoint lacks
             weights, placed = write_weights(manifest, stage, layout, store)
             result.counters.update({f"weights_{k}": v for k, v in placed.items() if v})
         with clock("compile"):  # 7. compile the misses (in parallel); copy the hits

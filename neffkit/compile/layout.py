@@ -34,12 +34,15 @@ if TYPE_CHECKING:
 
 def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
     """How this manifest's bundle stores the checkpoint: dtype, the trn1/trn2 fp8 rescale
-    (values into ±240), whether the fp8 KV cache reads the checkpoint's k/v scales, and the
-    projection weights' blocked layout (the target's ProjectionPolicy.lanes)."""
+    (values into ±240), whether the fp8 KV cache reads k/v scales (the checkpoint's, or ones the
+    build calibrates), and the projection weights' blocked layout (ProjectionPolicy.lanes)."""
+    from_checkpoint = manifest.fp8_kv_cache and has_kv_scales(manifest.model)
+    calibrate = manifest.fp8_kv_cache and not from_checkpoint and manifest.kv_cache.calibrate
     return Storage(
         manifest.dtype,
         fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
-        kv_scales=manifest.fp8_kv_cache and has_kv_scales(manifest.model),
+        kv_scales=from_checkpoint or calibrate,
+        kv_calibrated=() if calibrate else None,  # measured before the weights are written
         lanes=lanes,
     )
 

@@ -240,8 +240,16 @@ def fp8_record(manifest: Manifest, storage: Storage) -> Fp8Record | None:
         weight_rescale=storage.fp8_rescale,
         scale_rescale=1.0 / storage.fp8_rescale,
         kv_cache=fp8_kv,
-        kv_scales=("checkpoint" if storage.kv_scales else "1.0") if fp8_kv else "",
+        kv_scales=_kv_scale_source(storage) if fp8_kv else "",
+        k_scales=tuple(k for k, _ in storage.kv_calibrated) if storage.kv_calibrated else None,
+        v_scales=tuple(v for _, v in storage.kv_calibrated) if storage.kv_calibrated else None,
     )
+
+
+def _kv_scale_source(storage: Storage) -> str:
+    if storage.kv_calibrated is not None:
+        return "calibrated"
+    return "checkpoint" if storage.kv_scales else "1.0"
 
 
 def fp8_layout(block: tuple[int, ...]) -> str:

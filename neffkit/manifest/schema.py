@@ -35,13 +35,16 @@ class KVCache:
     num_blocks: int
     # the cache tensors' dtype, resolved here: the model dtype unless the manifest says
     # float8_e4m3fn (clamp(x / k_scale, ±M) stored, M the target's fp8 range (targets.fp8_max),
-    # k_scale/v_scale per layer from the checkpoint, else 1.0)
+    # k_scale/v_scale per layer from the checkpoint, else calibrated at build time
+    # (compile/calibrate.py), else 1.0)
     dtype: str
     # num_blocks from a per-rank memory budget (MiB) instead, sized by the cache dtype's width
     memory_mb: int | None = None
     # full prompt blocks shared across requests (a runtime choice: no graph changes; `neffkit
     # run --no-prefix-caching` turns it off for one server)
     prefix_caching: bool = True
+    # fp8: per-layer K/V scales measured on a calibration text when the checkpoint has none
+    calibrate: bool = True
 
 
 @dataclass(frozen=True)

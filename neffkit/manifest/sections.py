@@ -203,13 +203,11 @@ def read_kv_cache(
 ) -> KVCache:
     raw = mapping(value, "kv_cache")
     no_unknown(
-        raw, ("block_size", "num_blocks", "dtype", "memory_mb", "prefix_caching"), "kv_cache"
+        raw,
+        ("block_size", "num_blocks", "dtype", "memory_mb", "prefix_caching", "calibrate"),
+        "kv_cache",
     )
-    prefix_caching = raw.get("prefix_caching", True)
-    if not isinstance(prefix_caching, bool):
-        raise ManifestError(
-            f"kv_cache.prefix_caching: expected true or false, got {prefix_caching!r}"
-        )
+    prefix_caching, calibrate = _kv_flags(raw)
     kv_dtype = raw.get("dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ManifestError(
@@ -257,7 +255,22 @@ def read_kv_cache(
         dtype=kv_dtype,
         memory_mb=memory_mb,
         prefix_caching=prefix_caching,
+        calibrate=calibrate,
     )
+
+
+def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool]:
+    """kv_cache.prefix_caching and kv_cache.calibrate (fp8 caches only)."""
+    prefix_caching, calibrate = raw.get("prefix_caching", True), raw.get("calibrate", True)
+    for key, flag in (("prefix_caching", prefix_caching), ("calibrate", calibrate)):
+        if not isinstance(flag, bool):
+            raise ManifestError(f"kv_cache.{key}: expected true or false, got {flag!r}")
+    if "calibrate" in raw and raw.get("dtype") != "float8_e4m3fn":
+        raise ManifestError(
+            "kv_cache.calibrate: only an fp8 cache has scales to calibrate",
+            hint="set kv_cache.dtype: float8_e4m3fn, or leave calibrate out",
+        )
+    return prefix_caching, calibrate
 
 
 def kv_bytes_per_token(cfg: ModelConfig, par: Parallelism, dtype: str) -> int:

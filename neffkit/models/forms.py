@@ -85,7 +85,9 @@ class Storage:
     # fp8 weights are multiplied by this and their scales divided by it: 240/448 on trn1/trn2,
     # whose fp8 values must stay within ±240 (targets.fp8_max), else 1
     fp8_rescale: float = 1.0
-    # the fp8 KV cache reads the checkpoint's per-layer k_scale / v_scale (graph inputs)
+    # the fp8 KV cache reads per-layer k_scale / v_scale graph inputs: the checkpoint's, or
+    # (kv_calibrated) measured by the build, one (k, v) pair per layer
     kv_scales: bool = False
+    kv_calibrated: tuple[tuple[float, float], ...] | None = None
     # projection weights stored blocked [out/lanes, in, lanes] (models/projection.py); 0: plain
     lanes: int = 0

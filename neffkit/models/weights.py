@@ -50,6 +50,19 @@ def has_kv_scales(model_dir: Path) -> bool:
     return kv_scale_name("model.layers.0", "k", names) in names
 
 
+def calibrated_kv_scales(cfg: ModelConfig, storage: Storage) -> dict[str, float | None]:
+    """The K/V scales a build calibrated (compile/calibrate.py) under the names the shards read,
+    each layer's k_scale and v_scale; values None while the layout is planned (shapes only)."""
+    if storage.kv_calibrated is None:
+        return {}
+    pairs = storage.kv_calibrated or ((None, None),) * cfg.num_layers
+    return {
+        f"model.layers.{layer}.self_attn.{kind}_scale": pair[i]
+        for layer, pair in enumerate(pairs)
+        for i, kind in enumerate("kv")
+    }
+
+
 def weight_dtype(name: str, dtype: str) -> torch.dtype:
     """The bundle dtype, except for tensors that stay float32 (rope frequencies)."""
     return torch.float32 if keeps_float32(name) else DTYPES[dtype]
@@ -110,13 +123,17 @@ def rank_weight_specs(
     float32 block scales (`<name>.scale`); stored blocked, its scales are `lane_scales`."""
     storage = _storage(storage)
     index, entries = _headers(model_dir, cfg)
+    calibrated = calibrated_kv_scales(cfg, storage)
 
     def meta(name: str) -> torch.Tensor:
+        if name in calibrated:
+            return torch.empty(1, device="meta")
         fp8 = entries[name]["dtype"] == "F8_E4M3"
         return torch.empty(entries[name]["shape"], device="meta", dtype=FP8 if fp8 else None)
 
     out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    for name, t in rank_weights(cfg, par, rank, meta, set(index), storage.kv_scales):
+    available = set(index) | set(calibrated)
+    for name, t in rank_weights(cfg, par, rank, meta, available, storage.kv_scales):
         if t.dtype == FP8:
             shape = tuple(t.shape)
             grid = scale_grid(shape, cfg.fp8_block)
@@ -151,35 +168,15 @@ def iter_rank_weights(
     expanded to one per element, then taken back to one per block; a cut that splits a block
     cannot be taken back, and is an error naming the tensor."""
     storage = _storage(storage)
-    index = checkpoint_index(model_dir)
-    readers: dict[Path, TensorReader] = {}
-
-    def reader(name: str) -> TensorReader:
-        """The (kept open) reader of the file holding `name`."""
-        file = index[name]
-        if file not in readers:
-            readers[file] = TensorReader(file)
-        return readers[file]
-
-    def read(name: str) -> torch.Tensor:
-        return reader(name).get(name)
-
-    def expanded_scale(name: str) -> torch.Tensor:
-        """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
-        scale_name = name + cfg.fp8_scale_suffix
-        weight_shape = reader(name).header[name]["shape"]
-        if scale_name not in index:
-            return torch.empty(weight_shape, device="meta")
-        return expand_scales(read(scale_name), weight_shape, cfg.fp8_block)
-
-    available, kv_scales = set(index), storage.kv_scales
+    source = _Checkpoint(model_dir, cfg, calibrated_kv_scales(cfg, storage))
+    available, kv_scales = source.names, storage.kv_scales
     scales = (
-        rank_weights(cfg, par, rank, expanded_scale, available, kv_scales)
+        rank_weights(cfg, par, rank, source.expanded_scale, available, kv_scales)
         if cfg.fp8_block
         else None
     )
     try:
-        for name, tensor in rank_weights(cfg, par, rank, read, available, kv_scales):
+        for name, tensor in rank_weights(cfg, par, rank, source.read, available, kv_scales):
             scale = next(scales)[1] if scales is not None else None
             if tensor.dtype == FP8:
                 assert scale is not None
@@ -193,9 +190,48 @@ def iter_rank_weights(
             yield name, _compact(cast)
             del tensor, cast
     finally:
-        for reader in readers.values():
+        source.close()
+
+
+class _Checkpoint:
+    """A checkpoint's tensors by name, each file's reader kept open until `close`, with the K/V
+    scales a build calibrated beside them."""
+
+    def __init__(
+        self, model_dir: Path, cfg: ModelConfig, calibrated: dict[str, float | None]
+    ) -> None:
+        self.index, self.cfg, self.calibrated = checkpoint_index(model_dir), cfg, calibrated
+        self.names = set(self.index) | set(calibrated)
+        self.readers: dict[Path, TensorReader] = {}
+
+    def reader(self, name: str) -> TensorReader:
+        file = self.index[name]
+        if file not in self.readers:
+            self.readers[file] = TensorReader(file)
+        return self.readers[file]
+
+    def read(self, name: str) -> torch.Tensor:
+        if name in self.calibrated:
+            value = self.calibrated[name]
+            if value is None:
+                raise ModelError(f"{name}: the fp8 KV cache's scales were never calibrated")
+            return torch.tensor([value], dtype=torch.float32)
+        return self.reader(name).get(name)
+
+    def expanded_scale(self, name: str) -> torch.Tensor:
+        """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
+        if name in self.calibrated:
+            return torch.empty(1, device="meta")
+        scale_name = name + self.cfg.fp8_scale_suffix
+        weight_shape = self.reader(name).header[name]["shape"]
+        if scale_name not in self.index:
+            return torch.empty(weight_shape, device="meta")
+        return expand_scales(self.read(scale_name), weight_shape, self.cfg.fp8_block)
+
+    def close(self) -> None:
+        for reader in self.readers.values():
             reader.close()
-        readers.clear()
+        self.readers.clear()
 
 
 def _fp8_stored(

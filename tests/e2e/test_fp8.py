@@ -8,6 +8,7 @@ boundaries. Per-channel and per-tensor scales (compressed-tensors, fbgemm_fp8) s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -143,8 +144,9 @@ def test_a_tp_cut_inside_an_fp8_block_is_refused_naming_the_tensor(session_dir):
 
 @pytest.mark.matrix  # fp8 KV without checkpoint scales; the scaled cache stays in `make test`
 def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bundle):
-    """kv_cache.dtype float8_e4m3fn: K/V inputs are fp8 (a byte per value), inspect says so, and
-    greedy tokens stay close to the unquantized cache's (the agreement is printed)."""
+    """kv_cache.dtype float8_e4m3fn: K/V inputs are fp8 (a byte per value), scales calibrated by
+    the build, inspect says so, and greedy tokens stay close to the unquantized cache's (the
+    agreement is printed)."""
     from tests.conftest import bundle_json, run_json
 
     kind = "llama_tied"
@@ -154,6 +156,11 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
     )  # fmt: skip
     record = bundle_json(result.bundle)
     assert record["layout"]["kv_dtype"] == "float8_e4m3fn"
+    # no scales in the checkpoint: calibrated by the build, recorded one per layer
+    assert record["fp8"]["kv_scales"] == "calibrated"
+    layers = COMMON["num_hidden_layers"]
+    assert len(record["fp8"]["k_scales"]) == len(record["fp8"]["v_scales"]) == layers
+    assert all(s > 0 for s in record["fp8"]["k_scales"] + record["fp8"]["v_scales"])
     for graph in record["graphs"]:
         kv = [i for i in graph["inputs"] if i["name"].startswith(("k_cache.", "v_cache."))]
         assert kv and all(i["dtype"] == "float8_e4m3fn" for i in kv)
@@ -404,3 +411,45 @@ def test_trn2_fp8_kv_cache_clamps_to_240_and_passes_the_audit(fp8_model, session
         assert text.count("aten.clamp.default(") and "-240.0, 240.0)" in text
     findings = run_json("inspect", str(out))["findings"]
     assert not [f for f in findings if f["rule"] == "NK202"]
+
+
+def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model_dir):
+    """No scales in the checkpoint: each layer's scale is max |K| / 200 and max |V| / 100 over a
+    prefill of the calibration text (vLLM's calculate_kv_scales), here against HF's own cache
+    on the same ids; the shards then carry them as k_scale / v_scale inputs."""
+    import transformers
+
+    from neffkit.compile.calibrate import calibration_tokens, kv_scales
+    from neffkit.compile.layout import target_layout
+    from neffkit.manifest import load_manifest
+    from neffkit.models.parallel import Parallelism
+    from neffkit.models.weights import iter_rank_weights
+    from tests.conftest import write_manifest
+
+    kv = {"block_size": 16, "dtype": "float8_e4m3fn"}
+    model = hf_model_dir("llama")
+    manifest = load_manifest(write_manifest(tmp_path / "m.yaml", model, kv_cache=kv))
+    layout = target_layout(manifest)
+    assert layout.storage.kv_scales and layout.storage.kv_calibrated == ()
+    scales = kv_scales(manifest)
+    ids = calibration_tokens(manifest)
+    assert len(ids) % 16 == 0 and len(ids) >= 64
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    assert len(scales) == COMMON["num_hidden_layers"]
+    for layer, (k_scale, v_scale) in enumerate(scales):
+        want_k = cache.layers[layer].keys.abs().max().item() / 200
+        want_v = cache.layers[layer].values.abs().max().item() / 100
+        assert k_scale == pytest.approx(want_k, rel=2e-3), layer
+        assert v_scale == pytest.approx(want_v, rel=2e-3), layer
+    storage = dataclasses.replace(layout.storage, kv_calibrated=scales)
+    stored = dict(iter_rank_weights(model, layout.config, storage, Parallelism(), 0))
+    for layer, (k_scale, v_scale) in enumerate(scales):
+        p = f"model.layers.{layer}.self_attn"
+        assert stored[f"{p}.k_scale"].tolist() == [pytest.approx(k_scale)]
+        assert stored[f"{p}.v_scale"].tolist() == [pytest.approx(v_scale)]
+    # kv_cache.calibrate: false keeps vLLM's default without calculate_kv_scales: 1.0
+    off = {**kv, "calibrate": False}
+    plain = load_manifest(write_manifest(tmp_path / "off.yaml", model, kv_cache=off))
+    assert not target_layout(plain).storage.kv_scales

@@ -129,6 +129,16 @@ BAD = [
     ),
     ("decode state", _with("decode_state", "gpu"), "decode_state: unknown value 'gpu'"),
     (
+        "kv calibration without an fp8 cache",
+        _with("kv_cache", {"calibrate": True}),
+        "kv_cache.calibrate: only an fp8 cache has scales to calibrate",
+    ),
+    (
+        "kv calibration not a bool",
+        _with("kv_cache", {"dtype": "float8_e4m3fn", "calibrate": "yes"}),
+        "kv_cache.calibrate: expected true or false, got 'yes'",
+    ),
+    (
         "flags not strings",
         _with("compiler", {"flags": ["-O2", 3]}),
         "compiler.flags[1]: expected a string, got 3",

@@ -1,0 +1,108 @@
+"""Per-layer K/V scales for an fp8 KV cache whose checkpoint has none, measured at build time.
+
+An fp8 cache stores clamp(x / scale, ±448). With scale 1.0 small values fall into e4m3's
+subnormals (below 2^-6 they keep 3 bits or fewer) and values past 448 are clamped. vLLM's
+`calculate_kv_scales` sets each layer's scale on the first forward from the largest |K| and |V|
+it sees, divided by 200 (K) and 100 (V), leaving headroom for larger values later. The build does
+the same once, on a fixed calibration text (calibration.txt beside this module, tokenized by the
+model's own tokenizer), running neffkit's eager model with a full-precision cache: one prefill of
+the text at tp=1, whose cache then holds every layer's K and V. The scales, rounded to four
+significant digits so a rebuild writes the same bytes, become the k_scale / v_scale graph inputs
+and are recorded in bundle.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from neffkit.compile.layout import model_layout
+from neffkit.compile.trace import decoder_module
+from neffkit.compile.units import GraphSpec, ModelLayout
+from neffkit.compile.verify_inputs import representative_inputs
+from neffkit.contract import abi
+from neffkit.models.parallel import Parallelism
+from neffkit.models.weights import iter_rank_weights
+
+if TYPE_CHECKING:
+    from neffkit.manifest import Manifest
+
+TEXT = Path(__file__).with_name("calibration.txt")
+K_RANGE, V_RANGE = 200.0, 100.0  # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT
+MAX_TOKENS = 512
+
+
+def calibrated(manifest: Manifest, layout: ModelLayout) -> ModelLayout:
+    """The layout with its storage's K/V scales measured (a layout that asks for none: as is)."""
+    if layout.storage.kv_calibrated != ():
+        return layout
+    storage = dataclasses.replace(layout.storage, kv_calibrated=kv_scales(manifest))
+    return dataclasses.replace(layout, storage=storage)
+
+
+def kv_scales(manifest: Manifest) -> tuple[tuple[float, float], ...]:
+    """(k_scale, v_scale) per layer from one eager prefill of the calibration text."""
+    cfg = manifest.model_config
+    ids = calibration_tokens(manifest)
+    tokens, bs = len(ids), manifest.kv_cache.block_size
+    full = dataclasses.replace(
+        manifest,
+        parallel=Parallelism(),
+        kv_cache=dataclasses.replace(manifest.kv_cache, dtype=manifest.dtype),
+    )
+    layout = dataclasses.replace(model_layout(full, "cpu"), num_blocks=tokens // bs + 1)
+    spec = GraphSpec("calibration", "prefill", 1, tokens, tokens)
+    module, specs = decoder_module(layout, spec)
+    weights = [t for _, t in iter_rank_weights(full.model, cfg, layout.storage, Parallelism(), 0)]
+    inputs = representative_inputs(layout, spec, weights)
+    index = {s.name: i for i, s in enumerate(specs)}
+    positions = torch.arange(tokens).reshape(1, tokens)
+    overrides = {
+        abi.INPUT_IDS: torch.tensor([ids]),
+        abi.POSITIONS: positions,
+        abi.SLOT_MAPPING: positions + bs,  # blocks 1.. in order (block 0 is the null block)
+        abi.BLOCK_TABLES: torch.arange(1, tokens // bs + 1).reshape(1, -1),
+        abi.CONTEXT_LENS: torch.tensor([tokens]),
+        abi.LAST_TOKEN_INDEX: torch.tensor([tokens - 1]),
+    }
+    for name, value in overrides.items():
+        inputs[index[name]] = value.to(inputs[index[name]].dtype)
+    caches = abi.kv_cache_names(cfg.num_layers, cfg.kv_kind)
+    for name in caches:
+        inputs[index[name]] = torch.zeros_like(inputs[index[name]])
+    with torch.no_grad():
+        module(*inputs)  # writes every layer's K and V into the caches, in place
+    amax = {name: inputs[index[name]].float().abs().max().item() for name in caches}
+    return tuple(
+        (_scale(amax[f"k_cache.{layer}"], K_RANGE), _scale(amax[f"v_cache.{layer}"], V_RANGE))
+        for layer in range(cfg.num_layers)
+    )
+
+
+def _scale(amax: float, value_range: float) -> float:
+    return float(f"{max(amax, 1e-6) / value_range:.4g}")
+
+
+def calibration_tokens(manifest: Manifest) -> list[int]:
+    """The ids one prefill calibrates on: the text's, whole KV blocks of them."""
+    ids = calibration_ids(manifest.model, manifest.model_config.vocab_size)
+    bs = manifest.kv_cache.block_size
+    tokens = max(bs, len(ids) // bs * bs)
+    return (ids * (tokens // len(ids) + 1))[:tokens]
+
+
+def calibration_ids(model_dir: Path, vocab: int) -> list[int]:
+    """The calibration text in the model's tokens (its tokenizer.json); without a tokenizer,
+    fixed pseudo-random ids (a random checkpoint has no text of its own)."""
+    tokenizer = Path(model_dir) / "tokenizer.json"
+    if tokenizer.exists():
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(tokenizer)).encode(TEXT.read_text()).ids
+        return [i for i in ids if i < vocab][:MAX_TOKENS]
+    rng = random.Random(0)
+    return [rng.randrange(vocab) for _ in range(256)]
