@@ -143,13 +143,19 @@ def gguf(outtype: str) -> Path:
 
 
 # ------------------------------------------------------------------ neffkit bundles
+def fp8_checkpoint() -> Path:
+    """SmolLM2 with block-fp8 projections (128x128, tools/make_fp8_model.py), made once."""
+    model = WORK / "smollm2-fp8"
+    if not (model / "config.json").exists():
+        run([sys.executable, REPO / "tools" / "make_fp8_model.py", MODEL, model,
+             "--block", "128", "128"])  # fmt: skip
+    return model
+
+
 def neffkit_bundle(kind: str) -> Path:
     model, dtype = MODEL, kind
     if kind == "fp8":  # unquantized tensors (norms, the tied embedding and head) in bf16
-        model, dtype = WORK / "smollm2-fp8", "bfloat16"
-        if not (model / "config.json").exists():
-            run([sys.executable, REPO / "tools" / "make_fp8_model.py", MODEL, model,
-                 "--block", "128", "128"])  # fmt: skip
+        model, dtype = fp8_checkpoint(), "bfloat16"
     manifest = WORK / f"neffkit-{kind}.yaml"
     manifest.write_text(MANIFEST.format(kind=kind, model=model, dtype=dtype))
     return ensure_bundle(manifest, WORK / f"bundle-{kind}")

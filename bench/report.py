@@ -262,7 +262,70 @@ def _peer_ratios(systems: dict[str, Any]) -> str:
     )
 
 
+def llamacpp(d: dict[str, Any]) -> str:
+    names = {"float32": "fp32 / f32", "bfloat16": "bf16 / bf16", "fp8": "fp8 (128x128) / Q8_0"}
+    rows = [
+        [names.get(k, k), f"{r['neffkit_b1_ms']:.2f}", f"{r['llamacpp_b1_ms']:.2f}",
+         f"{r['b1_speed_relative']:.2f}×", f"{r['neffkit_b8_tokens_per_s']:.0f}",
+         f"{r['llamacpp_b8_tokens_per_s']:.0f}", f"{r['b8_speed_relative']:.2f}×"]
+        for k, r in d["rows"].items()
+    ]  # fmt: skip
+    text = (
+        f"**Against llama.cpp** (`bench/llamacpp.py`, {d['model'].split(' (')[0]}, the same "
+        f"weights converted by llama.cpp's own converter; {d['llama_cpp']}; {d['threads']} "
+        f"threads each, {d['rounds']} alternating rounds, medians). Batch 1: ms per token "
+        "(`llama-bench -p 0 -n 64`; neffkit's median decode step). Batch 8: "
+        f"{d['b8_work']}, end to end, output tokens/s (`llama-batched-bench`; neffkit "
+        "`LLM.generate` with packed prefill). Relative: neffkit's speed over llama.cpp's "
+        "(> 1× is faster).\n\n"
+        + _table(
+            [
+                "neffkit / llama.cpp weights",
+                "b1 ms neffkit",
+                "b1 ms llama.cpp",
+                "b1 relative",
+                "b8 tok/s neffkit",
+                "b8 tok/s llama.cpp",
+                "b8 relative",
+            ],
+            rows,
+        )  # fmt: skip
+    )
+    if "serving" in d:
+        srows = [
+            [names.get(k, k), *(f"{v[s][f'streams_{c}']:.0f}" for c in (1, 8)
+                                for s in ("neffkit", "llamacpp"))]
+            for k, v in d["serving"].items()
+        ]  # fmt: skip
+        text += (
+            "\n\nServing, output tokens/s (`neffkit run` against `llama-server -np 8`, "
+            "bench/serve.py's client: 32-token prompts, 64 tokens out, greedy):\n\n"
+            + _table(
+                [
+                    "weights",
+                    "1 stream neffkit",
+                    "1 stream llama.cpp",
+                    "8 streams neffkit",
+                    "8 streams llama.cpp",
+                ],
+                srows,
+            )  # fmt: skip
+        )
+    greedy = d.get("greedy_vs_hf", {})
+    if greedy:
+        parts = [
+            f"{k.replace('_', ' ')} {g['identical']}/{g['prompts']}" for k, g in greedy.items()
+        ]
+        text += (
+            "\n\nGreedy tokens against HF transformers (float32) on chat prompts, up to EOS, "
+            "prompts identical: " + ", ".join(parts) + "."
+        )
+    return text
+
+
 def fp8(d: dict[str, Any]) -> str:
+    if "rows" not in d:
+        return _fp8_kl(d["kl"]) if "kl" in d else ""
     rows = [
         [k, f"{r['weight_bytes'] / 1e6:.0f} MB", f"{r['bytes_vs_fp32']:.2f}×",
          f"{r['b1_step_ms']:.1f}", f"{r['step_vs_fp32']:.2f}×",
@@ -275,6 +338,23 @@ def fp8(d: dict[str, Any]) -> str:
         + _table(
             ["weights", "shard", "vs fp32", "b1 step ms", "vs fp32", "greedy tokens = fp32"], rows
         )  # fmt: skip
+        + ("\n\n" + _fp8_kl(d["kl"]) if "kl" in d else "")
+    )
+
+
+def _fp8_kl(kl: dict[str, Any]) -> str:
+    rows = [
+        [k, f"{max(r['mean_kl'], 0):.5f}", f"{max(r['kl_vs_bf16_weights'], 0):.2f}×",
+         f"{r['top1_agreement']:.1%}"]
+        for k, r in kl["rows"].items()
+    ]  # fmt: skip
+    return (
+        f"**What quantization costs on a real model** (`bench/fp8.py`, {kl['model']}, "
+        f"{kl['tokens']} tokens of `{kl['text']}`): mean next-token KL divergence from "
+        f"{kl['reference']}, neffkit's model code run eagerly (every position reads the cache "
+        "back as a decode step does); fp8 weights are block 128x128 with the rest float32; "
+        "fp8 KV uses float32 weights.\n\n"
+        + _table(["variant", "mean KL", "vs bf16 weights", "top-1 = reference"], rows)
     )
 
 
@@ -536,6 +616,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("build", build),
     ("build_large", build_large),
     ("peers", peers),
+    ("llamacpp", llamacpp),
     ("fp8", fp8),
     ("tp", tp),
     ("batch", batch),

@@ -6,9 +6,9 @@ subnormals (below 2^-6 they keep 3 bits or fewer) and values past 448 are clampe
 it sees, divided by 200 (K) and 100 (V), leaving headroom for larger values later. The build does
 the same once, on a fixed calibration text (calibration.txt beside this module, tokenized by the
 model's own tokenizer), running neffkit's eager model with a full-precision cache: one prefill of
-the text at tp=1, whose cache then holds every layer's K and V. The scales, rounded to four
-significant digits so a rebuild writes the same bytes, become the k_scale / v_scale graph inputs
-and are recorded in bundle.json.
+the text at tp=1 (`eager_prefill`), whose cache then holds every layer's K and V. The scales,
+rounded to four significant digits so a rebuild writes the same bytes, become the k_scale /
+v_scale graph inputs and are recorded in bundle.json.
 """
 
 from __future__ import annotations
@@ -47,17 +47,35 @@ def calibrated(manifest: Manifest, layout: ModelLayout) -> ModelLayout:
 def kv_scales(manifest: Manifest) -> tuple[tuple[float, float], ...]:
     """(k_scale, v_scale) per layer from one eager prefill of the calibration text."""
     cfg = manifest.model_config
-    ids = calibration_tokens(manifest)
-    tokens, bs = len(ids), manifest.kv_cache.block_size
     full = dataclasses.replace(
         manifest,
         parallel=Parallelism(),
         kv_cache=dataclasses.replace(manifest.kv_cache, dtype=manifest.dtype),
     )
-    layout = dataclasses.replace(model_layout(full, "cpu"), num_blocks=tokens // bs + 1)
-    spec = GraphSpec("calibration", "prefill", 1, tokens, tokens)
+    caches, _ = eager_prefill(
+        model_layout(full, "cpu"), manifest.model, calibration_tokens(manifest)
+    )
+    amax = {name: cache.float().abs().max().item() for name, cache in caches.items()}
+    return tuple(
+        (_scale(amax[f"k_cache.{layer}"], K_RANGE), _scale(amax[f"v_cache.{layer}"], V_RANGE))
+        for layer in range(cfg.num_layers)
+    )
+
+
+def eager_prefill(
+    layout: ModelLayout, model_dir: Path, ids: list[int], logits: bool = False
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """One prefill of `ids` (whole KV blocks) through neffkit's eager model at tp=1, projections
+    as matmuls: every layer's cache after it, by name, and (`logits`) the logits at every
+    position, float32 [T, vocab] (the benchmarks' KL divergence reads them)."""
+    cfg, bs, tokens = layout.config, layout.block_size, len(ids)
+    layout = dataclasses.replace(
+        layout, num_blocks=tokens // bs + 1, prompt_logprobs=logits,
+        projection=dataclasses.replace(layout.projection, max_rows=0),
+    )  # fmt: skip
+    spec = GraphSpec("prefill", "prefill", 1, tokens, tokens)
     module, specs = decoder_module(layout, spec)
-    weights = [t for _, t in iter_rank_weights(full.model, cfg, layout.storage, Parallelism(), 0)]
+    weights = [t for _, t in iter_rank_weights(model_dir, cfg, layout.storage, layout.par, 0)]
     inputs = representative_inputs(layout, spec, weights)
     index = {s.name: i for i, s in enumerate(specs)}
     positions = torch.arange(tokens).reshape(1, tokens)
@@ -71,16 +89,16 @@ def kv_scales(manifest: Manifest) -> tuple[tuple[float, float], ...]:
     }
     for name, value in overrides.items():
         inputs[index[name]] = value.to(inputs[index[name]].dtype)
-    caches = abi.kv_cache_names(cfg.num_layers, cfg.kv_kind)
-    for name in caches:
+    names = abi.kv_cache_names(cfg.num_layers, cfg.kv_kind)
+    for name in names:
         inputs[index[name]] = torch.zeros_like(inputs[index[name]])
+    seen: list[torch.Tensor] = []
+    head = module.logits
+    module.logits = lambda *args: seen.append(head(*args)) or seen[-1]  # the full [T, vocab]
     with torch.no_grad():
         module(*inputs)  # writes every layer's K and V into the caches, in place
-    amax = {name: inputs[index[name]].float().abs().max().item() for name in caches}
-    return tuple(
-        (_scale(amax[f"k_cache.{layer}"], K_RANGE), _scale(amax[f"v_cache.{layer}"], V_RANGE))
-        for layer in range(cfg.num_layers)
-    )
+    caches = {name: inputs[index[name]] for name in names}
+    return caches, seen[0].float() if logits else None
 
 
 def _scale(amax: float, value_range: float) -> float:
