@@ -1,10 +1,11 @@
-"""`compiler.cpu_kernel: auto`: per decode graph, neffkit's kernel or Inductor's blocked-rows
-form, whichever streams that graph's projections faster on the build host.
+"""`compiler.cpu_kernel: auto`: per decode graph, neffkit's kernel (for the large weights, or
+for every weight) or Inductor's blocked-rows form, whichever streams that graph's projections
+faster on the build host.
 
 Which form wins depends on the CPU, not only on its ISA: the kernel was tuned on an Intel host,
 and on an AMD Zen 4 host Inductor's fused reduction was faster at one row (LAB.md). So, as
 Inductor's max-autotune times its templates, the build times both forms on this host for each
-decode row count: every large blocked projection weight of the model (random values, the model's
+decode row count: every blocked projection weight of the model (random values, the model's
 shapes and dtypes, as many copies as the graph has, up to `MAX_BYTES`), run through
 `models.projection.project` compiled by Inductor under each policy, alternating, medians.
 Measurements are kept per host and model shape (beside the kernel library, `cpu_kernels.cache_dir`)
@@ -44,23 +45,26 @@ def autotuned(layout: ModelLayout, rows: list[int]) -> tuple[ModelLayout, tuple[
     if policy.kernel != "auto" or not weights or not rows:
         return layout, ()
     timings = tuple(_cached(layout, weights, r) for r in sorted(set(rows)))
-    chosen = frozenset(t.rows for t in timings if t.kernel)
-    projection = dataclasses.replace(policy, kernel_rows=chosen)
+    projection = dataclasses.replace(
+        policy,
+        kernel_rows=frozenset(t.rows for t in timings if t.chosen != "inductor"),
+        kernel_all_rows=frozenset(t.rows for t in timings if t.chosen == "kernel-all"),
+    )
     return dataclasses.replace(layout, projection=projection, kernel_timings=timings), timings
 
 
 def _timed_weights(layout: ModelLayout) -> list[TensorSpec]:
-    """The blocked projection weights `auto` would give the kernel (of kernel_min_bytes or
-    more), each followed by its scales if fp8."""
+    """Every blocked projection weight, each followed by its scales if fp8; none where no
+    weight reaches kernel_min_bytes (a model that small keeps Inductor's forms unmeasured)."""
     by_name = {w.name: w for w in layout.weights}
     out = []
     for w in layout.weights:
-        blocked = len(w.shape) == 3 and (is_projection_weight(w.name) or w.name == TIED_TABLE)
-        if blocked and math.prod(w.shape) * _bytes(w.dtype) >= layout.projection.kernel_min_bytes:
+        if len(w.shape) == 3 and (is_projection_weight(w.name) or w.name == TIED_TABLE):
             out.append(w)
             if w.dtype == FP8:
                 out.append(by_name[w.name + ".scale"])
-    return out
+    sizes = [math.prod(w.shape) * _bytes(w.dtype) for w in out if not w.name.endswith(".scale")]
+    return out if sizes and max(sizes) >= layout.projection.kernel_min_bytes else []
 
 
 def _bytes(dtype: str) -> int:
@@ -99,10 +103,13 @@ def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
     share, flat, k_block = _weights(weights, layout.config.fp8_block)
     groups = _unflatten(flat, k_block)
     xs = {k: torch.randn(rows, k).to(dtype) for k in {_in_features(w) for w in groups}}
-    runs = {}
-    for form in ("kernel", "inductor"):
-        policy = dataclasses.replace(layout.projection, kernel="on" if form == "kernel" else "off")
-        runs[form] = _compiled(policy, xs, flat, k_block)
+    base = dataclasses.replace(layout.projection, kernel_rows=None, kernel_all_rows=frozenset())
+    policies = {
+        "kernel": dataclasses.replace(base, kernel="auto"),
+        "kernel-all": dataclasses.replace(base, kernel="on"),
+        "inductor": dataclasses.replace(base, kernel="off"),
+    }
+    runs = {form: _compiled(policy, xs, flat, k_block) for form, policy in policies.items()}
     samples: dict[str, list[float]] = {form: [] for form in runs}
     for run in runs.values():  # warm up: first calls allocate
         run()
@@ -112,7 +119,9 @@ def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
             run()
             samples[form].append(time.perf_counter() - t0)
     ms = {form: 1000 * statistics.median(s) / share for form, s in samples.items()}
-    return FormTiming(rows, round(ms["kernel"], 3), round(ms["inductor"], 3))
+    return FormTiming(
+        rows, round(ms["kernel"], 3), round(ms["inductor"], 3), round(ms["kernel-all"], 3)
+    )
 
 
 def _weights(

@@ -153,8 +153,9 @@ def _measured_forms(layout: ModelLayout, specs: Planned, progress: Progress) -> 
     layout, timings = autotuned(layout, rows)
     for t in timings if progress.enabled else ():
         progress.message(
-            f"decode rows {t.rows}: projections {t.kernel_ms:.2f} ms in neffkit's kernel, "
-            f"{t.inductor_ms:.2f} ms in Inductor's form: {'kernel' if t.kernel else 'Inductor'}"
+            f"decode rows {t.rows}: projections {t.kernel_ms:.2f} ms with neffkit's kernel for "
+            f"weights of 1 MiB or more, {t.kernel_all_ms:.2f} ms for every weight, "
+            f"{t.inductor_ms:.2f} ms in Inductor's form: {t.chosen}"
         )
     return layout
 

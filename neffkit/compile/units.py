@@ -42,15 +42,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FormTiming:
-    """One decode row count's projections timed here in both forms (ms for the whole graph)."""
+    """One decode row count's projections timed here (ms for the whole graph) in each form:
+    the kernel for weights of kernel_min_bytes or more (Inductor's reduction for the smaller),
+    the kernel for every weight, and Inductor's reduction for every weight."""
 
     rows: int
     kernel_ms: float
     inductor_ms: float
+    kernel_all_ms: float
 
     @property
-    def kernel(self) -> bool:
-        return self.kernel_ms <= self.inductor_ms
+    def chosen(self) -> str:
+        """ "kernel", "kernel-all" or "inductor": the fastest (ties to the kernel)."""
+        forms = {"kernel": self.kernel_ms, "kernel-all": self.kernel_all_ms,
+                 "inductor": self.inductor_ms}  # fmt: skip
+        return min(forms, key=forms.__getitem__)
 
 
 @dataclass(frozen=True)

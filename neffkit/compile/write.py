@@ -132,7 +132,7 @@ def _kernel_timing(layout: ModelLayout, rows: int) -> KernelTiming | None:
     so a rebuild here records the same figures)."""
     for t in layout.kernel_timings:
         if t.rows == rows:
-            return KernelTiming(t.kernel_ms, t.inductor_ms, "kernel" if t.kernel else "inductor")
+            return KernelTiming(t.kernel_ms, t.inductor_ms, t.chosen, t.kernel_all_ms)
     return None
 
 

@@ -59,12 +59,16 @@ class VerifyRecord(Record):
 
 @dataclass(frozen=True)
 class KernelTiming(Record):
-    """cpu_kernel auto: a decode graph's projections timed on the build host in both forms (ms
-    for the whole graph), and the form it took (compile/autotune.py)."""
+    """cpu_kernel auto: a decode graph's projections timed on the build host (ms for the whole
+    graph) with the kernel for weights of 1 MiB or more, in Inductor's form, and with the kernel
+    for every weight, and the form it took: "kernel", "inductor" or "kernel-all"
+    (compile/autotune.py)."""
 
+    OMIT_NONE = True
     kernel_ms: float
     inductor_ms: float
     chosen: str
+    kernel_all_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ class ProjectionPolicy:
     kernel: str = "off"
     kernel_min_bytes: int = 1 << 20
     # "auto": the row counts whose decode graphs take the kernel, as the build measured them
-    # on its host (compile/autotune.py); None: every row count
+    # on its host (compile/autotune.py); None: every row count. At `kernel_all_rows` the kernel
+    # takes the weights below kernel_min_bytes too.
     kernel_rows: frozenset[int] | None = None
+    kernel_all_rows: frozenset[int] = frozenset()
     # Inductor targets: attention's queries stored once, after RoPE, before the score reduction
     # (see `materialized`: otherwise Inductor inlines RoPE into that reduction and recomputes
     # it for every key; 125M bf16 model, 8 rows: ~0.9 ms of a layer's attention, bench/batch.py)
@@ -38,6 +40,7 @@ class ProjectionPolicy:
             if rows > self.max_rows:
                 return "blocked-bmm"
             big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
+            big = big or rows in self.kernel_all_rows
             measured = self.kernel_rows is None or rows in self.kernel_rows
             if self.kernel == "on" or (self.kernel == "auto" and big and measured):
                 return "kernel-rows"
