@@ -53,6 +53,8 @@ def model_layout(
     """The layout of every rank's graphs (rank 0's weight specs; the others must equal them)."""
     cfg, par = manifest.model_config, manifest.parallel
     storage = weight_storage(manifest, projection.lanes)
+    if _kernel_reads_fp8(manifest, projection, storage):
+        storage = dataclasses.replace(storage, fp8_lanes=projection.lanes)
     specs = rank_weight_specs(manifest.model, cfg, storage, par, 0)
     for rank in range(1, par.tp):
         if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
@@ -87,6 +89,22 @@ def model_layout(
         bitmask_words=-(-cfg.vocab_size // 32) if sampling.structured else 0,
         penalty_tokens=sampling.penalty_tokens(manifest.buckets.context[-1], cfg.vocab_size),
         bias_tokens=sampling.max_logit_bias,
+    )
+
+
+def _kernel_reads_fp8(manifest: Manifest, policy: ProjectionPolicy, storage: Storage) -> bool:
+    """Store fp8 projections blocked for the kernel? With `on`, or with `auto` where some
+    projection is large enough for the build to time the kernel against Inductor's forms
+    (compile/autotune.py): Inductor reads a plain fp8 weight far faster than a blocked one."""
+    if not manifest.model_config.fp8_block or policy.kernel == "off" or policy.max_rows == 0:
+        return False
+    if policy.kernel == "on":
+        return True
+    specs = rank_weight_specs(manifest.model, manifest.model_config, storage, manifest.parallel, 0)
+    return any(
+        math.prod(shape) * dtype.itemsize >= policy.kernel_min_bytes
+        for name, shape, dtype in specs
+        if is_projection_weight(name) or name == TIED_TABLE
     )
 
 

@@ -137,9 +137,9 @@ def rank_weight_specs(
         if t.dtype == FP8:
             shape = tuple(t.shape)
             grid = scale_grid(shape, cfg.fp8_block)
-            if blocks(name, shape, storage.lanes):  # scales as lane_scales
-                grid = (shape[0] // storage.lanes, grid[-1], storage.lanes)
-                shape = blocked_shape(shape, storage.lanes)
+            if blocks(name, shape, storage.fp8_lanes):  # scales as lane_scales
+                grid = (shape[0] // storage.fp8_lanes, grid[-1], storage.fp8_lanes)
+                shape = blocked_shape(shape, storage.fp8_lanes)
             out.append((name, shape, FP8))
             out.append((name + SCALE, grid, torch.float32))
         else:
@@ -238,14 +238,15 @@ def _fp8_stored(
     name: str, tensor: torch.Tensor, scale: torch.Tensor, block: tuple[int, ...], storage: Storage
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp8 weight and its scales as the bundle stores them: one scale per block, the values
-    within the target's fp8 range, blocked (scales as `lane_scales`) where projections are."""
+    within the target's fp8 range, blocked (scales as `lane_scales`) where the kernel may read
+    them (Storage.fp8_lanes)."""
     block_scale = _per_block(name, scale, block)
     rescale = storage.fp8_rescale
     if rescale != 1.0:  # into ±240: the weight scaled down, its scale up
         tensor, block_scale = (tensor.float() * rescale).to(FP8), block_scale / rescale
-    if blocks(name, tuple(tensor.shape), storage.lanes):
-        block_scale = lane_scales(block_scale, tuple(tensor.shape), block, storage.lanes)
-        tensor = to_blocked(tensor, storage.lanes)
+    if blocks(name, tuple(tensor.shape), storage.fp8_lanes):
+        block_scale = lane_scales(block_scale, tuple(tensor.shape), block, storage.fp8_lanes)
+        tensor = to_blocked(tensor, storage.fp8_lanes)
     return tensor, block_scale
 
 

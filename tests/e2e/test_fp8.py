@@ -117,9 +117,11 @@ def test_fp8_bundle_equals_hf_on_the_dequantized_weights(tp, fp8_model, session_
                 blocked += 1
                 continue
             rows, cols = shapes[name]
-            assert rows % 16, name  # only outputs that do not fill a lane block stay plain
+            assert rows % 16 or not kernel, name  # with the kernel, only partial lane blocks
             assert shapes[name + ".scale"] == [-(-rows // 16), -(-cols // 16)], name
-    assert blocked == 5 * COMMON["num_hidden_layers"]  # all but o_proj and down_proj (72 out)
+    # with the kernel all but o_proj and down_proj (72 outputs); without it, Inductor reads
+    # plain fp8 weights (it fuses their widening into the one-row reduction)
+    assert blocked == (5 * COMMON["num_hidden_layers"] if kernel else 0)
     forms = {g["projection"] for g in bundle_json(result.bundle)["graphs"]}
     assert ("kernel-rows" in forms) == kernel, forms
     assert dtypes["model.embed_tokens.weight"] == "F32"  # unquantized tensors keep the dtype
