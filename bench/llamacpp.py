@@ -374,6 +374,7 @@ def main() -> None:
         "rows": rows,
         "greedy_vs_hf": greedy_against_hf(llms, bins["llama-server"], ggufs),
     }  # fmt: skip
+    write_result("llamacpp", result)  # the offline figures, whatever serving does
     if not args.skip_serve:
         del llms  # the servers load their own copies
         result["serving"] = {

@@ -104,7 +104,11 @@ async def run_level(
     async def client() -> None:
         async with httpx.AsyncClient(timeout=300) as http:
             while not queue.empty():
-                results.append(await one_request(http, url, model, queue.get_nowait(), out_len))
+                prompt = queue.get_nowait()
+                try:
+                    results.append(await one_request(http, url, model, prompt, out_len))
+                except httpx.RemoteProtocolError:  # a kept-alive connection the server closed
+                    results.append(await one_request(http, url, model, prompt, out_len))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
