@@ -99,6 +99,9 @@ def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
 def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTiming:
     """Both forms of one row count's projections, compiled and timed alternately (module doc)."""
     cpu_kernels.ensure_for_tracing()
+    # each measurement compiles its three forms afresh: without a reset, Dynamo's limit of 8
+    # compiles per function is reached at the third decode row count
+    torch._dynamo.reset()
     dtype = getattr(torch, layout.dtype)
     share, flat, k_block = _weights(weights, layout.config.fp8_block)
     groups = _unflatten(flat, k_block)

@@ -127,7 +127,7 @@ def _target_build(
         layout = target_layout(manifest, backend)
         if uses_kernel(layout) and not dry_run:  # graphs call it: verify runs them here
             ensure_kernels()
-            layout = _measured_forms(layout, specs, progress)
+            layout = _measured_forms(layout, specs, progress, result)
     with _pool(cluster, jobs, layout, result) as run_parallel:
         ctx = BuildContext(manifest, layout, run_parallel, progress, lower_only)
         units = _checked_units(ctx, specs, backend, store, result, clock, fail=not dry_run)
@@ -144,13 +144,19 @@ def _target_build(
     return _finished(result, units)
 
 
-def _measured_forms(layout: ModelLayout, specs: Planned, progress: Progress) -> ModelLayout:
+def _measured_forms(
+    layout: ModelLayout, specs: Planned, progress: Progress, result: BuildResult
+) -> ModelLayout:
     """cpu_kernel auto: each decode row count takes the kernel only where it measured faster
     here than Inductor's form (compile/autotune.py); timed before any worker runs."""
     if layout.projection.kernel != "auto":
         return layout
     rows = [s.rows * s.tokens for s, _ in specs if s.rows * s.tokens <= layout.projection.max_rows]
-    layout, timings = autotuned(layout, rows)
+    try:
+        layout, timings = autotuned(layout, rows)
+    except Exception as exc:  # a measurement is an optimisation: the build goes on without it
+        result.warnings.append(f"cpu_kernel auto: timing the forms failed ({exc}); unmeasured")
+        return layout
     for t in timings if progress.enabled else ():
         progress.message(
             f"decode rows {t.rows}: projections {t.kernel_ms:.2f} ms with neffkit's kernel for "
