@@ -93,7 +93,8 @@ def copy_tokenizer(model_dir: Path, out: Path) -> None:
 
 
 def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayout) -> GraphRecord:
-    """The graph's record in bundle.json: deterministic (no timings), so rebuilds are identical."""
+    """The graph's record in bundle.json: deterministic (no build timings; cpu_kernel auto's
+    measurement is kept per host), so rebuilds are identical."""
     spec, t = u.spec, u.trace
     hlo = {}
     if t.lowered is not None:
