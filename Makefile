@@ -7,7 +7,7 @@ BASE_STAMP := .venv/.neffkit-base
 TEST_STAMP := .venv/.neffkit-test
 PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider
 
-.PHONY: setup setup-test demo test test-fast test-all lint bench lm-eval peers-venv peers clean
+.PHONY: setup setup-test demo test test-fast test-all lint bench lm-eval peers-venv peers llamacpp clean
 
 setup: $(BASE_STAMP)
 
@@ -87,6 +87,12 @@ peers-venv:
 
 peers: setup-test peers-venv
 	$(PY) bench/peers.py
+
+# llama.cpp beside neffkit on the demo's checkpoint (builds llama.cpp from source: needs cmake)
+llamacpp: setup-test $(DEMO_STAMP)
+	test -f $(DEMO_MODEL)/config.json || $(PY) -m neffkit convert "$(DEMO_GGUF)" -o $(DEMO_MODEL)
+	$(PY) bench/llamacpp.py
+	$(PY) bench/report.py --write-docs
 
 bench: setup-test
 	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster,bench]'

@@ -19,7 +19,7 @@ Reported, rounds alternating the systems, medians:
 Writes bench/results/llamacpp.json. Everything is fetched and built under bench/work/llamacpp
 once (the llama.cpp build takes ~15 min on 2 cores).
 
-    .venv/bin/python bench/llamacpp.py [--rounds 3] [--skip-serve]
+    make llamacpp    # or: .venv/bin/python bench/llamacpp.py [--rounds 3] [--skip-serve]
 """
 
 from __future__ import annotations

@@ -313,9 +313,13 @@ def llamacpp(d: dict[str, Any]) -> str:
         )
     greedy = d.get("greedy_vs_hf", {})
     if greedy:
-        parts = [
-            f"{k.replace('_', ' ')} {g['identical']}/{g['prompts']}" for k, g in greedy.items()
-        ]
+        labels = {"llamacpp": "llama.cpp", "float32": "fp32", "bfloat16": "bf16", "q8_0": "Q8_0"}
+
+        def label(key: str) -> str:
+            system, kind = key.split("_", 1)
+            return f"{labels.get(system, system)} {labels.get(kind, kind)}"
+
+        parts = [f"{label(k)} {g['identical']}/{g['prompts']}" for k, g in greedy.items()]
         text += (
             "\n\nGreedy tokens against HF transformers (float32) on chat prompts, up to EOS, "
             "prompts identical: " + ", ".join(parts) + "."
@@ -342,9 +346,14 @@ def fp8(d: dict[str, Any]) -> str:
     )
 
 
+def _unsigned(value: float) -> float:
+    """A divergence that rounding left a hair below zero reads as 0."""
+    return max(value, 0.0) + 0.0
+
+
 def _fp8_kl(kl: dict[str, Any]) -> str:
     rows = [
-        [k, f"{max(r['mean_kl'], 0):.5f}", f"{max(r['kl_vs_bf16_weights'], 0):.2f}×",
+        [k, f"{_unsigned(r['mean_kl']):.5f}", f"{_unsigned(r['kl_vs_bf16_weights']):.2f}×",
          f"{r['top1_agreement']:.1%}"]
         for k, r in kl["rows"].items()
     ]  # fmt: skip
