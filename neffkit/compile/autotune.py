@@ -4,8 +4,8 @@ faster on the build host.
 
 Which form wins depends on the CPU, not only on its ISA: the kernel was tuned on an Intel host,
 and on an AMD Zen 4 host Inductor's fused reduction was faster at one row (LAB.md). So, as
-Inductor's max-autotune times its templates, the build times both forms on this host for each
-decode row count: every blocked projection weight of the model (random values, the model's
+Inductor's max-autotune times its templates, the build times the three forms on this host for
+each decode row count: every blocked projection weight of the model (random values, the model's
 shapes and dtypes, as many copies as the graph has, up to `MAX_BYTES`), run through
 `models.projection.project` compiled by Inductor under each policy, alternating, medians.
 Measurements are kept per host and model shape (beside the kernel library, `cpu_kernels.cache_dir`)
@@ -39,7 +39,8 @@ FP8 = "float8_e4m3fn"
 
 
 def autotuned(layout: ModelLayout, rows: list[int]) -> tuple[ModelLayout, tuple[FormTiming, ...]]:
-    """The layout with the kernel taken only at the row counts where it measured faster."""
+    """The layout with each decode row count's projections in the form that measured fastest
+    there (the kernel for the large weights, the kernel for all, or Inductor's reduction)."""
     policy = layout.projection
     weights = _timed_weights(layout)
     if policy.kernel != "auto" or not weights or not rows:
@@ -97,7 +98,7 @@ def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
 
 
 def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTiming:
-    """Both forms of one row count's projections, compiled and timed alternately (module doc)."""
+    """The three forms of one row count's projections, compiled and timed alternately."""
     cpu_kernels.ensure_for_tracing()
     # each measurement compiles its three forms afresh: without a reset, Dynamo's limit of 8
     # compiles per function is reached at the third decode row count
