@@ -149,6 +149,8 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
     """kv_cache.dtype float8_e4m3fn: K/V inputs are fp8 (a byte per value), scales calibrated by
     the build, inspect says so, and greedy tokens stay close to the unquantized cache's (the
     agreement is printed)."""
+    import jsonschema
+
     from tests.conftest import bundle_json, run_json
 
     kind = "llama_tied"
@@ -166,7 +168,10 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
     for graph in record["graphs"]:
         kv = [i for i in graph["inputs"] if i["name"].startswith(("k_cache.", "v_cache."))]
         assert kv and all(i["dtype"] == "float8_e4m3fn" for i in kv)
-    summary = run_json("inspect", str(result.bundle))["kv_cache"]
+    inspected = run_json("inspect", str(result.bundle))
+    jsonschema.validate(inspected, _schema())
+    assert inspected["fp8"]["kv_scales"] == "calibrated"
+    summary = inspected["kv_cache"]
     layers, heads, dim = COMMON["num_hidden_layers"], COMMON["num_key_value_heads"], 16
     assert summary["dtype"] == "float8_e4m3fn"
     assert summary["bytes_per_token"] == 2 * layers * heads * dim  # 1 byte per value
