@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from neffkit.compile.layout import blocked_projections, spec_bytes
 from neffkit.compile.units import FormTiming, ModelLayout
 from neffkit.contract.abi import TensorSpec
-from neffkit.models.forms import TIED_TABLE, ProjectionPolicy, is_projection_weight
+from neffkit.models.forms import ProjectionPolicy
 from neffkit.models.projection import BlockedFp8, project
 from neffkit.platform import cpu_kernels, cpus, host
+from neffkit.targets import DTYPE_BYTES
 
 MAX_BYTES = 1 << 30  # weights allocated to time a graph's projections (a larger model: a share)
 REPEATS = 15  # timed runs of each form, alternating (the host is shared: medians of many)
@@ -58,18 +60,14 @@ def _timed_weights(layout: ModelLayout) -> list[TensorSpec]:
     """Every blocked projection weight, each followed by its scales if fp8; none where no
     weight reaches kernel_min_bytes (a model that small keeps Inductor's forms unmeasured)."""
     by_name = {w.name: w for w in layout.weights}
+    blocked = blocked_projections(layout)
     out = []
-    for w in layout.weights:
-        if len(w.shape) == 3 and (is_projection_weight(w.name) or w.name == TIED_TABLE):
-            out.append(w)
-            if w.dtype == FP8:
-                out.append(by_name[w.name + ".scale"])
-    sizes = [math.prod(w.shape) * _bytes(w.dtype) for w in out if not w.name.endswith(".scale")]
-    return out if sizes and max(sizes) >= layout.projection.kernel_min_bytes else []
-
-
-def _bytes(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    for w in blocked:
+        out.append(w)
+        if w.dtype == FP8:
+            out.append(by_name[w.name + ".scale"])
+    large = any(spec_bytes(w) >= layout.projection.kernel_min_bytes for w in blocked)
+    return out if large else []
 
 
 def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTiming:
@@ -133,7 +131,7 @@ def _weights(
 ) -> tuple[float, list[torch.Tensor], int]:
     """Random tensors of the weights' shapes: every weight once, or a `MAX_BYTES` share of
     each shape (the share, so the time can be scaled back to the whole graph)."""
-    total = sum(math.prod(w.shape) * _bytes(w.dtype) for w in weights)
+    total = sum(spec_bytes(w) for w in weights)
     share = min(1.0, MAX_BYTES / total)
     counts = Counter((w.shape, w.dtype) for w in weights if not w.name.endswith(".scale"))
     scales = {(w.shape, w.dtype): s for w, s in zip(weights, weights[1:], strict=False)
@@ -146,9 +144,9 @@ def _weights(
             flat.append((torch.randn(shape, generator=gen) * 0.05).to(getattr(torch, dtype)))
             if dtype == FP8:
                 flat.append(torch.rand(scales[shape, dtype].shape, generator=gen) + 0.5)
-            taken += math.prod(shape) * _bytes(dtype)
-    k_block = (fp8_block[1] if fp8_block else 0) or 0
-    weight_total = sum(math.prod(s) * _bytes(d) * c for (s, d), c in counts.items())
+            taken += math.prod(shape) * DTYPE_BYTES[dtype]
+    k_block = fp8_block[1] if fp8_block else 0
+    weight_total = sum(math.prod(s) * DTYPE_BYTES[d] * c for (s, d), c in counts.items())
     return taken / weight_total, flat, k_block
 
 
@@ -157,7 +155,7 @@ def _unflatten(flat: list[torch.Tensor], k_block: int) -> list[torch.Tensor | Bl
     i = 0
     while i < len(flat):
         if flat[i].dtype == torch.float8_e4m3fn:
-            out.append(BlockedFp8(flat[i], flat[i + 1], k_block or flat[i].shape[1]))
+            out.append(BlockedFp8.of(flat[i], flat[i + 1], k_block))
             i += 2
         else:
             out.append(flat[i])

@@ -19,10 +19,9 @@ from neffkit.contract.abi import GraphShape, TensorSpec
 from neffkit.errors import BuildError
 from neffkit.models.forms import (
     PLAIN,
-    TIED_TABLE,
     ProjectionPolicy,
     Storage,
-    is_projection_weight,
+    takes_projection_form,
 )
 from neffkit.models.registry import takes_hidden
 from neffkit.models.weights import has_kv_scales, rank_weight_specs
@@ -104,7 +103,7 @@ def _kernel_reads_fp8(manifest: Manifest, policy: ProjectionPolicy, storage: Sto
     return any(
         math.prod(shape) * dtype.itemsize >= policy.kernel_min_bytes
         for name, shape, dtype in specs
-        if is_projection_weight(name) or name == TIED_TABLE
+        if takes_projection_form(name)
     )
 
 
@@ -141,15 +140,18 @@ def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list
     return shape, specs + list(layout.weights)
 
 
+def blocked_projections(layout: ModelLayout) -> list[TensorSpec]:
+    """The projection weights stored blocked (each one's form is picked per graph)."""
+    return [w for w in layout.weights if len(w.shape) == 3 and takes_projection_form(w.name)]
+
+
+def spec_bytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * DTYPE_BYTES[spec.dtype]
+
+
 def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
     """The bytes of each projection weight stored blocked (what picks its form), largest first."""
-    blocked = [
-        w
-        for w in layout.weights
-        if len(w.shape) == 3 and (is_projection_weight(w.name) or w.name == TIED_TABLE)
-    ]
-    sizes = [math.prod(w.shape) * DTYPE_BYTES[w.dtype] for w in blocked]
-    return sorted(sizes, reverse=True)
+    return sorted((spec_bytes(w) for w in blocked_projections(layout)), reverse=True)
 
 
 def uses_kernel(layout: ModelLayout) -> bool:

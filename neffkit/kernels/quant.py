@@ -6,8 +6,10 @@ so one layout covers DeepSeek's fine-grained blocks (128, 128), per-channel scal
 per-tensor scale (0, 0). The graph widens the weight and multiplies each block by its scale
 right before the projection that reads it, so Inductor can fuse the dequantization into the
 projection's loop (one row: the weight is read as fp8 bytes once) and the bundle holds a quarter
-of the float32 bytes. On the cpu target projection weights are stored blocked (projection.py),
-their scales as `lane_scales`, and decode rows read the fp8 bytes in neffkit's kernel.
+of the float32 bytes. On the cpu target, where neffkit's kernel may read them (`Storage.fp8_lanes`:
+`cpu_kernel: on`, or `auto` on a model with large projections), fp8 projection weights are
+stored blocked (projection.py), their scales as `lane_scales`, and decode rows read the fp8
+bytes in the kernel; elsewhere they stay plain and Inductor widens them inside its reduction.
 """
 
 from __future__ import annotations

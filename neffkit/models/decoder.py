@@ -391,8 +391,7 @@ class DecoderGraph(torch.nn.Module):
                 continue
             scale = w.get(name + FP8_SCALE)
             if scale is not None and tensor.dim() == 3:
-                k_block = self.cfg.fp8_block[1] or tensor.shape[1]
-                out[name] = BlockedFp8(tensor, scale, k_block)
+                out[name] = BlockedFp8.of(tensor, scale, self.cfg.fp8_block[1])
                 continue
             if scale is not None:
                 tensor = dequantize_blocks(tensor, scale, self.cfg.fp8_block, dtype)

@@ -66,6 +66,12 @@ def is_projection_weight(name: str) -> bool:
 TIED_TABLE = "model.embed_tokens.weight"  # the LM head too, where the embeddings are tied
 
 
+def takes_projection_form(name: str) -> bool:
+    """A weight whose form (kernel or Inductor's) a graph picks: a projection, or the tied
+    table as the LM head (stored blocked only where the embeddings are tied, `blocks`)."""
+    return is_projection_weight(name) or name == TIED_TABLE
+
+
 def blocks(name: str, shape: tuple[int, ...], lanes: int, tied: bool = False) -> bool:
     """Is this weight (bundle dtype or fp8) stored blocked under `lanes`? A tied embedding
     table is (the lookup reads it as table[id // lanes, :, id % lanes]), so that the LM head it

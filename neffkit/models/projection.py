@@ -43,6 +43,11 @@ class BlockedFp8:
     scales: torch.Tensor
     k_block: int
 
+    @classmethod
+    def of(cls, weight: torch.Tensor, scales: torch.Tensor, k_block: int) -> BlockedFp8:
+        """From a checkpoint's K block size, where 0 (per-channel, per-tensor) is the whole K."""
+        return cls(weight, scales, k_block or weight.shape[1])
+
 
 def to_blocked(weight: torch.Tensor, lanes: int) -> torch.Tensor:
     """[out, in] → [out/lanes, in, lanes], contiguous: lane j of block b is output b*lanes + j."""

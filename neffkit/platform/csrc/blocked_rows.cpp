@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -102,29 +103,30 @@ void tile(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t b0
     for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
 }
 
-// Tiles of U blocks over blocks [begin, end) of one row group, then single blocks.
-template <int R, typename X, typename W>
-void run_rows(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t begin,
-              int64_t end) {
-  constexpr int U = tile_blocks(R);
-  int64_t b = begin;
-  for (; b + U <= end; b += U) tile<R, U>(x, K, w, out, ldo, b);
-  for (; b < end; ++b) tile<R, 1>(x, K, w, out, ldo, b);
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+// fn(Int<R>) for a row group of `rows` (1..8 rows): each row count its own unrolled tiles.
+template <typename Fn>
+void with_rows(int64_t rows, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn(Int<1>{});
+    case 2: return fn(Int<2>{});
+    case 3: return fn(Int<3>{});
+    case 4: return fn(Int<4>{});
+    case 5: return fn(Int<5>{});
+    case 6: return fn(Int<6>{});
+    case 7: return fn(Int<7>{});
+    default: return fn(Int<8>{});
+  }
 }
 
-template <typename X, typename W>
-void run_group(int64_t rows, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
-               int64_t begin, int64_t end) {
-  switch (rows) {
-    case 1: return run_rows<1>(x, K, w, out, ldo, begin, end);
-    case 2: return run_rows<2>(x, K, w, out, ldo, begin, end);
-    case 3: return run_rows<3>(x, K, w, out, ldo, begin, end);
-    case 4: return run_rows<4>(x, K, w, out, ldo, begin, end);
-    case 5: return run_rows<5>(x, K, w, out, ldo, begin, end);
-    case 6: return run_rows<6>(x, K, w, out, ldo, begin, end);
-    case 7: return run_rows<7>(x, K, w, out, ldo, begin, end);
-    default: return run_rows<8>(x, K, w, out, ldo, begin, end);
-  }
+// tile(b, Int<U>) over blocks [begin, end): U blocks at a time, then single blocks.
+template <int U, typename Tile>
+void run_tiles(int64_t begin, int64_t end, Tile&& tile) {
+  int64_t b = begin;
+  for (; b + U <= end; b += U) tile(b, Int<U>{});
+  for (; b < end; ++b) tile(b, Int<1>{});
 }
 
 // Every row group (8 rows at most) over blocks [begin, end).
@@ -132,8 +134,12 @@ template <typename X, typename W>
 void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
                 int64_t begin, int64_t end) {
   for (int64_t r0 = 0; r0 < R; r0 += 8) {
-    const int64_t rows = R - r0 < 8 ? R - r0 : 8;
-    run_group(rows, x + r0 * K, K, w, out + r0 * ldo, ldo, begin, end);
+    with_rows(R - r0 < 8 ? R - r0 : 8, [&](auto rows) {
+      constexpr int kR = decltype(rows)::value;
+      run_tiles<tile_blocks(kR)>(begin, end, [&](int64_t b, auto u) {
+        tile<kR, decltype(u)::value>(x + r0 * K, K, w, out + r0 * ldo, ldo, b);
+      });
+    });
   }
 }
 
@@ -200,30 +206,17 @@ void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, 
     for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
 }
 
-template <int R>
-void run_rows_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, int64_t KB,
-                  int64_t k_block, float* out, int64_t ldo, int64_t begin, int64_t end) {
-  constexpr int U = fp8_tile_blocks(R);
-  int64_t b = begin;
-  for (; b + U <= end; b += U) tile_fp8<R, U>(x, K, w, scales, KB, k_block, out, ldo, b);
-  for (; b < end; ++b) tile_fp8<R, 1>(x, K, w, scales, KB, k_block, out, ldo, b);
-}
-
 void run_blocks_fp8(int64_t R, const float* x, int64_t K, const uint8_t* w, const float* scales,
                     int64_t KB, int64_t k_block, float* out, int64_t ldo, int64_t begin,
                     int64_t end) {
   for (int64_t r0 = 0; r0 < R; r0 += 8) {
-    const int64_t rows = R - r0 < 8 ? R - r0 : 8;
-    const float* xr = x + r0 * K;
-    float* o = out + r0 * ldo;
-#define NEFFKIT_FP8_ROWS(n) \
-  case n: run_rows_fp8<n>(xr, K, w, scales, KB, k_block, o, ldo, begin, end); break;
-    switch (rows) {
-      NEFFKIT_FP8_ROWS(1) NEFFKIT_FP8_ROWS(2) NEFFKIT_FP8_ROWS(3) NEFFKIT_FP8_ROWS(4)
-      NEFFKIT_FP8_ROWS(5) NEFFKIT_FP8_ROWS(6) NEFFKIT_FP8_ROWS(7) default:
-        run_rows_fp8<8>(xr, K, w, scales, KB, k_block, o, ldo, begin, end);
-    }
-#undef NEFFKIT_FP8_ROWS
+    with_rows(R - r0 < 8 ? R - r0 : 8, [&](auto rows) {
+      constexpr int kR = decltype(rows)::value;
+      run_tiles<fp8_tile_blocks(kR)>(begin, end, [&](int64_t b, auto u) {
+        tile_fp8<kR, decltype(u)::value>(x + r0 * K, K, w, scales, KB, k_block, out + r0 * ldo,
+                                         ldo, b);
+      });
+    });
   }
 }
 
