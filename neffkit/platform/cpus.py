@@ -55,11 +55,15 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 
 
 def chosen_threads(requested: int | None) -> int | None:
-    """The count somebody chose: `requested` (a flag), else `NEFFKIT_ENGINE_THREADS`; None."""
+    """The count somebody chose: `requested` (a flag), else `NEFFKIT_ENGINE_THREADS`, else
+    OpenMP's `OMP_NUM_THREADS`; None where nobody did."""
     if requested is not None:
         return requested
-    env = os.environ.get(ENV, "").strip()
-    return int(env) if env.isdigit() and int(env) > 0 else None
+    for name in (ENV, "OMP_NUM_THREADS"):
+        env = os.environ.get(name, "").strip()
+        if env.isdigit() and int(env) > 0:
+            return int(env)
+    return None
 
 
 def resolve_threads(requested: int | None, what: str = "engine") -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import time
 import traceback
 from dataclasses import replace
@@ -130,9 +129,7 @@ class EngineCore:
             t0 = time.perf_counter()
             out = self.runner.decode(batch)
             if self.governor is not None:
-                kind = "verify" if batch.drafts is not None else "decode"
-                self.governor.observe(f"{kind}_b{batch.batch}_c{batch.context}",
-                                      time.perf_counter() - t0)  # fmt: skip
+                self.governor.observe(out.graph, time.perf_counter() - t0)
             if self.draft is not None:  # an MTP layer keeps the target's hidden states
                 self.draft.observe(batch, out)
             touched += sched.decoded(batch, out)
@@ -228,7 +225,7 @@ def core_main(
         from neffkit.runtime.distributed import run_on_ranks
 
         def governor(loaded) -> ThreadGovernor | None:  # where nobody chose the count, one rank
-            chosen = chosen_threads(threads) is not None or "OMP_NUM_THREADS" in os.environ
+            chosen = chosen_threads(threads) is not None
             ranks = loaded.bundle.record.layout.world_size
             return None if chosen or ranks > 1 else ThreadGovernor(full, torch.set_num_threads)
 

@@ -255,7 +255,7 @@ class ModelRunner:
         self.timings.decode_s += time.perf_counter() - t0
         self.timings.decode_steps += 1
         self.timings.decode_tokens += len(batch.rows)
-        return StepOutput(outputs)
+        return StepOutput(outputs, graph.name)
 
     def verify(self, batch: DecodeBatch) -> StepOutput:
         """A verify step: each row's last token and its drafts at their positions (K/V written
@@ -289,4 +289,4 @@ class ModelRunner:
         self.timings.verify_steps += 1
         emitted = int(outputs[abi.NUM_EMITTED][: len(batch.rows)].sum())
         self.timings.decode_tokens += emitted
-        return StepOutput(outputs)
+        return StepOutput(outputs, graph.name)

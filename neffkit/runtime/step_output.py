@@ -27,8 +27,9 @@ class TokenLogprobs:
 class StepOutput:
     """A graph call's outputs by name; logprobs are read out only for the rows that asked."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], graph: str = "") -> None:
         self.arrays = arrays
+        self.graph = graph  # the graph that ran (the thread governor times each apart)
         self.tokens: list[int] = arrays["next_tokens"].tolist()
 
     def logprobs(self, row: int, top: int, position: int | None = None) -> TokenLogprobs:

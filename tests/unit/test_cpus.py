@@ -41,11 +41,14 @@ def test_cgroup_quota(tmp_path: Path, files: dict[str, str], limit: float | None
 def test_asking_for_more_threads_than_cpus_warns_once(capsys, monkeypatch) -> None:
     monkeypatch.setattr(cpus, "usable_cpus", lambda: 2)
     monkeypatch.delenv(cpus.ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cpus.resolve_threads(None) == 2
     assert cpus.resolve_threads(2) == 2 and capsys.readouterr().err == ""
     assert cpus.resolve_threads(7) == 7 and cpus.resolve_threads(7) == 7
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "7 engine threads on 2 usable CPU(s)" in err
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # OpenMP's own choice counts as chosen
+    assert cpus.chosen_threads(None) == 3
     monkeypatch.setenv(cpus.ENV, "1")
     assert cpus.resolve_threads(None) == 1
 
@@ -54,7 +57,7 @@ def test_asking_for_more_threads_than_cpus_warns_once(capsys, monkeypatch) -> No
 def test_a_process_pinned_to_one_cpu_gets_one_thread() -> None:
     """As a container's CPU limit would: `taskset -c 0` → one engine thread by default."""
     code = "from neffkit.runtime.core import engine_threads; print(engine_threads())"
-    env = {k: v for k, v in os.environ.items() if k != cpus.ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (cpus.ENV, "OMP_NUM_THREADS")}
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == "1"
