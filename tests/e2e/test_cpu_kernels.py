@@ -39,11 +39,21 @@ def test_blocked_rows_equals_matmul(op, dtype, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(params=[True, False], ids=["amx", "fma"])
+@pytest.fixture(params=["amx", "dot", "fma"])
 def amx(request, op):
-    """Both paths of bf16 rows: AMX tiles (where the host has them) and the FMA fallback."""
-    yield torch.ops.neffkit.set_amx(request.param)
+    """Every path of bf16 rows: AMX tiles, VDPBF16PS pairs (each where the host has it) and the
+    widened FMA."""
+    torch.ops.neffkit.set_amx(request.param == "amx")
+    torch.ops.neffkit.set_bf16_dot(int(request.param == "dot"))
+    yield request.param
     torch.ops.neffkit.set_amx(True)
+    torch.ops.neffkit.set_bf16_dot(-1)
+
+
+def test_bf16_dot_is_used_where_the_cpu_has_it(op):
+    assert torch.ops.neffkit.set_bf16_dot(1) == ("avx512_bf16" in host.cpu_flags())
+    assert torch.ops.neffkit.set_bf16_dot(0) is False
+    torch.ops.neffkit.set_bf16_dot(-1)
 
 
 def test_amx_is_used_where_the_cpu_has_it(op):
@@ -52,7 +62,7 @@ def test_amx_is_used_where_the_cpu_has_it(op):
     torch.ops.neffkit.set_amx(True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 17])
 def test_bf16_rows_on_bf16_weights(op, amx, rows):
     """bf16 x bf16 products are exact in float32 on either path; only the summation order
     differs. 17 rows: two tile row groups; K = 160: five 32-wide chunks, odd and even tiles."""

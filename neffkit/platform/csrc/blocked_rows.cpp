@@ -11,9 +11,9 @@
 // in-register, a shift) and applies it to all R rows with one FMA each, float32 accumulation
 // (products exact, as the float32 form computes them). Weight lines are prefetched ahead: the
 // hardware prefetcher alone keeps too few in flight once several FMAs consume each line.
-// Measured on the 125M model's LM head (bench/batch.py's machine, 2 threads, 8 rows), the
-// widened-FMA form beat `vdpbf16ps` on in-register bf16 pairs: 82 vs 62 GMAC/s (the latter
-// was removed). Blocks are split over torch's intra-op threads. Called from AOTInductor graphs
+// bf16 rows on bf16 weights take AMX tiles (Intel hosts that have them), else VDPBF16PS on
+// pairs of K steps (AVX512-BF16; the default on AMD, where it measured faster), else the
+// widened FMA. Blocks are split over torch's intra-op threads. Called from AOTInductor graphs
 // through the dispatcher; registered by loading the library (neffkit/cpu_kernels.py).
 
 #include <ATen/Parallel.h>
@@ -48,15 +48,22 @@ constexpr int tile_blocks(int rows) { return rows >= 5 ? 2 : (rows >= 3 ? 4 : 8)
 // hardware prefetcher alone streams faster: the 125M model's projections at one row, float32,
 // alternating in one process, 13.7 vs 15.3 ms and 10.3 vs 14.7 ms in two runs, bf16 6.5 vs
 // 8.8 ms; eight rows equal within the noise. $NEFFKIT_KERNEL_PREFETCH overrides (benchmarks).
-int64_t prefetch_lines() {
-  static const int64_t lines = [] {
-    if (const char* env = std::getenv("NEFFKIT_KERNEL_PREFETCH")) return std::atoll(env);
+bool is_amd() {
+  static const bool amd = [] {
     unsigned a, b, c, d;
     char vendor[13] = {};
     if (__get_cpuid(0, &a, &b, &c, &d)) {
       std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &d, 4), std::memcpy(vendor + 8, &c, 4);
     }
-    return std::strcmp(vendor, "AuthenticAMD") == 0 ? 0LL : 32LL;
+    return std::strcmp(vendor, "AuthenticAMD") == 0;
+  }();
+  return amd;
+}
+
+int64_t prefetch_lines() {
+  static const int64_t lines = [] {
+    if (const char* env = std::getenv("NEFFKIT_KERNEL_PREFETCH")) return std::atoll(env);
+    return is_amd() ? 0LL : 32LL;
   }();
   return lines;
 }
@@ -129,18 +136,89 @@ void run_tiles(int64_t begin, int64_t end, Tile&& tile) {
   for (; b < end; ++b) tile(b, Int<1>{});
 }
 
+// tile(Int<R>, Int<U>, r0, b) over every row group r0 (8 rows at most) and blocks [begin, end),
+// U = Blocks(R) blocks at a time, then single blocks.
+template <int (*Blocks)(int), typename Tile>
+void for_tiles(int64_t R, int64_t begin, int64_t end, Tile&& tile) {
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    with_rows(R - r0 < 8 ? R - r0 : 8, [&](auto rows) {
+      run_tiles<Blocks(decltype(rows)::value)>(
+          begin, end, [&](int64_t b, auto u) { tile(rows, u, r0, b); });
+    });
+  }
+}
+
 // Every row group (8 rows at most) over blocks [begin, end).
 template <typename X, typename W>
 void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_t ldo,
                 int64_t begin, int64_t end) {
-  for (int64_t r0 = 0; r0 < R; r0 += 8) {
-    with_rows(R - r0 < 8 ? R - r0 : 8, [&](auto rows) {
-      constexpr int kR = decltype(rows)::value;
-      run_tiles<tile_blocks(kR)>(begin, end, [&](int64_t b, auto u) {
-        tile<kR, decltype(u)::value>(x + r0 * K, K, w, out + r0 * ldo, ldo, b);
-      });
-    });
+  for_tiles<tile_blocks>(R, begin, end, [&](auto rows, auto u, int64_t r0, int64_t b) {
+    tile<decltype(rows)::value, decltype(u)::value>(x + r0 * K, K, w, out + r0 * ldo, ldo, b);
+  });
+}
+
+// ---- bf16 rows on bf16 weights, two K steps an instruction (AVX512-BF16's VDPBF16PS) ----
+//
+// VDPBF16PS multiplies 16 pairs of bf16 values and adds both products to 16 float32 lanes: 32
+// MACs where the widened FMA does 16, and no widening. The blocked layout holds K steps k and
+// k+1 of a block's 16 lanes in one 64-byte line; one VPERMW interleaves them into the pairs the
+// instruction reads, and each row's (x[k], x[k+1]) is one broadcast 32-bit value. Products are
+// exact in float32 as in the FMA form; only the summation order differs (pairs first).
+// Measured on AMD Zen 4 (2 threads, SmolLM2's shapes, K = 576): 8 rows 25-28 against 18-20
+// GB/s of weights for the FMA form, 1 row 44-52 against 40-48. On the Intel host the FMA form
+// was faster (82 vs 62 GMAC/s, 8 rows): there it stays the default (`use_bf16_dot`).
+#ifdef __AVX512BF16__
+template <int R, int U>
+void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w, float* out, int64_t ldo,
+              int64_t b0) {
+  alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const uint16_t* wb = w + b0 * K * kLanes;
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512i wv[U];
+    for (int u = 0; u < U; ++u)
+      wv[u] = _mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(wb + (u * K + k) * kLanes));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + k, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_dpbf16_ps(acc[r][u], xv, (__m512bh)wv[u]);
+    }
   }
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+}
+
+void run_blocks_dot(int64_t R, const uint16_t* x, int64_t K, const uint16_t* w, float* out,
+                    int64_t ldo, int64_t begin, int64_t end) {
+  for_tiles<tile_blocks>(R, begin, end, [&](auto rows, auto u, int64_t r0, int64_t b) {
+    tile_dot<decltype(rows)::value, decltype(u)::value>(x + r0 * K, K, w, out + r0 * ldo, ldo,
+                                                        b);
+  });
+}
+constexpr bool kHasBf16Dot = true;
+#else
+void run_blocks_dot(int64_t, const uint16_t*, int64_t, const uint16_t*, float*, int64_t,
+                    int64_t, int64_t) {}
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// Whether bf16 rows on bf16 weights take VDPBF16PS: where it was built in, on AMD hosts unless
+// $NEFFKIT_KERNEL_BF16_DOT says otherwise (0 or 1), and as set_bf16_dot last asked.
+std::atomic<int> bf16_dot_wanted{-1};  // -1: the host's default
+
+bool use_bf16_dot() {
+  static const bool by_default = [] {
+    if (const char* env = std::getenv("NEFFKIT_KERNEL_BF16_DOT")) return std::atoi(env) != 0;
+    return is_amd();
+  }();
+  const int wanted = bf16_dot_wanted.load(std::memory_order_relaxed);
+  return kHasBf16Dot && (wanted < 0 ? by_default : wanted != 0);
 }
 
 // ---- fp8 (e4m3fn) weights, widened in register, scaled per K block ----
@@ -209,15 +287,10 @@ void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, 
 void run_blocks_fp8(int64_t R, const float* x, int64_t K, const uint8_t* w, const float* scales,
                     int64_t KB, int64_t k_block, float* out, int64_t ldo, int64_t begin,
                     int64_t end) {
-  for (int64_t r0 = 0; r0 < R; r0 += 8) {
-    with_rows(R - r0 < 8 ? R - r0 : 8, [&](auto rows) {
-      constexpr int kR = decltype(rows)::value;
-      run_tiles<fp8_tile_blocks(kR)>(begin, end, [&](int64_t b, auto u) {
-        tile_fp8<kR, decltype(u)::value>(x + r0 * K, K, w, scales, KB, k_block, out + r0 * ldo,
-                                         ldo, b);
-      });
-    });
-  }
+  for_tiles<fp8_tile_blocks>(R, begin, end, [&](auto rows, auto u, int64_t r0, int64_t b) {
+    tile_fp8<decltype(rows)::value, decltype(u)::value>(x + r0 * K, K, w, scales, KB, k_block,
+                                                        out + r0 * ldo, ldo, b);
+  });
 }
 
 // ---- bf16 rows on bf16 weights: AMX tiles (where the CPU and the OS have them) ----
@@ -358,6 +431,11 @@ at::Tensor blocked_rows(const at::Tensor& x_in, const at::Tensor& w_in) {
         amx_blocks(xp + r0 * K, rows, K, wp, o + r0 * N, N, b0, b1);
       }
     });
+  } else if (K % 2 == 0 && use_bf16_dot()) {
+    const uint16_t* xp = bf16_data(x);
+    at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
+      run_blocks_dot(R, xp, K, wp, o, N, b0, b1);
+    });
   } else {
     fma_rows(R, bf16_data(x), K, wp, o, NB);  // bf16 rows widened as they are read
   }
@@ -398,10 +476,19 @@ bool set_amx(bool enable) {
   return use_amx();
 }
 
+// Whether bf16 rows on bf16 weights take VDPBF16PS (and can: built with AVX512-BF16), after
+// asking for `mode` (1 on, 0 off, -1 the host's default). For the tests and benchmarks, which
+// compare the paths in one process.
+bool set_bf16_dot(int64_t mode) {
+  bf16_dot_wanted.store(mode < 0 ? -1 : (mode ? 1 : 0));
+  return use_bf16_dot();
+}
+
 TORCH_LIBRARY(neffkit, m) {
   m.def("blocked_rows(Tensor x, Tensor w) -> Tensor");
   m.def("blocked_rows_fp8(Tensor x, Tensor w, Tensor scales, int k_block) -> Tensor");
   m.def("set_amx(bool enable) -> bool", &set_amx);
+  m.def("set_bf16_dot(int mode) -> bool", &set_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(neffkit, CPU, m) {
