@@ -76,7 +76,7 @@ def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
     key = json.dumps([
         [(w.shape, w.dtype) for w in weights], rows, layout.dtype, layout.config.fp8_block,
         threads, torch.__version__, host.cpu_description(), sorted(host.cpu_flags()),
-        cpu_kernels.SOURCE.read_bytes().hex(), Path(__file__).read_bytes().hex(),
+        cpu_kernels.ROWS_SOURCE.read_bytes().hex(), Path(__file__).read_bytes().hex(),
     ], default=list)  # fmt: skip
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     path = cpu_kernels.cache_dir() / "autotune" / f"{digest}.json"

@@ -155,14 +155,22 @@ def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
 
 
 def uses_kernel(layout: ModelLayout) -> bool:
-    """Do this layout's decode graphs call neffkit's CPU kernel (some blocked weight takes the
-    kernel form at some row count)?"""
+    """Do this layout's decode graphs call neffkit's CPU kernels (decode attention, or some
+    blocked weight taking the kernel form at some row count)?"""
     policy = layout.projection
+    if policy.attention_kernel:
+        return True
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
     sizes = blocked_weight_bytes(layout)
     rows = range(1, policy.max_rows + 1)
     return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
+
+
+def attention_kernel(layout: ModelLayout, phase: str) -> bool:
+    """Does a graph of this phase attend through neffkit's decode-attention kernel? (The decoder
+    decides the same from its policy and shape.)"""
+    return layout.projection.attention_kernel and phase == "decode"
 
 
 def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
@@ -188,7 +196,10 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
                 hint="use cpu_kernel: auto (or off)",
             )
         return policy
-    return dataclasses.replace(policy, kernel=mode)
+    # the kernel reads float32 and bf16 caches of the compute dtype, not fp8 or MLA's latents
+    attention = manifest.dtype in ("float32", "bfloat16") and not manifest.fp8_kv_cache
+    attention = attention and manifest.model_config.kv_kind != "mla"
+    return dataclasses.replace(policy, kernel=mode, attention_kernel=attention)
 
 
 def projection_form(layout: ModelLayout, rows: int) -> str:

@@ -19,7 +19,7 @@ import neffkit
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache.keys import weights_key
 from neffkit.compile.cache.local import KEY_JSON, link_or_copy
-from neffkit.compile.layout import projection_form
+from neffkit.compile.layout import attention_kernel, projection_form
 from neffkit.compile.units import GraphUnit, ModelLayout
 from neffkit.contract.bundle import write_bundle_json, write_zst_text
 from neffkit.contract.records import (
@@ -124,6 +124,7 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
         verify=u.verify,
         projection=projection_form(layout, spec.rows * spec.tokens),
         kernel_timing=_kernel_timing(layout, spec.rows * spec.tokens),
+        attention="kernel" if attention_kernel(layout, spec.phase) else None,
         **hlo,
     )
 
@@ -217,7 +218,7 @@ def write_bundle(
 def copy_kernels(stage: Path, graphs: tuple[GraphRecord, ...]) -> tuple[str, ...]:
     """The kernel library, into kernels/ when a graph calls it (the runtime loads it from
     there: no compiler on the serving host)."""
-    if not any("kernel-rows" in (g.projection or "") for g in graphs):
+    if not any("kernel-rows" in (g.projection or "") or g.attention for g in graphs):
         return ()
     from neffkit.platform import cpu_kernels
 

@@ -135,6 +135,9 @@ class GraphRecord(Record):
     # "mm" (a library GEMM), "dot" (HLO)
     projection: str | None = None
     kernel_timing: KernelTiming | None = None  # cpu_kernel auto's measurement (decode graphs)
+    # "kernel": decode attention through neffkit::paged_decode_attention (cpu), which reads only
+    # each row's visible keys; None: the graph's own gather, mask and softmax
+    attention: str | None = None
 
     @property
     def stem(self) -> str:
@@ -149,8 +152,9 @@ class GraphRecord(Record):
         if self.hlo is None:  # only neuron graphs carry the HLO fields
             for key in NEURON_GRAPH_FIELDS:
                 del data[key]
-        if self.kernel_timing is None:
-            del data["kernel_timing"]
+        for key in ("kernel_timing", "attention"):  # absent where unused
+            if data[key] is None:
+                del data[key]
         return data
 
 

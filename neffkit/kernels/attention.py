@@ -18,6 +18,18 @@ def visible_from(positions: torch.Tensor, window: int | None, chunk: int | None)
     return lo
 
 
+def visible_keys(
+    positions: torch.Tensor,  # [B, 1] int64: one query a row (decode)
+    context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
+    window: int | None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # lo, hi: [B] int64 each
+    """The keys lo..hi each decode row sees: context_mask's interval, as bounds for the kernel
+    (a padding row has hi = -1 < lo)."""
+    position = positions[:, 0]
+    return visible_from(position, window, chunk), torch.minimum(position, context_lens - 1)
+
+
 def context_mask(
     positions: torch.Tensor,  # [B, T] int64
     context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
@@ -124,3 +136,23 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # [B, KV, G, T, D]
     return out.permute(0, 3, 1, 2, 4).reshape(rows, tokens, -1)  # value width may differ from D
+
+
+def decode_attention_kernel(
+    q: torch.Tensor,  # [B, 1, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], q's dtype
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KV, Dv]
+    block_tables: torch.Tensor,  # [B, C // block_size] int64
+    bounds: tuple[torch.Tensor, torch.Tensor],  # visible_keys
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # [B, 1, H * Dv]
+    """paged_attention for one query a row through neffkit's cpu kernel
+    (platform/csrc/decode_attention.cpp), which reads only the keys lo..hi of each row from the
+    cache, where the graph's form gathers, scores and masks the whole context bucket."""
+    lo, hi = bounds
+    out = torch.ops.neffkit.paged_decode_attention(
+        q[:, 0], k_cache, v_cache, block_tables, lo, hi, sinks, scale, softcap or 0.0
+    )
+    return out.unsqueeze(1)

@@ -16,15 +16,14 @@ dense Llama family's: pre-norm RMSNorm, GQA attention with RoPE, SwiGLU.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
+from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
-from neffkit.kernels.attention import context_mask, packed_context_mask, paged_attention
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
 from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
@@ -37,6 +36,7 @@ from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import BlockedFp8, materialized, out_features, project
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
+from neffkit.models.step import Span, Step
 from neffkit.targets import E4M3FN_MAX
 
 
@@ -47,28 +47,6 @@ def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return table[ids]
     lanes = table.shape[2]
     return table[ids // lanes, :, ids % lanes]  # [..., H]
-
-
-# which keys a layer's queries see: (sliding window, attention chunk), None for unbounded
-Span = tuple[int | None, int | None]
-
-
-@dataclass
-class Step:
-    """What every layer of one forward reads: weights by name, this rank, the layers' caches,
-    RoPE, the attention masks per window, the flat slots and block tables."""
-
-    w: dict[str, torch.Tensor]
-    rank: torch.Tensor | None  # [1] int64: this graph's rank, as data (tp > 1, ep > 1)
-    caches: tuple[torch.Tensor, ...]  # per layer: (k, v), or (latent,) for MLA
-    cos: torch.Tensor  # [B, T, 1, D]
-    sin: torch.Tensor
-    masks: dict[Span, torch.Tensor]  # (window, chunk) → [B, T, C] (packed: [1, T, S*C])
-    slots: torch.Tensor  # [B*T]
-    block_tables: torch.Tensor  # [B, C/bs] (packed: [1, S*C/bs])
-    positions: torch.Tensor  # [B, T] int64 (packed: [1, T])
-    # a second rotation some layers use instead of (cos, sin) (Gemma 3's sliding layers)
-    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DecoderGraph(torch.nn.Module):
@@ -97,6 +75,8 @@ class DecoderGraph(torch.nn.Module):
         self.projection = projection
         self.rope_attention_factor = rope_frequencies(cfg.rope_params, cfg.head_dim)[1]
         self.caches_per_layer = len(abi.KV_KINDS[cfg.kv_kind])
+        # decode attention through neffkit::paged_decode_attention (forms.ProjectionPolicy)
+        self.decode_kernel = projection.attention_kernel and shape.phase == "decode"
 
     # ------------------------------------------------------------ the forward
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -157,18 +137,21 @@ class DecoderGraph(torch.nn.Module):
             positions, w[ROPE_INV_FREQ], self.rope_attention_factor, dtype
         )  # [B, T, 1, D]
         spans = dict.fromkeys(self.span(layer) for layer in range(cfg.num_layers))  # in order
-        if seq_ids is not None:  # packed: one row attending to every sequence's context
-            masks = {
-                span: packed_context_mask(positions, seq_ids, context_lens, shape.context, *span)
-                for span in spans
-            }  # [1, T, S*C] per distinct span
+        masks: dict[Span, torch.Tensor] = {}  # per distinct span: [B, T, C] (packed [1, T, S*C])
+        bounds = None
+        if self.decode_kernel:  # one query a row: the kernel takes each row's key range
+            bounds = {span: attn.visible_keys(positions, context_lens, *span) for span in spans}
+        elif seq_ids is not None:  # packed: one row attending to every sequence's context
+            packed = (positions, seq_ids, context_lens, shape.context)
+            masks = {span: attn.packed_context_mask(*packed, *span) for span in spans}
             block_tables = block_tables.reshape(1, -1)  # [1, S*C/bs]: the contexts side by side
         else:
-            masks = {
-                span: context_mask(positions, context_lens, shape.context, *span) for span in spans
-            }  # [B, T, C] per distinct span
+            rows = (positions, context_lens, shape.context)
+            masks = {span: attn.context_mask(*rows, *span) for span in spans}
         slots = m[abi.SLOT_MAPPING].reshape(-1)  # [B*T]
-        return Step(w, rank, tuple(caches), cos, sin, masks, slots, block_tables, positions)
+        return Step(
+            w, rank, tuple(caches), cos, sin, masks, slots, block_tables, positions, bounds=bounds
+        )
 
     def _sample(self, h, m, w, rank) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The final norm and LM head where sampling needs them, then on-device sampling; prefill
@@ -272,14 +255,27 @@ class DecoderGraph(torch.nn.Module):
             to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype, fp8_max, v_scale),
             step.slots,
         )
-        keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)
-        values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
-        if self.projection.buffer_queries:
-            q = materialized(q)
-        mask = step.masks[self.span(layer)]
-        out = paged_attention(
-            q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap
-        )
+        if step.bounds is not None:  # decode on cpu: neffkit's kernel reads the visible keys
+            bounds, scale = step.bounds[self.span(layer)], self.attention_scale()
+            out = attn.decode_attention_kernel(
+                q,
+                k_cache,
+                v_cache,
+                step.block_tables,
+                bounds,
+                scale,
+                self.sinks(w, p),
+                self.softcap,
+            )
+        else:
+            keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)
+            values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
+            if self.projection.buffer_queries:
+                q = materialized(q)
+            mask = step.masks[self.span(layer)]
+            out = attn.paged_attention(
+                q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap
+            )
         partial = self.project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel
         return self.reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
 

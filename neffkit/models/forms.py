@@ -32,6 +32,11 @@ class ProjectionPolicy:
     # (see `materialized`: otherwise Inductor inlines RoPE into that reduction and recomputes
     # it for every key; 125M bf16 model, 8 rows: ~0.9 ms of a layer's attention, bench/batch.py)
     buffer_queries: bool = False
+    # cpu decode graphs: attention through neffkit::paged_decode_attention, which reads only each
+    # row's visible keys from the paged cache (csrc/decode_attention.cpp), instead of gathering,
+    # scoring and masking the whole context bucket. Set where the kernel library is in use and
+    # the cache holds the compute dtype (not fp8; not MLA's latent cache).
+    attention_kernel: bool = False
 
     def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
         """The form `project` writes for `rows` activation rows and this weight layout

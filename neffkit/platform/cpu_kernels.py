@@ -1,13 +1,14 @@
 """neffkit's own C++ CPU kernel library: `neffkit::blocked_rows` and `blocked_rows_fp8`
-(csrc/blocked_rows.cpp).
+(csrc/blocked_rows.cpp), `neffkit::paged_decode_attention` (csrc/decode_attention.cpp).
 
 Decode projections of a few rows on blocked weights: each weight vector is loaded once for all
-rows (see the source for why Inductor's reductions do not get there). AOTInductor packages call
-the op through the dispatcher, so a process must have the library loaded before it runs them: a
-build compiles it once per source, torch version and CPU (`$NEFFKIT_KERNEL_CACHE`, default
-`~/.cache/neffkit/kernels`), loads it to trace, and ships it in the bundle (`kernels/`); the
-runtime loads the bundle's copy (no compiler there). A leaf: torch only at import; the compiler
-is looked for only when building.
+rows (see the source for why Inductor's reductions do not get there). Decode attention that
+reads only each row's visible keys from the paged cache, not the whole context bucket.
+AOTInductor packages call the ops through the dispatcher, so a process must have the library
+loaded before it runs them: a build compiles it once per source, torch version and CPU
+(`$NEFFKIT_KERNEL_CACHE`, default `~/.cache/neffkit/kernels`), loads it to trace, and ships it
+in the bundle (`kernels/`); the runtime loads the bundle's copy (no compiler there). A leaf:
+torch only at import; the compiler is looked for only when building.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 
 from neffkit.platform import host
 
-SOURCE = Path(__file__).parent / "csrc" / "blocked_rows.cpp"
+CSRC = Path(__file__).parent / "csrc"
+ROWS_SOURCE = CSRC / "blocked_rows.cpp"  # the projections (what compile/autotune.py times)
+SOURCES = (ROWS_SOURCE, CSRC / "decode_attention.cpp")
 LIBRARY_NAME = "libneffkit_cpu.so"
 OP = "blocked_rows"
 # the ISA the kernel needs (AVX-512 foundation and byte/word ops for the bf16 widening)
@@ -58,7 +61,7 @@ def load_library(path: Path | str) -> None:
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
-        raise KernelBuildError(f"no C++ compiler ({cxx}) on PATH to build {SOURCE.name}")
+        raise KernelBuildError(f"no C++ compiler ({cxx}) on PATH to build {LIBRARY_NAME}")
     return cxx
 
 
@@ -71,10 +74,10 @@ def _command(cxx: str, out: Path) -> list[str]:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         # no build or venv path in the library (TORCH_CHECK records __FILE__): same bytes from
         # any checkout and venv
-        f"-ffile-prefix-map={SOURCE.parent}=neffkit/platform/csrc",
+        f"-ffile-prefix-map={CSRC}=neffkit/platform/csrc",
         f"-ffile-prefix-map={Path(torch.__file__).parent}=torch",
         *(f"-I{p}" for p in include_paths()),
-        str(SOURCE), "-o", str(out),
+        *map(str, SOURCES), "-o", str(out),
         *(f"-L{p}" for p in library_paths()), "-ltorch", "-ltorch_cpu", "-lc10",
     ]  # fmt: skip
 
@@ -83,8 +86,8 @@ def library_key(cxx: str) -> str:
     """What the compiled library depends on: source, command, torch, compiler, the CPU's ISA."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     command = " ".join(_command(cxx, Path(LIBRARY_NAME)))
-    parts = [SOURCE.read_bytes().hex(), command, torch.__version__, version,
-             *sorted(host.cpu_flags())]  # fmt: skip
+    sources = [source.read_bytes().hex() for source in SOURCES]
+    parts = [*sources, command, torch.__version__, version, *sorted(host.cpu_flags())]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -112,7 +115,7 @@ def _library_in(cache: Path) -> Path:
     try:
         proc = subprocess.run(_command(cxx, Path(tmp)), capture_output=True, text=True)
         if proc.returncode != 0:
-            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{proc.stderr[-2000:]}")
+            raise KernelBuildError(f"compiling {LIBRARY_NAME} failed:\n{proc.stderr[-2000:]}")
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
         os.replace(tmp, out)
     finally:
@@ -132,6 +135,7 @@ def ensure_for_tracing() -> Path:
 def _register_fake() -> None:
     torch.library.register_fake(f"neffkit::{OP}")(_blocked_rows_fake)
     torch.library.register_fake(f"neffkit::{OP}_fp8")(_blocked_rows_fp8_fake)
+    torch.library.register_fake("neffkit::paged_decode_attention")(_decode_attention_fake)
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -142,3 +146,17 @@ def _blocked_rows_fp8_fake(
     x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, k_block: int
 ) -> torch.Tensor:
     return _blocked_rows_fake(x, w)
+
+
+def _decode_attention_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sinks: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * v_cache.shape[3]))

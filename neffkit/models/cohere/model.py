@@ -6,9 +6,9 @@ import torch
 
 from neffkit.kernels.rope import apply_rope_interleaved
 from neffkit.models.cohere.config import CohereConfig
-from neffkit.models.decoder import Step
 from neffkit.models.llama.model import LlamaGraph, LlamaShards
 from neffkit.models.shards import Named
+from neffkit.models.step import Step
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,12 +9,12 @@ from neffkit.contract import abi
 from neffkit.kernels.attention import paged_attention
 from neffkit.kernels.kv import gather_context, write_cache
 from neffkit.kernels.rope import apply_rope, apply_rope_interleaved
-from neffkit.models.decoder import Step
 from neffkit.models.deepseek_v3.config import DeepseekV3Config, DeepseekV3MtpConfig
 from neffkit.models.experts import Routing
 from neffkit.models.moe.model import MoeGraph, MoeShards, W
 from neffkit.models.rope_scaling import yarn_mscale
 from neffkit.models.shards import Named
+from neffkit.models.step import Step
 
 
 class DeepseekV3Graph(MoeGraph):

@@ -8,11 +8,11 @@ import torch
 from neffkit.contract import abi
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import rope_cos_sin
-from neffkit.models.decoder import Step
 from neffkit.models.gemma.config import GemmaConfig
 from neffkit.models.llama.model import LlamaGraph, LlamaShards
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.shards import ROPE_LOCAL_INV_FREQ, Named
+from neffkit.models.step import Step
 
 
 class GemmaGraph(LlamaGraph):

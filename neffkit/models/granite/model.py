@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from neffkit.models.decoder import Step
 from neffkit.models.granite.config import GraniteConfig
 from neffkit.models.llama.model import LlamaGraph, LlamaShards
+from neffkit.models.step import Step
 
 
 class GraniteGraph(LlamaGraph):

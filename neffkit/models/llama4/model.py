@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from neffkit.kernels.rope import apply_rope_interleaved
-from neffkit.models.decoder import Span, Step
 from neffkit.models.experts import Routing
 from neffkit.models.llama4.config import Llama4Config
 from neffkit.models.moe.model import MoeGraph, MoeShards, W
 from neffkit.models.shards import Named
+from neffkit.models.step import Span, Step
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from neffkit.kernels.activation import gated
-from neffkit.models.decoder import Step
 from neffkit.models.experts import Routing, dense_weights, gather_rows, local_slots
 from neffkit.models.llama.model import LlamaGraph, LlamaShards
 from neffkit.models.moe.config import MoeConfig
 from neffkit.models.shards import Named
+from neffkit.models.step import Step
 
 W = dict[str, torch.Tensor]
 

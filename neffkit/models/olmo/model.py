@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from neffkit.kernels.norm import rms_norm
-from neffkit.models.decoder import Step
 from neffkit.models.llama.model import LlamaGraph, LlamaShards
 from neffkit.models.olmo.config import OlmoConfig
 from neffkit.models.shards import Named
+from neffkit.models.step import Step
 
 OLMO_LAYER_NORM_EPS = 1e-5  # HF's OlmoLayerNorm fixes it
 
