@@ -18,10 +18,10 @@ RESULTS = REPO / "bench" / "results"
 
 
 def ensure_bundle(manifest: Path, bundle: Path) -> Path:
-    """Build the bundle once; benchmarks reuse it."""
-    if not (bundle / "bundle.json").exists():
-        cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", str(bundle)]
-        subprocess.run(cmd, check=True, cwd=REPO)
+    """Build the bundle, or bring it up to date: a bundle kept from an older checkout would
+    measure older code, and with neffkit's caches a build where nothing changed takes seconds."""
+    cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", str(bundle)]
+    subprocess.run(cmd, check=True, cwd=REPO)
     return bundle
 
 

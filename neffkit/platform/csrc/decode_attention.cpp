@@ -70,68 +70,120 @@ inline float dot(const float* q, const T* key, int64_t n) {
   return sum;
 }
 
-// acc[0..n) += p * value[0..n)
-template <typename T>
-inline void axpy(float* acc, float p, const T* value, int64_t n) {
-  const __m512 pv = _mm512_set1_ps(p);
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) {
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(value + d), _mm512_loadu_ps(acc + d)));
+// exp(x) for 16 lanes, x <= 0 (scores less their maximum): 2^(x log2 e) split into 2^k 2^f,
+// |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative error below 1e-7), 2^k by scalef
+// (which underflows to 0 cleanly).
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)),
+                                 _mm512_set1_ps(1.44269504f));
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  __m512 p = _mm512_set1_ps(1.525273e-5f);
+  for (float c : {1.540353e-4f, 1.333355e-3f, 9.618129e-3f, 5.550411e-2f, 2.402265e-1f,
+                  6.931472e-1f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   }
-  for (; d < n; ++d) acc[d] += p * to_float(value[d]);
+  return _mm512_scalef_ps(p, k);
+}
+
+// The n scores of one head (in place) as softmax probabilities, float32; `sink` joins the
+// denominator (-inf: none).
+inline void softmax(float* scores, int64_t n, float sink) {
+  __m512 top = _mm512_set1_ps(sink);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 m = n - j >= kLanes ? 0xffff : (1u << (n - j)) - 1;
+    top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, scores + j));
+  }
+  const float most = _mm512_reduce_max_ps(top);
+  const __m512 shift = _mm512_set1_ps(most);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 m = n - j >= kLanes ? 0xffff : (1u << (n - j)) - 1;
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift));
+    _mm512_mask_storeu_ps(scores + j, m, e);
+    total = _mm512_mask_add_ps(total, m, total, e);
+  }
+  float sum = _mm512_reduce_add_ps(total) + (std::isinf(sink) ? 0.0f : std::exp(sink - most));
+  const __m512 inv = _mm512_set1_ps(1.0f / sum);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 m = n - j >= kLanes ? 0xffff : (1u << (n - j)) - 1;
+    _mm512_mask_storeu_ps(scores + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + j), inv));
+  }
+}
+
+// out[d] = sum_j probs[j] * value_j[d] for one head, the 16-lane columns kept in registers
+// across the keys (two accumulators each, for the FMA latency).
+template <typename T>
+inline void weighted_sum(const float* probs, const T* vc, const int64_t* rows, int64_t n,
+                         int64_t Dv, float* out) {
+  int64_t d = 0;
+  for (; d + kLanes <= Dv; d += kLanes) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), load16(vc + rows[j] * Dv + d), a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(probs[j + 1]), load16(vc + rows[j + 1] * Dv + d), a1);
+    }
+    if (j < n) a0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), load16(vc + rows[j] * Dv + d), a0);
+    _mm512_storeu_ps(out + d, _mm512_add_ps(a0, a1));
+  }
+  for (; d < Dv; ++d) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) sum += probs[j] * to_float(vc[rows[j] * Dv + d]);
+    out[d] = sum;
+  }
 }
 
 struct Shape {
   int64_t B, H, D, Dv, NB, BS, KV, MB;
 };
 
+// Scratch of one thread: the key rows, the group's scaled queries, scores and output.
+struct Work {
+  std::vector<int64_t> rows;
+  std::vector<float> values;
+};
+
 // One (row, KV head) pair: its G query heads against keys lo..hi.
 template <typename T>
 void attend(const Shape& s, int64_t b, int64_t kvh, const T* q, const T* kc, const T* vc,
             const int64_t* tables, int64_t lo, int64_t hi, const float* sinks, float scale,
-            float softcap, T* out, std::vector<float>& work) {
+            float softcap, T* out, Work& work) {
   const int64_t G = s.H / s.KV, n = hi - lo + 1;
   T* o = out + (b * s.H + kvh * G) * s.Dv;
   if (n <= 0) {  // padding row: nothing visible
     for (int64_t i = 0; i < G * s.Dv; ++i) store(o + i, 0.0f);
     return;
   }
-  work.resize(G * s.D + G * n + G * s.Dv);
-  float* qf = work.data();        // [G, D] the group's queries, scaled
-  float* scores = qf + G * s.D;   // [G, n]
-  float* acc = scores + G * n;    // [G, Dv]
+  work.rows.resize(n);
+  work.values.resize(G * s.D + G * n + s.Dv);
+  int64_t* rows = work.rows.data();  // cache row (slot * KV + kvh) of each visible key
+  float* qf = work.values.data();    // [G, D] the group's queries, scaled
+  float* scores = qf + G * s.D;      // [G, n]
+  float* acc = scores + G * n;       // [Dv]
+  for (int64_t j = lo; j <= hi;) {   // block ids clamped: host-given
+    const int64_t block = std::clamp<int64_t>(tables[b * s.MB + j / s.BS], 0, s.NB - 1);
+    for (int64_t off = j % s.BS; off < s.BS && j <= hi; ++off, ++j) {
+      rows[j - lo] = (block * s.BS + off) * s.KV + kvh;
+    }
+  }
   for (int64_t g = 0; g < G; ++g) {
     const T* qh = q + (b * s.H + kvh * G + g) * s.D;
     for (int64_t d = 0; d < s.D; ++d) qf[g * s.D + d] = to_float(qh[d]) * scale;
   }
-  auto slot = [&](int64_t j) {  // the cache row of key j (block ids clamped: host-given)
-    const int64_t block = std::clamp<int64_t>(tables[b * s.MB + j / s.BS], 0, s.NB - 1);
-    return (block * s.BS + j % s.BS) * s.KV + kvh;
-  };
   for (int64_t j = 0; j < n; ++j) {
-    const T* key = kc + slot(lo + j) * s.D;
+    const T* key = kc + rows[j] * s.D;
     for (int64_t g = 0; g < G; ++g) {
       float score = dot(qf + g * s.D, key, s.D);
       if (softcap > 0) score = softcap * std::tanh(score / softcap);
       scores[g * n + j] = score;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {  // softmax, float32
-    float* sg = scores + g * n;
-    const float sink = sinks ? sinks[kvh * G + g] : -INFINITY;
-    float top = sink;
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, sg[j]);
-    float total = sinks ? std::exp(sink - top) : 0.0f;
-    for (int64_t j = 0; j < n; ++j) total += (sg[j] = std::exp(sg[j] - top));
-    const float inv = 1.0f / total;
-    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  for (int64_t g = 0; g < G; ++g) {
+    softmax(scores + g * n, n, sinks ? sinks[kvh * G + g] : -INFINITY);
+    weighted_sum(scores + g * n, vc, rows, n, s.Dv, acc);
+    for (int64_t d = 0; d < s.Dv; ++d) store(o + g * s.Dv + d, acc[d]);
   }
-  std::fill(acc, acc + G * s.Dv, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* value = vc + slot(lo + j) * s.Dv;
-    for (int64_t g = 0; g < G; ++g) axpy(acc + g * s.Dv, scores[g * n + j], value, s.Dv);
-  }
-  for (int64_t i = 0; i < G * s.Dv; ++i) store(o + i, acc[i]);
 }
 
 template <typename T>
@@ -144,7 +196,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& kc, const at::Te
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t context = s.MB * s.BS;
   at::parallel_for(0, s.B * s.KV, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> work;
+    Work work;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / s.KV, kvh = p % s.KV;
       const int64_t first = std::max<int64_t>(lo[b], 0);
