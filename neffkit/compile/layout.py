@@ -167,12 +167,6 @@ def uses_kernel(layout: ModelLayout) -> bool:
     return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
 
 
-def attention_kernel(layout: ModelLayout, phase: str) -> bool:
-    """Does a graph of this phase attend through neffkit's decode-attention kernel? (The decoder
-    decides the same from its policy and shape.)"""
-    return layout.projection.attention_kernel and phase == "decode"
-
-
 def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLayout:
     """The shapes every graph of this manifest is traced from, as its target traces them."""
     backend = backend or get_backend(manifest.target)

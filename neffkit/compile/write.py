@@ -19,7 +19,7 @@ import neffkit
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.cache.keys import weights_key
 from neffkit.compile.cache.local import KEY_JSON, link_or_copy
-from neffkit.compile.layout import attention_kernel, projection_form
+from neffkit.compile.layout import projection_form
 from neffkit.compile.units import GraphUnit, ModelLayout
 from neffkit.contract.bundle import write_bundle_json, write_zst_text
 from neffkit.contract.records import (
@@ -124,7 +124,7 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
         verify=u.verify,
         projection=projection_form(layout, spec.rows * spec.tokens),
         kernel_timing=_kernel_timing(layout, spec.rows * spec.tokens),
-        attention="kernel" if attention_kernel(layout, spec.phase) else None,
+        attention="kernel" if layout.projection.attends_in_kernel(spec.phase, spec.rows) else None,
         **hlo,
     )
 

@@ -30,6 +30,22 @@ def visible_keys(
     return visible_from(position, window, chunk), torch.minimum(position, context_lens - 1)
 
 
+def packed_visible_keys(
+    positions: torch.Tensor,  # [1, T] int64
+    seq_ids: torch.Tensor,  # [1, T] int64, in [0, S)
+    context_lens: torch.Tensor,  # [S] int64
+    block_tables: torch.Tensor,  # [S, C // block_size] int64
+    window: int | None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lo, hi [T]; tables [T, C // bs]
+    """visible_keys for a packed prefill row: each token's key range in its own sequence, and
+    that sequence's block table, one per token."""
+    own = seq_ids[0].clamp(0, context_lens.shape[0] - 1)  # host-given index: clamped (NK303)
+    position = positions[0]
+    hi = torch.minimum(position, context_lens.index_select(0, own) - 1)
+    return visible_from(position, window, chunk), hi, block_tables.index_select(0, own)
+
+
 def context_mask(
     positions: torch.Tensor,  # [B, T] int64
     context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
@@ -138,21 +154,23 @@ def paged_attention(
     return out.permute(0, 3, 1, 2, 4).reshape(rows, tokens, -1)  # value width may differ from D
 
 
-def decode_attention_kernel(
-    q: torch.Tensor,  # [B, 1, H, D]
+def kernel_attention(
+    q: torch.Tensor,  # [B, T, H, D]: decode [B, 1], packed prefill [1, T]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], q's dtype
     v_cache: torch.Tensor,  # [num_blocks, block_size, KV, Dv]
-    block_tables: torch.Tensor,  # [B, C // block_size] int64
-    bounds: tuple[torch.Tensor, torch.Tensor],  # visible_keys
+    bounds: tuple[torch.Tensor, ...],  # (lo, hi, tables): [B*T], [B*T], [B*T, C // bs]
     scale: float,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
-) -> torch.Tensor:  # [B, 1, H * Dv]
-    """paged_attention for one query a row through neffkit's cpu kernel
-    (platform/csrc/decode_attention.cpp), which reads only the keys lo..hi of each row from the
-    cache, where the graph's form gathers, scores and masks the whole context bucket."""
-    lo, hi = bounds
+) -> torch.Tensor:  # [B, T, H * Dv]
+    """paged_attention through neffkit's cpu kernel (platform/csrc/decode_attention.cpp), each
+    query against only its keys lo..hi, read from the cache through its own block table, where
+    the graph's form gathers, scores and masks the whole context bucket (a packed row: every
+    sequence's)."""
+    rows, tokens, heads, dim = q.shape
+    lo, hi, tables = bounds
     out = torch.ops.neffkit.paged_decode_attention(
-        q[:, 0], k_cache, v_cache, block_tables, lo, hi, sinks, scale, softcap or 0.0
-    )
-    return out.unsqueeze(1)
+        q.reshape(rows * tokens, heads, dim), k_cache, v_cache, tables, lo, hi, sinks, scale,
+        softcap or 0.0,
+    )  # fmt: skip
+    return out.view(rows, tokens, -1)

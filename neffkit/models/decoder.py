@@ -75,8 +75,8 @@ class DecoderGraph(torch.nn.Module):
         self.projection = projection
         self.rope_attention_factor = rope_frequencies(cfg.rope_params, cfg.head_dim)[1]
         self.caches_per_layer = len(abi.KV_KINDS[cfg.kv_kind])
-        # decode attention through neffkit::paged_decode_attention (forms.ProjectionPolicy)
-        self.decode_kernel = projection.attention_kernel and shape.phase == "decode"
+        # attention through neffkit::paged_decode_attention (forms.ProjectionPolicy)
+        self.attention_kernel = projection.attends_in_kernel(shape.phase, shape.rows)
 
     # ------------------------------------------------------------ the forward
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -139,8 +139,14 @@ class DecoderGraph(torch.nn.Module):
         spans = dict.fromkeys(self.span(layer) for layer in range(cfg.num_layers))  # in order
         masks: dict[Span, torch.Tensor] = {}  # per distinct span: [B, T, C] (packed [1, T, S*C])
         bounds = None
-        if self.decode_kernel:  # one query a row: the kernel takes each row's key range
-            bounds = {span: attn.visible_keys(positions, context_lens, *span) for span in spans}
+        if self.attention_kernel and seq_ids is not None:  # each token: its sequence's keys
+            packed = (positions, seq_ids, context_lens, block_tables)
+            bounds = {span: attn.packed_visible_keys(*packed, *span) for span in spans}
+        elif self.attention_kernel:  # one query a row: the kernel takes each row's key range
+            bounds = {
+                span: (*attn.visible_keys(positions, context_lens, *span), block_tables)
+                for span in spans
+            }
         elif seq_ids is not None:  # packed: one row attending to every sequence's context
             packed = (positions, seq_ids, context_lens, shape.context)
             masks = {span: attn.packed_context_mask(*packed, *span) for span in spans}
@@ -255,17 +261,10 @@ class DecoderGraph(torch.nn.Module):
             to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype, fp8_max, v_scale),
             step.slots,
         )
-        if step.bounds is not None:  # decode on cpu: neffkit's kernel reads the visible keys
-            bounds, scale = step.bounds[self.span(layer)], self.attention_scale()
-            out = attn.decode_attention_kernel(
-                q,
-                k_cache,
-                v_cache,
-                step.block_tables,
-                bounds,
-                scale,
-                self.sinks(w, p),
-                self.softcap,
+        if step.bounds is not None:  # cpu: neffkit's kernel reads only the visible keys
+            bounds, sinks = step.bounds[self.span(layer)], self.sinks(w, p)
+            out = attn.kernel_attention(
+                q, k_cache, v_cache, bounds, self.attention_scale(), sinks, self.softcap
             )
         else:
             keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)

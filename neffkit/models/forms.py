@@ -38,6 +38,13 @@ class ProjectionPolicy:
     # the cache holds the compute dtype (not fp8; not MLA's latent cache).
     attention_kernel: bool = False
 
+    def attends_in_kernel(self, phase: str, rows: int) -> bool:
+        """Does a graph of this phase and row count attend through the kernel? Decode, and
+        packed prefill (rows > 1), whose form scores every token against all the sequences'
+        contexts side by side (S x C keys) where each token sees only its own sequence's. One
+        sequence's prefill keeps the graph's form, a GEMM that wins once a token sees many keys."""
+        return self.attention_kernel and (phase == "decode" or (phase == "prefill" and rows > 1))
+
     def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
         """The form `project` writes for `rows` activation rows and this weight layout
         (`weight_bytes` None: the form of the largest weights)."""

@@ -26,6 +26,6 @@ class Step:
     positions: torch.Tensor  # [B, T] int64 (packed: [1, T])
     # a second rotation some layers use instead of (cos, sin) (Gemma 3's sliding layers)
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # decode through neffkit's attention kernel: each span's visible keys lo..hi, [B] each (the
-    # masks are then not built)
-    bounds: dict[Span, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # attention through neffkit's kernel: each span's (lo, hi, block tables) per query, the
+    # visible keys lo..hi [B*T] and the table each reads [B*T, C/bs] (the masks are not built)
+    bounds: dict[Span, tuple[torch.Tensor, ...]] | None = None

@@ -78,14 +78,17 @@ def test_bad_shapes_are_refused(op):
         op(q[:, 0, :5], k_cache, v_cache, tables, lens, lens, None, 1.0, 0.0)
 
 
-def test_decode_graphs_attend_through_the_kernel(bundle):
-    """cpu_kernel: auto (the test bundles' default) puts every decode graph's attention through
-    the kernel and ships the library even where no projection takes the kernel; prefill keeps
-    the graph's form, and MLA's latent cache never takes it (HF parity: test_generate)."""
+def test_decode_and_packed_prefill_graphs_attend_through_the_kernel(bundle):
+    """cpu_kernel: auto (the test bundles' default) puts the attention of every decode graph and
+    every packed prefill graph (rows > 1) through the kernel, and ships the library even where
+    no projection takes the kernel; one sequence's prefill keeps the graph's form, and MLA's
+    latent cache never takes it (HF parity, packed prompts included: test_generate)."""
     data = bundle_json(bundle("llama"))
-    forms = {g["name"]: g.get("attention") for g in data["graphs"]}
-    assert {f for n, f in forms.items() if n.startswith("decode_")} == {"kernel"}
-    assert {f for n, f in forms.items() if n.startswith("prefill_")} == {None}
+    forms = {(g["phase"], g["buckets"]["rows"]): g.get("attention") for g in data["graphs"]}
+    assert forms == {
+        ("decode", 1): "kernel", ("decode", 4): "kernel",
+        ("prefill", 1): None, ("prefill", 4): "kernel",
+    }  # fmt: skip
     assert data["kernels"] == ["kernels/libneffkit_cpu.so"]
     mla = bundle_json(bundle("deepseek"))
     assert all("attention" not in g for g in mla["graphs"]) and not mla["kernels"]
