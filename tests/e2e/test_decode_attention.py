@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neffkit.kernels.attention import context_mask, paged_attention, visible_from
+from neffkit.kernels.attention import (
+    context_mask,
+    kernel_attention,
+    packed_context_mask,
+    packed_visible_keys,
+    paged_attention,
+    visible_from,
+)
 from neffkit.kernels.kv import gather_context
 from neffkit.platform import cpu_kernels
 from tests.conftest import bundle_json
@@ -68,6 +75,33 @@ def test_equals_the_graphs_form(op, dtype, heads, kv_heads, dim, dim_v, variant)
     tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's rounding
     torch.testing.assert_close(got[:3].float(), want[:3].float(), rtol=tol, atol=tol)
     assert not got[3].any()  # padding row
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_prefill_equals_the_graphs_form(op, window):
+    """A packed prefill row: three sequences' chunks side by side (the second resuming at
+    position 5), each token against its own sequence's keys through that sequence's table;
+    the graph's form scores every token against all three contexts, masked."""
+    _, k_cache, v_cache, tables, _, _ = _case(torch.float32, 6, 2, 32, 32, seed=3)
+    tables = tables[:3].clone()
+    tables[2] = tables[0].roll(1)
+    seq_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 5, 6, 0, 1, 2, 3]])
+    context_lens = torch.tensor([3, 7, 4])
+    tokens = seq_ids.shape[1]
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, tokens, 6, 32, generator=gen)
+    got = kernel_attention(
+        q, k_cache, v_cache,
+        packed_visible_keys(positions, seq_ids, context_lens, tables, window), 0.3,
+    )  # fmt: skip
+    context = tables.shape[1] * BLOCK
+    mask = packed_context_mask(positions, seq_ids, context_lens, context, window)
+    side_by_side = tables.reshape(1, -1)
+    keys, values = gather_context(k_cache, side_by_side), gather_context(v_cache, side_by_side)
+    want = paged_attention(q, keys, values, mask, 0.3)
+    assert got.shape == (1, tokens, 6 * 32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_are_refused(op):
