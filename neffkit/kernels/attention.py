@@ -19,15 +19,19 @@ def visible_from(positions: torch.Tensor, window: int | None, chunk: int | None)
 
 
 def visible_keys(
-    positions: torch.Tensor,  # [B, 1] int64: one query a row (decode)
+    positions: torch.Tensor,  # [B, T] int64: decode T = 1, verify 1 + K
     context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
+    block_tables: torch.Tensor,  # [B, C // block_size] int64
     window: int | None,
     chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # lo, hi: [B] int64 each
-    """The keys lo..hi each decode row sees: context_mask's interval, as bounds for the kernel
-    (a padding row has hi = -1 < lo)."""
-    position = positions[:, 0]
-    return visible_from(position, window, chunk), torch.minimum(position, context_lens - 1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lo, hi [B*T]; tables [B*T, C // bs]
+    """The keys lo..hi each query sees (context_mask's interval, as bounds for the kernel; a
+    padding row has hi = -1 < lo) and the block table it reads them through, its row's."""
+    tokens = positions.shape[1]
+    hi = torch.minimum(positions, (context_lens - 1).unsqueeze(1)).reshape(-1)
+    lo = visible_from(positions, window, chunk).reshape(-1)
+    tables = block_tables if tokens == 1 else block_tables.repeat_interleave(tokens, dim=0)
+    return lo, hi, tables
 
 
 def packed_visible_keys(

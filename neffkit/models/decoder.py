@@ -142,11 +142,9 @@ class DecoderGraph(torch.nn.Module):
         if self.attention_kernel and seq_ids is not None:  # each token: its sequence's keys
             packed = (positions, seq_ids, context_lens, block_tables)
             bounds = {span: attn.packed_visible_keys(*packed, *span) for span in spans}
-        elif self.attention_kernel:  # one query a row: the kernel takes each row's key range
-            bounds = {
-                span: (*attn.visible_keys(positions, context_lens, *span), block_tables)
-                for span in spans
-            }
+        elif self.attention_kernel:  # decode, verify: each query's key range in its row
+            rows = (positions, context_lens, block_tables)
+            bounds = {span: attn.visible_keys(*rows, *span) for span in spans}
         elif seq_ids is not None:  # packed: one row attending to every sequence's context
             packed = (positions, seq_ids, context_lens, shape.context)
             masks = {span: attn.packed_context_mask(*packed, *span) for span in spans}

@@ -39,11 +39,14 @@ class ProjectionPolicy:
     attention_kernel: bool = False
 
     def attends_in_kernel(self, phase: str, rows: int) -> bool:
-        """Does a graph of this phase and row count attend through the kernel? Decode, and
-        packed prefill (rows > 1), whose form scores every token against all the sequences'
-        contexts side by side (S x C keys) where each token sees only its own sequence's. One
-        sequence's prefill keeps the graph's form, a GEMM that wins once a token sees many keys."""
-        return self.attention_kernel and (phase == "decode" or (phase == "prefill" and rows > 1))
+        """Does a graph of this phase and row count attend through the kernel? Decode and verify
+        (which must score a position exactly as decode does, or speculation's outputs would move
+        with near-ties), and packed prefill (rows > 1), whose form scores every token against
+        all the sequences' contexts side by side (S x C keys) where each token sees only its own
+        sequence's. One sequence's prefill keeps the graph's form, a GEMM that wins once a token
+        sees many keys."""
+        packed = phase == "prefill" and rows > 1
+        return self.attention_kernel and (phase in ("decode", "verify") or packed)
 
     def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
         """The form `project` writes for `rows` activation rows and this weight layout
