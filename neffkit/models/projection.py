@@ -89,8 +89,10 @@ def project(
     if isinstance(weight, BlockedFp8):
         fp8 = weight
         if policy.form(rows, True, fp8.weight.numel()) == "kernel-rows":
-            xf = materialized(x.reshape(rows, in_features).float())
-            out = torch.ops.neffkit.blocked_rows_fp8(xf, fp8.weight, fp8.scales, fp8.k_block)
+            # bf16 rows as they are (the kernel's VDPBF16PS path reads them), others float32
+            x2 = x.reshape(rows, in_features)
+            x2 = materialized(x2 if x.dtype == torch.bfloat16 else x2.float())
+            out = torch.ops.neffkit.blocked_rows_fp8(x2, fp8.weight, fp8.scales, fp8.k_block)
             return out.to(x.dtype).reshape(*lead, out.shape[-1])
         weight = dequantize_blocked(fp8.weight, fp8.scales, fp8.k_block, x.dtype)
     nbytes = weight.numel() * weight.element_size()

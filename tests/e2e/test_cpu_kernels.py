@@ -126,22 +126,41 @@ def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
     torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(params=["float32", "bf16-dot", "bf16-fma"])
+def fp8_rows(request, op):
+    """The rows' dtype and path of the fp8 kernel: float32 rows (widened FMA), bf16 rows through
+    VDPBF16PS (where the CPU has AVX512-BF16), bf16 rows widened to float32."""
+    if request.param == "bf16-dot" and not torch.ops.neffkit.set_bf16_dot(1):
+        pytest.skip("no avx512_bf16 here")
+    torch.ops.neffkit.set_bf16_dot(int(request.param == "bf16-dot"))
+    yield request.param
+    torch.ops.neffkit.set_bf16_dot(-1)
+
+
+def _flushed(weight: torch.Tensor, path: str) -> torch.Tensor:
+    """The e4m3 values a path reads: VDPBF16PS reads the subnormals (exponent 0) as 0."""
+    values = weight.float()
+    if path == "bf16-dot":
+        return torch.where(weight.view(torch.uint8) & 0x78 == 0, 0.0, values)
+    return values
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
 @pytest.mark.parametrize("block", [(16, 16), (128, 64), (1, 0), (0, 0)])
-def test_blocked_rows_fp8_equals_the_dequantized_matmul(rows, block):
+def test_blocked_rows_fp8_equals_the_dequantized_matmul(rows, block, fp8_rows):
     """The fp8 path: e4m3 bytes widened in register, scaled per (partial) K block by
     `lane_scales`, for fine-grained blocks, per-channel and per-tensor scales."""
     from neffkit.kernels.quant import expand_scales, lane_scales, scale_grid
 
-    cpu_kernels.ensure_for_tracing()
     gen = torch.Generator().manual_seed(rows)
     out_features, in_features = 256, 200  # 200: the last K block of 16 and 64 is partial
     weight = (torch.randn(out_features, in_features, generator=gen) * 64).to(torch.float8_e4m3fn)
     shape = (out_features, in_features)
     grid = torch.rand(scale_grid(shape, block), generator=gen) + 0.5
-    exact = weight.double() * expand_scales(grid, shape, block).double()
+    exact = _flushed(weight, fp8_rows).double() * expand_scales(grid, shape, block).double()
     k_block = block[1] or in_features
     x = torch.randn(rows, in_features, generator=gen)
+    x = x if fp8_rows == "float32" else x.bfloat16()
     got = torch.ops.neffkit.blocked_rows_fp8(
         x, to_blocked(weight, 16), lane_scales(grid, shape, block, 16), k_block
     )
@@ -149,15 +168,17 @@ def test_blocked_rows_fp8_equals_the_dequantized_matmul(rows, block):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
-def test_fp8_widening_is_exact_for_every_byte():
+def test_fp8_widening_is_exact_for_every_byte(fp8_rows):
     """All 256 e4m3fn encodings, subnormals and signed zeros included, read back exactly (the
-    two NaN bytes, never in a checkpoint's weights, read as +-480)."""
-    cpu_kernels.ensure_for_tracing()
+    two NaN bytes, never in a checkpoint's weights, read as +-480; through VDPBF16PS the
+    subnormals read as 0)."""
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     weight = torch.zeros(1, 256, 16, dtype=torch.float8_e4m3fn)
     weight[0, :, 3] = values
-    got = torch.ops.neffkit.blocked_rows_fp8(torch.eye(256), weight, torch.ones(1, 1, 16), 256)
+    eye = torch.eye(256) if fp8_rows == "float32" else torch.eye(256).bfloat16()
+    got = torch.ops.neffkit.blocked_rows_fp8(eye, weight, torch.ones(1, 1, 16), 256)
     finite = ~values.float().isnan()
-    assert torch.equal(got[finite, 3], values.float()[finite])
+    want = _flushed(values, fp8_rows)
+    assert torch.equal(got[finite, 3], want[finite])
     assert got[~finite, 3].tolist() == [480.0, -480.0]
     assert not got[:, [0, 1, 2, 4]].any()
