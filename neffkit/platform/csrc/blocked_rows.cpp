@@ -242,6 +242,24 @@ inline __m512 load_fp8(const uint8_t* p) {
   return _mm512_cvtph_ps(half);
 }
 
+// acc += part x the K block's scale (times `factor`) of each output block of the tile; `scales`
+// points at the K block's vector of output block 0 ([NB, KB, 16] layout).
+template <int R, int U>
+inline void add_block(__m512 (&acc)[R][U], const __m512 (&part)[R][U], const float* scales,
+                      int64_t KB, int64_t b0, float factor) {
+  for (int u = 0; u < U; ++u) {
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + (b0 + u) * KB * kLanes),
+                                   _mm512_set1_ps(factor));
+    for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(part[r][u], s, acc[r][u]);
+  }
+}
+
+template <int R, int U>
+inline void store_tile(const __m512 (&acc)[R][U], float* out, int64_t ldo, int64_t b0) {
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+}
+
 // R x U partial sums of one K block and R x U totals stay in registers with U weight vectors:
 // 2*R*U + U + 1 <= 32 zmm.
 constexpr int fp8_tile_blocks(int rows) { return rows == 1 ? 8 : (rows == 2 ? 4 : (rows <= 7 ? 2 : 1)); }
@@ -274,14 +292,9 @@ void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, 
         for (int u = 0; u < U; ++u) part[r][u] = _mm512_fmadd_ps(xv, wv[u], part[r][u]);
       }
     }
-    for (int u = 0; u < U; ++u) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + ((b0 + u) * KB + kb) * kLanes),
-                                     _mm512_set1_ps(kFp8ToHalf));
-      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(part[r][u], s, acc[r][u]);
-    }
+    add_block(acc, part, scales + kb * kLanes, KB, b0, kFp8ToHalf);
   }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+  store_tile(acc, out, ldo, b0);
 }
 
 void run_blocks_fp8(int64_t R, const float* x, int64_t K, const uint8_t* w, const float* scales,
@@ -342,14 +355,9 @@ void tile_fp8_dot(const uint16_t* x, int64_t K, const uint8_t* w, const float* s
           part[r][u] = _mm512_dpbf16_ps(part[r][u], xv, (__m512bh)wv[u]);
       }
     }
-    for (int u = 0; u < U; ++u) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + ((b0 + u) * KB + kb) * kLanes),
-                                     _mm512_set1_ps(kFp8DotToValue));
-      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(part[r][u], s, acc[r][u]);
-    }
+    add_block(acc, part, scales + kb * kLanes, KB, b0, kFp8DotToValue);
   }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+  store_tile(acc, out, ldo, b0);
 }
 
 void run_blocks_fp8_dot(int64_t R, const uint16_t* x, int64_t K, const uint8_t* w,
