@@ -176,6 +176,11 @@ EXTRA: dict[str, dict[str, Any]] = {
         "decode_state": "device",
         "compiler": {"cpu_kernel": "on" if cpu_kernels.supported() else "off"},
     },
+    # qwen3 is the CI-shard test's byte-identity reference, so its graphs call none of
+    # neffkit's C++ ops: Inductor's code for a graph that calls one differed between an
+    # in-process build and a CLI one (the same traced graph, a different fusion), which is not
+    # solved yet
+    "qwen3": {"compiler": {"cpu_kernel": "off"}},
 }
 # kind → (parallel layout, buckets) of the tp > 1 bundles
 PARALLEL: dict[str, tuple[dict[str, int], dict[str, list[int]]]] = {
