@@ -18,6 +18,32 @@ def visible_from(positions: torch.Tensor, window: int | None, chunk: int | None)
     return lo
 
 
+def visible_range(
+    positions: torch.Tensor,  # [B, T] int64
+    context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
+    window: int | None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # lo, hi: [B, T]
+    """The keys lo..hi a query at each position sees: hi = min(p, context_len - 1), lo from
+    `visible_from` (a padding row, context_len 0, has hi = -1 < lo)."""
+    hi = torch.minimum(positions, (context_lens - 1).unsqueeze(1))
+    return visible_from(positions, window, chunk), hi
+
+
+def packed_range(
+    positions: torch.Tensor,  # [1, T] int64: each token's position in its own sequence
+    seq_ids: torch.Tensor,  # [1, T] int64: each token's sequence, in [0, S)
+    context_lens: torch.Tensor,  # [S] int64, 0 for padding sequences
+    window: int | None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # own, lo, hi: [1, T]
+    """visible_range for a packed prefill row: each token's sequence (clamped) and its key
+    range in that sequence."""
+    own = seq_ids.clamp(0, context_lens.shape[0] - 1)  # host-given index: clamped (NK303)
+    hi = torch.minimum(positions, context_lens.index_select(0, own[0]).unsqueeze(0) - 1)
+    return own, visible_from(positions, window, chunk), hi
+
+
 def visible_keys(
     positions: torch.Tensor,  # [B, T] int64: decode T = 1, verify 1 + K
     context_lens: torch.Tensor,  # [B] int64, 0 for padding rows
@@ -28,10 +54,9 @@ def visible_keys(
     """The keys lo..hi each query sees (context_mask's interval, as bounds for the kernel; a
     padding row has hi = -1 < lo) and the block table it reads them through, its row's."""
     tokens = positions.shape[1]
-    hi = torch.minimum(positions, (context_lens - 1).unsqueeze(1)).reshape(-1)
-    lo = visible_from(positions, window, chunk).reshape(-1)
+    lo, hi = visible_range(positions, context_lens, window, chunk)
     tables = block_tables if tokens == 1 else block_tables.repeat_interleave(tokens, dim=0)
-    return lo, hi, tables
+    return lo.reshape(-1), hi.reshape(-1), tables
 
 
 def packed_visible_keys(
@@ -44,10 +69,8 @@ def packed_visible_keys(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # lo, hi [T]; tables [T, C // bs]
     """visible_keys for a packed prefill row: each token's key range in its own sequence, and
     that sequence's block table, one per token."""
-    own = seq_ids[0].clamp(0, context_lens.shape[0] - 1)  # host-given index: clamped (NK303)
-    position = positions[0]
-    hi = torch.minimum(position, context_lens.index_select(0, own) - 1)
-    return visible_from(position, window, chunk), hi, block_tables.index_select(0, own)
+    own, lo, hi = packed_range(positions, seq_ids, context_lens, window, chunk)
+    return lo[0], hi[0], block_tables.index_select(0, own[0])
 
 
 def context_mask(
@@ -65,8 +88,7 @@ def context_mask(
     neuronx-cc miscompiles a broadcast boolean AND of a large mask with a [1, N] mask (CHRS-985).
     Padding rows (context_len 0) get hi = -1 < lo, so nothing is visible.
     """
-    hi = torch.minimum(positions, (context_lens - 1).unsqueeze(1))  # [B, T]
-    lo = visible_from(positions, window, chunk)
+    lo, hi = visible_range(positions, context_lens, window, chunk)  # [B, T]
     keys = torch.arange(context, device=positions.device)  # [C]
     centre = (lo + hi).unsqueeze(-1)  # [B, T, 1]
     radius = (hi - lo).unsqueeze(-1)  # [B, T, 1]
@@ -87,9 +109,7 @@ def packed_context_mask(
     The same single comparison as context_mask, shifted by the token's sequence offset: the
     visible interval lies inside that sequence's C keys, so no second (AND) mask is needed."""
     seqs = context_lens.shape[0]
-    own = seq_ids.clamp(0, seqs - 1)  # host-given index: clamped (audit NK303)
-    hi = torch.minimum(positions, context_lens.index_select(0, own[0]).unsqueeze(0) - 1)
-    lo = visible_from(positions, window, chunk)
+    own, lo, hi = packed_range(positions, seq_ids, context_lens, window, chunk)
     offset = own * context
     keys = torch.arange(seqs * context, device=positions.device)  # [S*C]
     centre = (lo + hi + 2 * offset).unsqueeze(-1)  # [1, T, 1]

@@ -168,12 +168,15 @@ void run_blocks(int64_t R, const X* x, int64_t K, const W* w, float* out, int64_
 // GB/s of weights for the FMA form, 1 row 44-52 against 40-48. On the Intel host the FMA form
 // was faster (82 vs 62 GMAC/s, 8 rows): there it stays the default (`use_bf16_dot`).
 #ifdef __AVX512BF16__
+// VPERMW's order for one 64-byte line of the blocked layout (K steps k, k+1 of 16 lanes): word
+// 2j <- lane j of step k, word 2j+1 <- lane j of step k+1, the pairs VDPBF16PS reads
+alignas(64) constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                             15, 31};
+
 template <int R, int U>
 void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w, float* out, int64_t ldo,
               int64_t b0) {
-  alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
-                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
-                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i pairs = _mm512_load_si512(kPairs);
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
@@ -324,9 +327,6 @@ constexpr float kFp8DotToValue = 16777216.0f;                         // 2^(120 
 template <int R, int U>
 void tile_fp8_dot(const uint16_t* x, int64_t K, const uint8_t* w, const float* scales,
                   int64_t KB, int64_t k_block, float* out, int64_t ldo, int64_t b0) {
-  alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
-                                                      21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
-                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i pairs = _mm512_load_si512(kPairs);
   const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0x87ff));
   __m512 acc[R][U];
