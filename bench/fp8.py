@@ -11,7 +11,8 @@ Accuracy: SmolLM2-135M-Instruct (`make demo`'s checkpoint) over a fixed text of 
 next-token distribution. Each variant's logits come from neffkit's model code run eagerly (the
 code its graphs are traced from: one prefill at every position, the cache written and read back
 as a graph does): float32 (the baseline's own error), bf16 weights, fp8 weights (block 128x128,
-the rest float32), and an fp8 KV cache with the build's calibrated scales and with scale 1.0.
+the rest float32), fp8 weights with the LM head quantized too (`lm_head.dtype`), and an fp8 KV
+cache with the build's calibrated scales and with scale 1.0.
 
 Writes bench/results/fp8.json.
 
@@ -45,6 +46,7 @@ model: {model}
 dtype: {dtype}
 kv_cache: {kv}
 buckets: {{prefill: [{tokens}], decode: [1], context: [{tokens}]}}
+lm_head: {head}
 """
 
 
@@ -77,19 +79,25 @@ def kl_divergences() -> dict:
     with torch.no_grad():
         reference = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     del hf
+    fp8_head = {"dtype": "float8_e4m3fn"}
     variants = {
-        "float32": (MODEL, "float32", {}),
-        "bf16 weights": (MODEL, "bfloat16", {}),
-        "fp8 weights": (fp8_checkpoint(), "float32", {}),
-        "fp8 KV, calibrated scales": (MODEL, "float32", {"dtype": "float8_e4m3fn"}),
-        "fp8 KV, scale 1.0": (MODEL, "float32", {"dtype": "float8_e4m3fn", "calibrate": False}),
-    }
+        "float32": (MODEL, "float32", {}, {}),
+        "bf16 weights": (MODEL, "bfloat16", {}, {}),
+        "fp8 weights": (fp8_checkpoint(), "float32", {}, {}),
+        "fp8 weights and LM head": (fp8_checkpoint(), "float32", {}, fp8_head),
+        "fp8 KV, calibrated scales": (MODEL, "float32", {"dtype": "float8_e4m3fn"}, {}),
+        "fp8 KV, scale 1.0": (
+            MODEL, "float32", {"dtype": "float8_e4m3fn", "calibrate": False}, {}
+        ),
+    }  # fmt: skip
     out = {}
-    for name, (model, dtype, kv) in variants.items():
+    for name, (model, dtype, kv, head) in variants.items():
         path = WORK / f"kl-{len(out)}.yaml"
         WORK.mkdir(parents=True, exist_ok=True)
         cache = {"block_size": 16, **kv}
-        text = KL_MANIFEST.format(model=model, dtype=dtype, tokens=len(ids), kv=json.dumps(cache))
+        text = KL_MANIFEST.format(
+            model=model, dtype=dtype, tokens=len(ids), kv=json.dumps(cache), head=json.dumps(head)
+        )
         path.write_text(text)
         manifest = load_manifest(path)
         layout = calibrated(manifest, model_layout(manifest, "cpu"))

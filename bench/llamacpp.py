@@ -5,8 +5,9 @@ cmake, `GGML_NATIVE=ON`: AVX-512, VNNI and bf16 where the CPU has them, OpenMP),
 HF-format checkpoint `make demo` converts (models/smollm2-135m-instruct) goes through its
 `convert_hf_to_gguf.py` into f32, bf16 and Q8_0 GGUFs, in a venv of its own (the converter pins
 transformers 4.57). neffkit builds float32, bfloat16 and block-fp8 (128x128,
-tools/make_fp8_model.py) bundles of the same checkpoint, with packed prefill. Both sides run 2
-threads.
+tools/make_fp8_model.py) bundles of the same checkpoint, with packed prefill; the fp8 one
+quantizes its LM head too (`lm_head: {dtype: float8_e4m3fn}`), as Q8_0 quantizes its output
+tensor. Both sides run 2 threads.
 
 Reported, rounds alternating the systems, medians:
 - batch 1: ms per token (llama.cpp: `llama-bench -p 0 -n 64`; neffkit: the median decode step);
@@ -61,7 +62,7 @@ name: llamacpp-{kind}
 model: {model}
 dtype: {dtype}
 buckets: {{prefill: [64], prefill_batch: [1, 8], decode: [1, 8], context: [256]}}
-"""
+{extra}"""
 
 
 def run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
@@ -153,11 +154,12 @@ def fp8_checkpoint() -> Path:
 
 
 def neffkit_bundle(kind: str) -> Path:
-    model, dtype = MODEL, kind
-    if kind == "fp8":  # unquantized tensors (norms, the tied embedding and head) in bf16
+    model, dtype, extra = MODEL, kind, ""
+    if kind == "fp8":  # norms and the embedding table in bf16; the head in fp8, as Q8_0's
         model, dtype = fp8_checkpoint(), "bfloat16"
+        extra = "lm_head: {dtype: float8_e4m3fn}\n"
     manifest = WORK / f"neffkit-{kind}.yaml"
-    manifest.write_text(MANIFEST.format(kind=kind, model=model, dtype=dtype))
+    manifest.write_text(MANIFEST.format(kind=kind, model=model, dtype=dtype, extra=extra))
     return ensure_bundle(manifest, WORK / f"bundle-{kind}")
 
 

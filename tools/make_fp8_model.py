@@ -31,25 +31,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from neffkit.kernels.quant import effective_block, expand_scales, scale_grid
+from neffkit.kernels.quant import expand_scales, quantize_blocks
 from neffkit.targets import E4M3FN_MAX
 
 QUANTIZED = re.compile(r"(_proj|\.w[123]|kv_a_proj_with_mqa)\.weight$")
 SCHEMES = {"tensor": (0, 0), "channel": (1, 0)}
-
-
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, float32 scale per block): weight ≈ fp8.float() * scale."""
-    w = weight.float()
-    rows, cols = w.shape[-2:]
-    b = effective_block(tuple(w.shape), block)
-    padded = torch.nn.functional.pad(w, (0, -cols % b[1], 0, -rows % b[0]))
-    blocks = padded.unflatten(-1, (-1, b[1])).unflatten(-3, (-1, b[0]))
-    amax = blocks.abs().amax(dim=(-3, -1))  # [..., row blocks, col blocks]
-    scale = torch.where(amax > 0, amax / E4M3FN_MAX, torch.ones_like(amax))
-    expanded = expand_scales(scale, tuple(w.shape), block)
-    q = (w / expanded).clamp(-E4M3FN_MAX, E4M3FN_MAX).to(torch.float8_e4m3fn)
-    return q, scale.reshape(scale_grid(tuple(w.shape), block))
 
 
 def _config(fmt: str, scheme: str, block: tuple[int, int], kv_scales: bool) -> dict:
@@ -122,7 +108,7 @@ def main() -> None:
     exact: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if QUANTIZED.search(name) and t.dim() >= 2:
-            q, scale = quantize(t, block)
+            q, scale = quantize_blocks(t, block)
             if scheme == "tensor":
                 scale = scale.reshape(1)  # compressed-tensors' per-tensor shape
             quantized[name], quantized[name + suffix] = q, scale

@@ -43,6 +43,7 @@ def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
         kv_scales=from_checkpoint or calibrate,
         kv_calibrated=() if calibrate else None,  # measured before the weights are written
         lanes=lanes,
+        fp8_head=manifest.lm_head_dtype == "float8_e4m3fn",
     )
 
 

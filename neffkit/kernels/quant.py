@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from neffkit.targets import E4M3FN_MAX
+
 
 def effective_block(shape: tuple[int, ...] | list[int], block: tuple[int, ...]) -> tuple[int, int]:
     """The block in elements for a weight of `shape` (0 = the whole dimension)."""
@@ -40,6 +42,24 @@ def expand_scales(
     grid = scale.float().reshape(scale_grid(shape, block))
     per_row = grid.repeat_interleave(b[0], dim=-2)[..., :rows, :]
     return per_row.repeat_interleave(b[1], dim=-1)[..., :cols].contiguous()
+
+
+def quantize_blocks(
+    weight: torch.Tensor, block: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale per block in the `scale_grid` layout), the scale the
+    block's largest magnitude over 448 (1 for an all-zero block): weight ≈ fp8.float() * scale,
+    as DeepSeek's and llm-compressor's fp8 checkpoints are made. Works on meta tensors."""
+    w = weight.float()
+    rows, cols = w.shape[-2:]
+    b = effective_block(tuple(w.shape), block)
+    padded = torch.nn.functional.pad(w, (0, -cols % b[1], 0, -rows % b[0]))
+    blocks = padded.unflatten(-1, (-1, b[1])).unflatten(-3, (-1, b[0]))
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., row blocks, col blocks]
+    scale = torch.where(amax > 0, amax / E4M3FN_MAX, torch.ones_like(amax))
+    expanded = expand_scales(scale, tuple(w.shape), block)
+    q = (w / expanded).clamp(-E4M3FN_MAX, E4M3FN_MAX).to(torch.float8_e4m3fn)
+    return q, scale.reshape(scale_grid(tuple(w.shape), block))
 
 
 def dequantize_blocks(

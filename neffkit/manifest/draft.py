@@ -43,6 +43,7 @@ def draft_manifest(manifest: Manifest) -> Manifest:
         ),
         mla_decode=manifest.mla_decode if spec.method == "mtp" else "absorbed",
         decode_state="host",
+        lm_head_dtype=None,  # the draft's checkpoint keeps its own head
         speculation=Speculation("ngram", spec.num_tokens, spec.max_batch),
         source=None,
     )

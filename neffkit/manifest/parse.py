@@ -21,6 +21,7 @@ from neffkit.manifest.sections import (
     read_buckets,
     read_compiler,
     read_kv_cache,
+    read_lm_head,
     read_mla,
     read_neuron,
     read_parallel,
@@ -48,6 +49,7 @@ TOP_LEVEL = (
     "mla",
     "decode_state",
     "speculation",
+    "lm_head",
 )
 DECODE_STATES = ("host", "device")
 
@@ -141,6 +143,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         speculation=_speculation(
             data.get("speculation"), buckets, base, (model_path, model_config), parallel, sampling
         ),
+        lm_head_dtype=read_lm_head(data.get("lm_head", {}), model_config, model_path),
     )
 
 

@@ -162,6 +162,10 @@ class Manifest:
     # only which sequence each row holds (`seq_slots`). Default: device on neuron, else host
     decode_state: str = "host"
     speculation: Speculation | None = None
+    # the LM head's bundle dtype where it differs from `dtype`: float8_e4m3fn quantizes it at
+    # build time with the fp8 checkpoint's own scale blocks (llama.cpp's Q8_0 quantizes its
+    # output tensor too); a tied head gets an fp8 copy beside the embedding table
+    lm_head_dtype: str | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -163,7 +163,7 @@ class DecoderGraph(torch.nn.Module):
         cfg, shape = self.cfg, self.shape
         positions = m[abi.POSITIONS]
         temperature, top_k, top_p, seed = (m[name] for name in abi.SAMPLING_NAMES)
-        head = w["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        head = w["lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"]
         prompt: tuple[torch.Tensor, ...] = ()
         if shape.phase == "verify":
             return self._verify(h, m, w, rank, head), prompt

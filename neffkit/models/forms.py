@@ -119,3 +119,10 @@ class Storage:
     # fuses the widening of a plain fp8 weight into its one-row reduction, not of a blocked one:
     # SmolLM2's projections in Inductor's form, 1 row, 77 ms blocked against 11 in the kernel)
     fp8_lanes: int = 0
+    # the LM head quantized to fp8 at build time with the checkpoint's scale blocks (manifest
+    # lm_head.dtype); a tied one becomes `lm_head.weight` beside a plain embedding table
+    fp8_head: bool = False
+
+    def table_is_head(self, tied: bool) -> bool:
+        """Does the LM head project onto the embedding table itself (so store it blocked)?"""
+        return tied and not self.fp8_head

@@ -16,9 +16,15 @@ import torch
 
 from neffkit.contract.tensor_files import TensorReader, read_header
 from neffkit.errors import ModelError
-from neffkit.kernels.quant import effective_block, expand_scales, lane_scales, scale_grid
+from neffkit.kernels.quant import (
+    effective_block,
+    expand_scales,
+    lane_scales,
+    quantize_blocks,
+    scale_grid,
+)
 from neffkit.models.config import ModelConfig
-from neffkit.models.forms import Storage, blocked_shape, blocks
+from neffkit.models.forms import TIED_TABLE, Storage, blocked_shape, blocks
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import to_blocked
 from neffkit.models.registry import shards_class
@@ -86,6 +92,7 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
 QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8")
 FP8 = torch.float8_e4m3fn
 SCALE = FP8_SCALE  # the graph input beside each fp8 weight: one float32 per block
+HEAD = "lm_head.weight"
 
 
 def _check_tensor(file: Path, name: str, dtype: str, cfg: ModelConfig, names: set[str]) -> None:
@@ -133,7 +140,8 @@ def rank_weight_specs(
 
     out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     available = set(index) | set(calibrated)
-    for name, t in rank_weights(cfg, par, rank, meta, available, storage.kv_scales):
+    named = rank_weights(cfg, par, rank, meta, available, storage.kv_scales)
+    for name, t, _ in _with_fp8_head(((n, t, None) for n, t in named), cfg, storage):
         if t.dtype == FP8:
             shape = tuple(t.shape)
             grid = scale_grid(shape, cfg.fp8_block)
@@ -144,7 +152,7 @@ def rank_weight_specs(
             out.append((name + SCALE, grid, torch.float32))
         else:
             shape = tuple(t.shape)
-            if blocks(name, shape, storage.lanes, cfg.tie_word_embeddings):
+            if blocks(name, shape, storage.lanes, storage.table_is_head(cfg.tie_word_embeddings)):
                 shape = blocked_shape(shape, storage.lanes)
             out.append((name, shape, weight_dtype(name, storage.dtype)))
     return out
@@ -175,9 +183,13 @@ def iter_rank_weights(
         if cfg.fp8_block
         else None
     )
+    tied = storage.table_is_head(cfg.tie_word_embeddings)
+    named = (
+        (name, tensor, next(scales)[1] if scales is not None else None)
+        for name, tensor in rank_weights(cfg, par, rank, source.read, available, kv_scales)
+    )
     try:
-        for name, tensor in rank_weights(cfg, par, rank, source.read, available, kv_scales):
-            scale = next(scales)[1] if scales is not None else None
+        for name, tensor, scale in _with_fp8_head(named, cfg, storage):
             if tensor.dtype == FP8:
                 assert scale is not None
                 tensor, block_scale = _fp8_stored(name, tensor, scale, cfg.fp8_block, storage)
@@ -185,12 +197,30 @@ def iter_rank_weights(
                 yield name + SCALE, _compact(block_scale)
                 continue
             cast = tensor.to(weight_dtype(name, storage.dtype))
-            if blocks(name, tuple(cast.shape), storage.lanes, cfg.tie_word_embeddings):
+            if blocks(name, tuple(cast.shape), storage.lanes, tied):
                 cast = to_blocked(cast, storage.lanes)
             yield name, _compact(cast)
             del tensor, cast
     finally:
         source.close()
+
+
+def _with_fp8_head(
+    named: Iterator[tuple[str, torch.Tensor, torch.Tensor | None]],
+    cfg: ModelConfig,
+    storage: Storage,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name, tensor, per-element fp8 scale or None), with the LM head quantized to fp8 by the
+    checkpoint's scale blocks where the manifest asks (Storage.fp8_head): an untied head in its
+    place, a tied one as `lm_head.weight` right after the rank's embedding rows it copies.
+    Quantized after the vocabulary cut, so a rank's share starts its own blocks."""
+    for name, tensor, scale in named:
+        head = storage.fp8_head and name == HEAD
+        if not head:
+            yield name, tensor, scale
+        if head or (storage.fp8_head and cfg.tie_word_embeddings and name == TIED_TABLE):
+            q, grid = quantize_blocks(tensor, cfg.fp8_block)
+            yield HEAD, q, expand_scales(grid, tuple(q.shape), cfg.fp8_block)
 
 
 class _Checkpoint:

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,19 +44,23 @@ SHAPE = {"hidden_size": 72, "head_dim": 16, "intermediate_size": 128}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _make(session_dir: Path, name: str, *tool_args: str) -> tuple[Path, Path]:
+def _make(
+    session_dir: Path, name: str, *tool_args: str, config: dict | None = None
+) -> tuple[Path, Path]:
     """(fp8 checkpoint, its float32 dequantization) by tools/make_fp8_model.py from one random
-    float32 model, made once per machine in the test cache (keyed by the recipe and the tool)."""
+    float32 model (COMMON, SHAPE and `config`), made once per machine in the test cache (keyed
+    by the recipe and the tool)."""
     import transformers
 
     tool = REPO / "tools" / "make_fp8_model.py"
-    recipe = json.dumps([COMMON, SHAPE, transformers.__version__, tool.read_text(), tool_args])
+    fields = {**COMMON, **SHAPE, **(config or {})}
+    recipe = json.dumps([fields, transformers.__version__, tool.read_text(), tool_args])
     digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
     def source(out: Path) -> None:  # in a process of its own (see conftest.in_fresh_process)
         code = (
             "import sys, torch, transformers; torch.manual_seed(0); "
-            f"c = transformers.LlamaConfig(**{ {**COMMON, **SHAPE}!r}); "
+            f"c = transformers.LlamaConfig(**{fields!r}); "
             "transformers.AutoModelForCausalLM.from_config(c).save_pretrained(sys.argv[1])"
         )
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, capture_output=True)
@@ -126,6 +131,62 @@ def test_fp8_bundle_equals_hf_on_the_dequantized_weights(tp, fp8_model, session_
     assert ("kernel-rows" in forms) == kernel, forms
     assert dtypes["model.embed_tokens.weight"] == "F32"  # unquantized tensors keep the dtype
     assert dtypes["model.norm.weight"] == "F32"
+
+
+@pytest.fixture(scope="session")
+def tied_fp8_model(session_dir: Path) -> tuple[Path, Path]:
+    """Block-fp8 projections on a model whose LM head is its embedding table (SmolLM2's)."""
+    return _make(session_dir, "tied", "--block", "16", "16", config={"tie_word_embeddings": True})
+
+
+def _fp8_head_oracle(exact: Path, block: int) -> Path:
+    """The dequantized model with a head of its own: the embedding table quantized per
+    [block, block] block (scale = the block's largest |w| / 448, rounded to e4m3) and widened
+    back, written as `lm_head.weight`, untied. Made once per machine in the test cache."""
+    from safetensors.torch import load_file, save_file
+
+    def make(out: Path) -> None:
+        shutil.copytree(exact, out, dirs_exist_ok=True)
+        tensors = load_file(exact / "model.safetensors")
+        table = tensors["model.embed_tokens.weight"].float()
+        rows, cols = table.shape
+        padded = torch.nn.functional.pad(table, (0, -cols % block, 0, -rows % block))
+        grid = padded.reshape(padded.shape[0] // block, block, -1, block)
+        amax = grid.abs().amax(dim=(1, 3), keepdim=True)
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        widened = (grid / scale).to(torch.float8_e4m3fn).float() * scale
+        tensors["lm_head.weight"] = widened.reshape(padded.shape)[:rows, :cols].contiguous()
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        (out / "config.json").write_text(json.dumps(cfg))
+
+    return cached_dir(f"models/{exact.parent.name}-fp8-head", make)
+
+
+def test_an_fp8_lm_head_equals_hf_with_the_head_quantized(tied_fp8_model, session_dir, hf_greedy):
+    """`lm_head: {dtype: float8_e4m3fn}` on a tied model: the head becomes an fp8 copy of the
+    table in the checkpoint's blocks (decode reads its bytes in the kernel where the CPU has
+    it), the table stays the bundle dtype and plain for the lookup."""
+    fp8, exact = tied_fp8_model
+    kernel = cpu_kernels.supported()
+    result = build_session_bundle(
+        session_dir, fp8, "fp8_head", buckets=BUCKETS, lm_head={"dtype": "float8_e4m3fn"},
+        compiler={"cpu_kernel": "on" if kernel else "auto"},
+    )  # fmt: skip
+    prompts = [SHORT, LONG, *MIXED]
+    oracle = _fp8_head_oracle(exact, 16)
+    assert _run(result.bundle, prompts) == [hf_greedy(oracle, p, MAX_NEW) for p in prompts]
+    with safe_open(str(result.bundle / "weights" / "rank0.safetensors"), "pt") as f:
+        head, scale = f.get_slice("lm_head.weight"), f.get_slice("lm_head.weight.scale")
+        table = f.get_slice("model.embed_tokens.weight")
+        assert head.get_dtype() == "F8_E4M3" and scale.get_dtype() == "F32"
+        assert table.get_dtype() == "F32" and table.get_shape() == [COMMON["vocab_size"], 72]
+        vocab = COMMON["vocab_size"]
+        blocked = [vocab // 16, 72, 16] if kernel else [vocab, 72]
+        assert head.get_shape() == blocked
+    record = bundle_json(result.bundle)
+    assert record["manifest"]["lm_head_dtype"] == "float8_e4m3fn"
 
 
 def test_a_tp_cut_inside_an_fp8_block_is_refused_naming_the_tensor(session_dir):

@@ -139,6 +139,17 @@ BAD = [
         "kv_cache.calibrate: expected true or false, got 'yes'",
     ),
     (
+        "fp8 head on an unquantized checkpoint",
+        _with("lm_head", {"dtype": "float8_e4m3fn"}),
+        "lm_head.dtype: float8_e4m3fn needs an fp8 checkpoint",
+    ),
+    (
+        "head dtype",
+        _with("lm_head", {"dtype": "int8"}),
+        "lm_head.dtype: 'int8' is not supported; supported: float8_e4m3fn",
+    ),
+    ("head key", _with("lm_head", {"bits": 8}), "lm_head.bits: unknown key; allowed here: dtype"),
+    (
         "flags not strings",
         _with("compiler", {"flags": ["-O2", 3]}),
         "compiler.flags[1]: expected a string, got 3",
