@@ -74,7 +74,7 @@ def kernel_ceiling() -> dict[str, float]:
         for _ in range(5):
             t0 = time.perf_counter()
             for _ in range(2000):
-                torch.ops.neffkit.blocked_rows(x, w)
+                torch.ops.neffkit.blocked_rows(x, [w])
             rates.append(2000 * 8 * 1024 * 256 / (time.perf_counter() - t0))
         out[f"{dtype}_b8_gmac_per_s"] = round(median(rates) / 1e9, 1)
     model = projection_parameters()

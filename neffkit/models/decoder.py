@@ -16,7 +16,6 @@ dense Llama family's: pre-norm RMSNorm, GQA attention with RoPE, SwiGLU.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -27,13 +26,19 @@ from neffkit.kernels.activation import gated
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
 from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
-from neffkit.kernels.quant import dequantize_blocks
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.forms import PLAIN, ProjectionPolicy
 from neffkit.models.parallel import Parallelism
-from neffkit.models.projection import BlockedFp8, materialized, out_features, project
+from neffkit.models.projection import (
+    BlockedFp8,
+    fp8_graph_weights,
+    materialized,
+    out_features,
+    project,
+    project_many,
+)
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
 from neffkit.models.step import Span, Step
@@ -92,7 +97,7 @@ class DecoderGraph(torch.nn.Module):
         rest = rest[1:] if shape.device_state else rest
         w = dict(zip(self.weight_names, rest, strict=True))
         if cfg.fp8_block:  # block fp8 weights: widened right before use (kernels/quant.py)
-            w = self._dequantized(w)
+            w = fp8_graph_weights(w, self.cfg.fp8_block, FP8_SCALE)
         state_slots = None
         if last_tokens is not None:  # clamped like every index from the host (audit NK303)
             state_slots = m[abi.SEQ_SLOTS].clamp(0, last_tokens.shape[0] - 1)
@@ -245,9 +250,10 @@ class DecoderGraph(torch.nn.Module):
         rows, tokens, _ = x.shape
         kv_heads = k_cache.shape[2]
         heads = out_features(w[f"{p}.self_attn.q_proj.weight"]) // cfg.head_dim
-        q = self.linear(x, w, f"{p}.self_attn.q_proj").view(rows, tokens, heads, cfg.head_dim)
-        k = self.linear(x, w, f"{p}.self_attn.k_proj").view(rows, tokens, kv_heads, cfg.head_dim)
-        v = self.linear(x, w, f"{p}.self_attn.v_proj").view(rows, tokens, kv_heads, cfg.head_dim)
+        q, k, v = self.linears(x, w, tuple(f"{p}.self_attn.{n}_proj" for n in "qkv"))
+        q = q.view(rows, tokens, heads, cfg.head_dim)
+        k = k.view(rows, tokens, kv_heads, cfg.head_dim)
+        v = v.view(rows, tokens, kv_heads, cfg.head_dim)
         q, k = self.qk_norm(q, k, w, p)
         q, k = self.positional(q, k, layer, step)
         k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
@@ -313,8 +319,7 @@ class DecoderGraph(torch.nn.Module):
 
     def mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         """Gated MLP; under tp a partial sum."""
-        gate = self.linear(x, w, f"{prefix}.gate_proj")
-        up = self.linear(x, w, f"{prefix}.up_proj")
+        gate, up = self.linears(x, w, (f"{prefix}.gate_proj", f"{prefix}.up_proj"))
         return self.project(self.activation(gate, up), w[f"{prefix}.down_proj.weight"])
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -357,9 +362,15 @@ class DecoderGraph(torch.nn.Module):
         return project(x, weight, self.projection)
 
     def linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        out = self.project(x, w[f"{prefix}.weight"])
-        bias = w.get(f"{prefix}.bias")
-        return out if bias is None else out + bias
+        return self.linears(x, w, (prefix,))[0]
+
+    def linears(
+        self, x: torch.Tensor, w: dict[str, torch.Tensor], prefixes: tuple[str, ...]
+    ) -> list[torch.Tensor]:
+        """Projections of one input, biases added: one kernel call where it takes them all."""
+        outs = project_many(x, [w[f"{p}.weight"] for p in prefixes], self.projection)
+        biases = [w.get(f"{p}.bias") for p in prefixes]
+        return [out if bias is None else out + bias for out, bias in zip(outs, biases, strict=True)]
 
     def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Sum row-parallel partial outputs over ranks, then add the (whole) bias once.
@@ -373,20 +384,3 @@ class DecoderGraph(torch.nn.Module):
 
             partial = fc.all_reduce(partial, "sum", dist.group.WORLD)  # string op: picklable
         return partial if bias is None else partial + bias
-
-    def _dequantized(self, w: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Plain fp8 weights widened; blocked ones (cpu projections) kept as fp8 with their
-        lane scales, for `project` to read in the kernel (`BlockedFp8`)."""
-        dtype = w["model.embed_tokens.weight"].dtype  # the bundle's dtype (never quantized)
-        out: dict[str, Any] = {}
-        for name, tensor in w.items():
-            if name.endswith(FP8_SCALE):
-                continue
-            scale = w.get(name + FP8_SCALE)
-            if scale is not None and tensor.dim() == 3:
-                out[name] = BlockedFp8.of(tensor, scale, self.cfg.fp8_block[1])
-                continue
-            if scale is not None:
-                tensor = dequantize_blocks(tensor, scale, self.cfg.fp8_block, dtype)
-            out[name] = tensor
-        return out

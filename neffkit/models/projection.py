@@ -26,11 +26,13 @@ Other forms: "reduction" (plain layout, a single row, the original GEMV form), "
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from neffkit.kernels.quant import dequantize_blocked
+from neffkit.kernels.quant import dequantize_blocked, dequantize_blocks
 from neffkit.models.forms import ProjectionPolicy
 
 
@@ -47,6 +49,27 @@ class BlockedFp8:
     def of(cls, weight: torch.Tensor, scales: torch.Tensor, k_block: int) -> BlockedFp8:
         """From a checkpoint's K block size, where 0 (per-channel, per-tensor) is the whole K."""
         return cls(weight, scales, k_block or weight.shape[1])
+
+
+def fp8_graph_weights(
+    w: dict[str, torch.Tensor], block: tuple[int, ...], scale_suffix: str
+) -> dict[str, Any]:
+    """A graph's weights with each fp8 one joined to its scales (`<name><scale_suffix>`): plain
+    ones widened here, right before use; blocked ones (cpu projections) kept as fp8 with their
+    lane scales, for `project` to read in the kernel (`BlockedFp8`)."""
+    dtype = w["model.embed_tokens.weight"].dtype  # the bundle's dtype (never quantized)
+    out: dict[str, Any] = {}
+    for name, tensor in w.items():
+        if name.endswith(scale_suffix):
+            continue
+        scale = w.get(name + scale_suffix)
+        if scale is not None and tensor.dim() == 3:
+            out[name] = BlockedFp8.of(tensor, scale, block[1])
+        elif scale is not None:
+            out[name] = dequantize_blocks(tensor, scale, block, dtype)
+        else:
+            out[name] = tensor
+    return out
 
 
 def to_blocked(weight: torch.Tensor, lanes: int) -> torch.Tensor:
@@ -84,26 +107,70 @@ def project(
     x: torch.Tensor, weight: torch.Tensor | BlockedFp8, policy: ProjectionPolicy
 ) -> torch.Tensor:
     """x @ weight.T for a plain [out, in] or blocked [out/L, in, L] weight (module docstring)."""
+    return project_many(x, [weight], policy)[0]
+
+
+def project_many(
+    x: torch.Tensor, weights: Sequence[torch.Tensor | BlockedFp8], policy: ProjectionPolicy
+) -> list[torch.Tensor]:
+    """x @ w.T for each weight reading the same x (a layer's q/k/v, its gate/up): one kernel
+    call where every one takes the kernel form and all are one kind, so one parallel region
+    streams them all (csrc/blocked_rows.cpp says what a region costs); else one by one."""
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = x.numel() // in_features
+    if not _one_kernel_call(weights, rows, policy):
+        if len(weights) > 1:
+            return [project_many(x, [w], policy)[0] for w in weights]
+        return [_graph_form(x, weights[0], policy)]
+    x2 = x.reshape(rows, in_features)
+    first = weights[0]
+    if isinstance(first, BlockedFp8):
+        # bf16 rows as they are (the kernel's VDPBF16PS path reads them), others float32
+        x2 = materialized(x2 if x.dtype == torch.bfloat16 else x2.float())
+        fp8 = [w for w in weights if isinstance(w, BlockedFp8)]
+        out = torch.ops.neffkit.blocked_rows_fp8(
+            x2, [w.weight for w in fp8], [w.scales for w in fp8], first.k_block
+        )
+    else:
+        # float32 accumulation, one cast per output; bf16 rows stay bf16 on bf16 weights
+        # (the kernel's AMX and VDPBF16PS paths read them as they are), others go to float32
+        x2 = materialized(x2 if x.dtype == first.dtype == torch.bfloat16 else x2.float())
+        out = torch.ops.neffkit.blocked_rows(x2, list(weights))  # float32 [rows, sum of out]
+    parts = out.split([out_features(w) for w in weights], dim=-1)
+    return [part.to(x.dtype).reshape(*lead, part.shape[-1]) for part in parts]
+
+
+def _one_kernel_call(
+    weights: Sequence[torch.Tensor | BlockedFp8], rows: int, policy: ProjectionPolicy
+) -> bool:
+    """Do these weights take the kernel form at `rows`, all fp8 of one K block or all of one
+    float dtype (what one call of one op reads)?"""
+    kinds = set()
+    for w in weights:
+        if isinstance(w, BlockedFp8):
+            nbytes, kind = w.weight.numel(), ("fp8", w.k_block)
+        elif w.dim() == 3:
+            nbytes, kind = w.numel() * w.element_size(), ("float", w.dtype)
+        else:
+            return False
+        if policy.form(rows, True, nbytes) != "kernel-rows":
+            return False
+        kinds.add(kind)
+    return len(kinds) == 1
+
+
+def _graph_form(
+    x: torch.Tensor, weight: torch.Tensor | BlockedFp8, policy: ProjectionPolicy
+) -> torch.Tensor:
+    """x @ weight.T in one of the forms Inductor compiles; a blocked fp8 weight dequantized in
+    the graph first (and that one's form picked by its dequantized size)."""
     if isinstance(weight, BlockedFp8):
-        fp8 = weight
-        if policy.form(rows, True, fp8.weight.numel()) == "kernel-rows":
-            # bf16 rows as they are (the kernel's VDPBF16PS path reads them), others float32
-            x2 = x.reshape(rows, in_features)
-            x2 = materialized(x2 if x.dtype == torch.bfloat16 else x2.float())
-            out = torch.ops.neffkit.blocked_rows_fp8(x2, fp8.weight, fp8.scales, fp8.k_block)
-            return out.to(x.dtype).reshape(*lead, out.shape[-1])
-        weight = dequantize_blocked(fp8.weight, fp8.scales, fp8.k_block, x.dtype)
+        deq = dequantize_blocked(weight.weight, weight.scales, weight.k_block, x.dtype)
+        return project(x, deq, policy)
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    rows = x.numel() // in_features
     nbytes = weight.numel() * weight.element_size()
     form = policy.form(rows, weight.dim() == 3, nbytes)  # bundle.json records the forms
-    if form == "kernel-rows":
-        # float32 accumulation, one cast per output; bf16 rows stay bf16 on bf16 weights
-        # (the kernel's AMX path reads them as they are), others go to float32 once
-        x2 = x.reshape(rows, in_features)
-        x2 = materialized(x2 if x.dtype == weight.dtype == torch.bfloat16 else x2.float())
-        out = torch.ops.neffkit.blocked_rows(x2, weight)  # float32 [rows, out]
-        return out.to(x.dtype).reshape(*lead, out.shape[-1])
     if form.startswith("blocked"):
         nb, _, lanes = weight.shape
         x2 = x.reshape(rows, in_features)

@@ -138,12 +138,13 @@ def _register_fake() -> None:
     torch.library.register_fake("neffkit::paged_decode_attention")(_decode_attention_fake)
 
 
-def _blocked_rows_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0] * w.shape[2]), dtype=torch.float32)
+def _blocked_rows_fake(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    outputs = sum(t.shape[0] * t.shape[2] for t in w)
+    return x.new_empty((x.shape[0], outputs), dtype=torch.float32)
 
 
 def _blocked_rows_fp8_fake(
-    x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, k_block: int
+    x: torch.Tensor, w: list[torch.Tensor], scales: list[torch.Tensor], k_block: int
 ) -> torch.Tensor:
     return _blocked_rows_fake(x, w)
 

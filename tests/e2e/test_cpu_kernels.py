@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-5
 @pytest.fixture(scope="module")
 def op():
     cpu_kernels.ensure_for_tracing()
-    return torch.ops.neffkit.blocked_rows
+    return lambda x, w: torch.ops.neffkit.blocked_rows(x, [w])  # one weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,6 +126,64 @@ def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
     torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)
 
 
+def test_projections_of_one_input_compile_as_one_kernel_call(tmp_path, op) -> None:
+    """project_many through AOTInductor: three weights (graph inputs), one call of the op with a
+    list of them, each output x @ W.T."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    from neffkit.models.forms import LANES, ProjectionPolicy
+    from neffkit.models.projection import project_many, to_blocked
+
+    policy = ProjectionPolicy(max_rows=8, lanes=LANES, kernel="on")
+
+    class Qkv(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *ws: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(project_many(x, list(ws), policy))
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 96, generator=gen) for n in (64, 32, 32)]
+    x = torch.randn(2, 96, generator=gen)
+    blocked = [to_blocked(w, LANES) for w in weights]
+    program = torch.export.export(Qkv(), (x, *blocked))
+    calls = [n for n in program.graph.nodes if n.target == torch.ops.neffkit.blocked_rows.default]
+    assert len(calls) == 1
+    package = aoti_compile_and_package(program, package_path=str(tmp_path / "qkv.pt2"))
+    outs = aoti_load_package(package)(x, *blocked)
+    for out, weight in zip(outs, weights, strict=True):
+        torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8"])
+def test_weights_of_one_input_in_one_call_equal_each_alone(op, kind, rows):
+    """q/k/v and gate/up go as one call (one parallel region): each weight's outputs, side by
+    side, equal its own call's bit for bit, whatever block of which weight a thread starts in
+    (13, 1, 6 and 40 blocks: tile remainders in every weight)."""
+    from neffkit.kernels.quant import lane_scales, quantize_blocks
+
+    gen = torch.Generator().manual_seed(rows)
+    plain = [torch.randn(blocks * 16, 96, generator=gen) for blocks in (13, 1, 6, 40)]
+    x = torch.randn(rows, 96, generator=gen)
+    if kind == "fp8":
+        quantized = [quantize_blocks(w, (32, 32)) for w in plain]
+        ws = [to_blocked(q, 16) for q, _ in quantized]
+        scales = [lane_scales(g, tuple(q.shape), (32, 32), 16) for q, g in quantized]
+        for x_rows in (x, x.bfloat16()):
+            alone = [torch.ops.neffkit.blocked_rows_fp8(x_rows, [w], [s], 32)
+                     for w, s in zip(ws, scales, strict=True)]  # fmt: skip
+            together = torch.ops.neffkit.blocked_rows_fp8(x_rows, ws, scales, 32)
+            assert torch.equal(together, torch.cat(alone, -1))
+        return
+    dtype = getattr(torch, kind)
+    ws = [to_blocked(w.to(dtype), 16) for w in plain]
+    x = x.to(dtype)
+    together = torch.ops.neffkit.blocked_rows(x, ws)
+    assert together.shape == (rows, 60 * 16)
+    assert torch.equal(together, torch.cat([op(x, w) for w in ws], -1))
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        torch.ops.neffkit.blocked_rows(x, [ws[0], to_blocked(torch.randn(16, 64).to(dtype), 16)])
+
+
 @pytest.fixture(params=["float32", "bf16-dot", "bf16-fma"])
 def fp8_rows(request, op):
     """The rows' dtype and path of the fp8 kernel: float32 rows (widened FMA), bf16 rows through
@@ -162,7 +220,7 @@ def test_blocked_rows_fp8_equals_the_dequantized_matmul(rows, block, fp8_rows):
     x = torch.randn(rows, in_features, generator=gen)
     x = x if fp8_rows == "float32" else x.bfloat16()
     got = torch.ops.neffkit.blocked_rows_fp8(
-        x, to_blocked(weight, 16), lane_scales(grid, shape, block, 16), k_block
+        x, [to_blocked(weight, 16)], [lane_scales(grid, shape, block, 16)], k_block
     )
     want = x.double() @ exact.t()
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
@@ -176,7 +234,7 @@ def test_fp8_widening_is_exact_for_every_byte(fp8_rows):
     weight = torch.zeros(1, 256, 16, dtype=torch.float8_e4m3fn)
     weight[0, :, 3] = values
     eye = torch.eye(256) if fp8_rows == "float32" else torch.eye(256).bfloat16()
-    got = torch.ops.neffkit.blocked_rows_fp8(eye, weight, torch.ones(1, 1, 16), 256)
+    got = torch.ops.neffkit.blocked_rows_fp8(eye, [weight], [torch.ones(1, 1, 16)], 256)
     finite = ~values.float().isnan()
     want = _flushed(values, fp8_rows)
     assert torch.equal(got[finite, 3], want[finite])

@@ -50,12 +50,15 @@ class OlmoGraph(LlamaGraph):
         normed = flat * torch.rsqrt(squares / width + self.cfg.rms_norm_eps)
         return (weight.float() * normed).to(x.dtype).reshape(rows, tokens, heads, dim)
 
-    def linear(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        out = super().linear(x, w, prefix)
+    def linears(
+        self, x: torch.Tensor, w: dict[str, torch.Tensor], prefixes: tuple[str, ...]
+    ) -> list[torch.Tensor]:
+        outs = super().linears(x, w, prefixes)
         clip = self.cfg.clip_qkv
-        if clip is not None and prefix.endswith(("q_proj", "k_proj", "v_proj")):
-            out = out.clamp(-clip, clip)
-        return out
+        qkv = tuple(p.endswith(("q_proj", "k_proj", "v_proj")) for p in prefixes)
+        if clip is None:
+            return outs
+        return [o.clamp(-clip, clip) if c else o for o, c in zip(outs, qkv, strict=True)]
 
 
 class OlmoShards(LlamaShards):
