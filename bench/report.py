@@ -276,8 +276,9 @@ def llamacpp(d: dict[str, Any]) -> str:
         f"threads each, {d['rounds']} alternating rounds, medians). Batch 1: ms per token "
         "(`llama-bench -p 0 -n 64`; neffkit's median decode step). Batch 8: "
         f"{d['b8_work']}, end to end, output tokens/s (`llama-batched-bench`; neffkit "
-        "`LLM.generate` with packed prefill). Relative: neffkit's speed over llama.cpp's "
-        "(> 1× is faster).\n\n"
+        "`LLM.generate` with packed prefill). neffkit's fp8 bundle has block-fp8 projections "
+        "and LM head (`lm_head: {dtype: float8_e4m3fn}`), as Q8_0 quantizes the output tensor "
+        "too. Relative: neffkit's speed over llama.cpp's (> 1× is faster).\n\n"
         + _table(
             [
                 "neffkit / llama.cpp weights",
