@@ -253,7 +253,7 @@ def _peer_ratios(systems: dict[str, Any]) -> str:
                     f"batch 8 {ours[f'b8_speedup_vs_{peer}']:.2f}×"
                 )
     behind = any(v < 1 for r in systems.values() for k, v in r.items() if "speedup" in k)
-    verdict = " Below 1×, neffkit is slower (see Notes)." if behind else ""
+    verdict = " Below 1×, neffkit was the slower of the two in this run." if behind else ""
     return (
         "neffkit's speed relative to each peer (> 1× is faster): "
         + "; ".join(parts)
