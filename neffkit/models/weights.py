@@ -213,9 +213,10 @@ def _with_fp8_head(
     """(name, tensor, per-element fp8 scale or None), with the LM head quantized to fp8 by the
     checkpoint's scale blocks where the manifest asks (Storage.fp8_head): an untied head in its
     place, a tied one as `lm_head.weight` right after the rank's embedding rows it copies.
-    Quantized after the vocabulary cut, so a rank's share starts its own blocks."""
+    Quantized after the vocabulary cut, so a rank's share starts its own blocks. A head the
+    checkpoint ships in fp8 already is read with its own scales, not quantized again."""
     for name, tensor, scale in named:
-        head = storage.fp8_head and name == HEAD
+        head = storage.fp8_head and name == HEAD and tensor.dtype != FP8
         if not head:
             yield name, tensor, scale
         if head or (storage.fp8_head and cfg.tie_word_embeddings and name == TIED_TABLE):

@@ -189,6 +189,29 @@ def test_an_fp8_lm_head_equals_hf_with_the_head_quantized(tied_fp8_model, sessio
     assert record["manifest"]["lm_head_dtype"] == "float8_e4m3fn"
 
 
+def test_an_fp8_head_the_checkpoint_ships_is_read_with_its_own_scales(fp8_model, tmp_path):
+    """`lm_head.dtype: float8_e4m3fn` on a checkpoint whose head is fp8 already: the bundle
+    keeps the checkpoint's bytes and scales (quantizing its raw e4m3 values again would drop
+    the scales)."""
+    from safetensors.torch import load_file, save_file
+
+    from neffkit.kernels.quant import quantize_blocks
+    from neffkit.models.forms import Storage
+    from neffkit.models.registry import read_model_config
+    from neffkit.models.weights import load_weights
+
+    fp8, _ = fp8_model
+    model = tmp_path / "fp8-head"
+    shutil.copytree(fp8, model)
+    tensors = load_file(fp8 / "model.safetensors")
+    head, scale = quantize_blocks(tensors["lm_head.weight"] * 3.0, (16, 16))
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale_inv"] = head, scale
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    got = load_weights(model, read_model_config(model), Storage("float32", fp8_head=True))
+    assert torch.equal(got["lm_head.weight"].view(torch.uint8), head.view(torch.uint8))
+    assert torch.equal(got["lm_head.weight.scale"], scale)
+
+
 def test_a_tp_cut_inside_an_fp8_block_is_refused_naming_the_tensor(session_dir):
     """Block 24 at tp=2: rank 1's rows 32-63 of q_proj start 8 rows into a block, which its
     own block grid cannot scale; a tp=1 layout cuts nothing."""

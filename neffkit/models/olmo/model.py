@@ -55,9 +55,9 @@ class OlmoGraph(LlamaGraph):
     ) -> list[torch.Tensor]:
         outs = super().linears(x, w, prefixes)
         clip = self.cfg.clip_qkv
-        qkv = tuple(p.endswith(("q_proj", "k_proj", "v_proj")) for p in prefixes)
         if clip is None:
             return outs
+        qkv = (p.endswith(("q_proj", "k_proj", "v_proj")) for p in prefixes)
         return [o.clamp(-clip, clip) if c else o for o, c in zip(outs, qkv, strict=True)]
 
 
