@@ -9,6 +9,13 @@ model's own tokenizer), running neffkit's eager model with a full-precision cach
 the text at tp=1 (`eager_prefill`), whose cache then holds every layer's K and V. The scales,
 rounded to four significant digits so a rebuild writes the same bytes, become the k_scale /
 v_scale graph inputs and are recorded in bundle.json.
+
+e4m3 keeps 3 mantissa bits whatever the scale, and a model's scores are made mostly of a few
+key channels, so on a real model most of an fp8 cache's error comes from its keys. By default
+(kv_cache.rotate_keys) the cache stores keys less the layer's mean key over the same text (a
+shift of every score of one query, which softmax ignores) and rotated by a Hadamard matrix,
+queries rotated alike (kernels/kv.rotated_keys); the K scale is measured on the keys so stored.
+The means become k_offset graph inputs.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from neffkit.compile.trace import decoder_module
 from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.compile.verify_inputs import representative_inputs
 from neffkit.contract import abi
+from neffkit.kernels.kv import key_rotation
+from neffkit.models.forms import Storage
 from neffkit.models.parallel import Parallelism
 from neffkit.models.weights import iter_rank_weights
 
@@ -37,15 +46,21 @@ MAX_TOKENS = 512
 
 
 def calibrated(manifest: Manifest, layout: ModelLayout) -> ModelLayout:
-    """The layout with its storage's K/V scales measured (a layout that asks for none: as is)."""
+    """The layout with its storage's K/V scales (and key offsets) measured (a layout that asks
+    for none: as is)."""
     if layout.storage.kv_calibrated != ():
         return layout
-    storage = dataclasses.replace(layout.storage, kv_calibrated=kv_scales(manifest))
+    scales, offsets = kv_calibration(manifest, layout.storage)
+    storage = dataclasses.replace(layout.storage, kv_calibrated=scales, k_offsets=offsets)
     return dataclasses.replace(layout, storage=storage)
 
 
-def kv_scales(manifest: Manifest) -> tuple[tuple[float, float], ...]:
-    """(k_scale, v_scale) per layer from one eager prefill of the calibration text."""
+def kv_calibration(
+    manifest: Manifest, storage: Storage
+) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, ...], ...] | None]:
+    """(k_scale, v_scale) per layer from one eager prefill of the calibration text, and where
+    the storage centers keys (Storage.k_offsets) each layer's mean key, [KV heads x head_dim]
+    flat. With rotated keys the K scale is measured on the keys as the cache stores them."""
     cfg = manifest.model_config
     full = dataclasses.replace(
         manifest,
@@ -55,11 +70,21 @@ def kv_scales(manifest: Manifest) -> tuple[tuple[float, float], ...]:
     caches, _ = eager_prefill(
         model_layout(full, "cpu"), manifest.model, calibration_tokens(manifest)
     )
-    amax = {name: cache.float().abs().max().item() for name, cache in caches.items()}
-    return tuple(
-        (_scale(amax[f"k_cache.{layer}"], K_RANGE), _scale(amax[f"v_cache.{layer}"], V_RANGE))
-        for layer in range(cfg.num_layers)
-    )
+    rotation = key_rotation(cfg.head_dim) if storage.rotate_keys else None
+    scales, offsets = [], []
+    for layer in range(cfg.num_layers):
+        # block 0 is the null block; blocks 1.. hold the text's tokens, in order
+        keys = caches[f"k_cache.{layer}"][1:].float().flatten(0, 1)  # [T, KV, D]
+        values = caches[f"v_cache.{layer}"][1:].float()
+        if storage.k_offsets is not None:
+            mean = keys.mean(0)
+            offsets.append(tuple(float(f"{x:.4g}") for x in mean.flatten().tolist()))
+            keys = keys - torch.tensor(offsets[-1]).reshape(mean.shape)
+        if rotation is not None:
+            keys = keys @ rotation
+        amax_k, amax_v = keys.abs().max().item(), values.abs().max().item()
+        scales.append((_scale(amax_k, K_RANGE), _scale(amax_v, V_RANGE)))
+    return tuple(scales), tuple(offsets) if storage.k_offsets is not None else None
 
 
 def eager_prefill(

@@ -16,7 +16,7 @@ from neffkit.compile.backends.base import Backend
 from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
-from neffkit.errors import BuildError
+from neffkit.errors import BuildError, ManifestError
 from neffkit.models.forms import (
     PLAIN,
     ProjectionPolicy,
@@ -37,11 +37,20 @@ def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
     build calibrates), and the projection weights' blocked layout (ProjectionPolicy.lanes)."""
     from_checkpoint = manifest.fp8_kv_cache and has_kv_scales(manifest.model)
     calibrate = manifest.fp8_kv_cache and not from_checkpoint and manifest.kv_cache.calibrate
+    if from_checkpoint and manifest.kv_cache.rotate_keys:
+        raise ManifestError(
+            "kv_cache.rotate_keys: the checkpoint's k_scale / v_scale are for keys as they are",
+            hint="leave kv_cache.rotate_keys out: rotated keys need scales the build measures",
+        )
+    rotate = calibrate and manifest.kv_cache.rotate_keys is not False
+    centered = rotate and manifest.model_config.softmax_ignores_key_offsets
     return Storage(
         manifest.dtype,
         fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
         kv_scales=from_checkpoint or calibrate,
         kv_calibrated=() if calibrate else None,  # measured before the weights are written
+        rotate_keys=rotate,
+        k_offsets=() if centered else None,
         lanes=lanes,
         fp8_head=manifest.lm_head_dtype == "float8_e4m3fn",
     )

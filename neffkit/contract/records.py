@@ -346,6 +346,9 @@ class Fp8Record(Record):
     kv_scales: str
     k_scales: tuple[float, ...] | None = None  # the calibrated scales, one per layer
     v_scales: tuple[float, ...] | None = None
+    # how the cache stores keys (kv_cache.rotate_keys): "centered, rotated" (less each layer's
+    # calibrated mean, then a Hadamard rotation, queries rotated alike), "rotated"; None: as is
+    keys: str | None = None
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ def _fp8_line(fp8: dict[str, Any]) -> str:
             part += f", x{fp8['weight_rescale']:.4g} at build (scales x{fp8['scale_rescale']:.4g})"
         parts.append(part)
     if fp8["kv_cache"]:
-        parts.append(f"kv cache (scales: {fp8['kv_scales']})")
+        keys = f"; keys {fp8['keys']}" if fp8.get("keys") else ""
+        parts.append(f"kv cache (scales: {fp8['kv_scales']}{keys})")
     return "; ".join(parts) + f"; values within ±{fp8['max']:g}"
 
 

@@ -43,6 +43,35 @@ def to_cache(
     return values.clamp(-fp8_max, fp8_max).to(cache_dtype)
 
 
+def key_rotation(dim: int) -> torch.Tensor:
+    """The orthonormal [dim, dim] matrix an fp8 cache's keys and their queries are rotated by:
+    Sylvester's Hadamard matrix over 1/sqrt(n), block-diagonal in the largest power-of-two
+    blocks that divide `dim` (96: three of 32). It spreads the few channels where RoPE'd keys
+    and queries concentrate over all of them, so e4m3's relative rounding no longer lands on
+    the channels that make up most of every score (QuaRot's observation; float32)."""
+    n = dim & -dim  # the largest power of two dividing dim
+    block = torch.ones(1, 1)
+    while block.shape[0] < n:
+        block = torch.cat([torch.cat([block, block], 1), torch.cat([block, -block], 1)], 0)
+    return torch.block_diag(*[block / n**0.5] * (dim // n))
+
+
+def rotated_keys(
+    q: torch.Tensor,  # [..., H, D]
+    k: torch.Tensor,  # [..., KV, D]
+    rotation: torch.Tensor,  # [D, D], key_rotation
+    offset: torch.Tensor | None = None,  # [KV, D], the layer's calibrated key mean
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q R and (k - offset) R: every score q.k moves by -q.offset, the same for all of a
+    query's keys, which softmax ignores (SageAttention's smoothing of K; not where a sink logit
+    or a soft cap takes part, so those layers get no offset), and R R^T = I keeps q.k. What the
+    fp8 cache then rounds is small and evenly spread."""
+    r = rotation.to(q.dtype)
+    if offset is not None:
+        k = k - offset.to(k.dtype)
+    return q @ r, k @ r
+
+
 def from_cache(
     cached: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None
 ) -> torch.Tensor:

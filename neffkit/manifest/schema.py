@@ -45,6 +45,10 @@ class KVCache:
     prefix_caching: bool = True
     # fp8: per-layer K/V scales measured on a calibration text when the checkpoint has none
     calibrate: bool = True
+    # fp8 with calibrated scales: keys stored centered (minus each layer's calibrated mean, where
+    # softmax ignores the shift) and rotated by a Hadamard matrix, queries rotated alike
+    # (kernels/kv.py); None: on wherever it applies
+    rotate_keys: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -199,16 +199,17 @@ def read_buckets(value: Any) -> Buckets:
     return buckets
 
 
+KV_CACHE_KEYS = (
+    "block_size", "num_blocks", "dtype", "memory_mb", "prefix_caching", "calibrate", "rotate_keys"
+)  # fmt: skip
+
+
 def read_kv_cache(
     value: Any, buckets: Buckets, dtype: str, cfg: ModelConfig, par: Parallelism
 ) -> KVCache:
     raw = mapping(value, "kv_cache")
-    no_unknown(
-        raw,
-        ("block_size", "num_blocks", "dtype", "memory_mb", "prefix_caching", "calibrate"),
-        "kv_cache",
-    )
-    prefix_caching, calibrate = _kv_flags(raw)
+    no_unknown(raw, KV_CACHE_KEYS, "kv_cache")
+    prefix_caching, calibrate, rotate_keys = _kv_flags(raw)
     kv_dtype = raw.get("dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ManifestError(
@@ -257,21 +258,29 @@ def read_kv_cache(
         memory_mb=memory_mb,
         prefix_caching=prefix_caching,
         calibrate=calibrate,
+        rotate_keys=rotate_keys,
     )
 
 
-def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool]:
-    """kv_cache.prefix_caching and kv_cache.calibrate (fp8 caches only)."""
-    prefix_caching, calibrate = raw.get("prefix_caching", True), raw.get("calibrate", True)
-    for key, flag in (("prefix_caching", prefix_caching), ("calibrate", calibrate)):
-        if not isinstance(flag, bool):
+def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool, bool | None]:
+    """kv_cache.prefix_caching, and kv_cache.calibrate and rotate_keys (fp8 caches only)."""
+    flags = {"prefix_caching": True, "calibrate": True, "rotate_keys": None}
+    for key, default in flags.items():
+        flag = flags[key] = raw.get(key, default)
+        if flag is not default and not isinstance(flag, bool):
             raise ManifestError(f"kv_cache.{key}: expected true or false, got {flag!r}")
-    if "calibrate" in raw and raw.get("dtype") != "float8_e4m3fn":
+    for key, what in (("calibrate", "scales to calibrate"), ("rotate_keys", "keys to rotate")):
+        if key in raw and raw.get("dtype") != "float8_e4m3fn":
+            raise ManifestError(
+                f"kv_cache.{key}: only an fp8 cache has {what}",
+                hint=f"set kv_cache.dtype: float8_e4m3fn, or leave {key} out",
+            )
+    if flags["rotate_keys"] and not flags["calibrate"]:
         raise ManifestError(
-            "kv_cache.calibrate: only an fp8 cache has scales to calibrate",
-            hint="set kv_cache.dtype: float8_e4m3fn, or leave calibrate out",
+            "kv_cache.rotate_keys: rotated keys need scales calibrated on them",
+            hint="leave kv_cache.calibrate out (true), or rotate_keys out",
         )
-    return prefix_caching, calibrate
+    return flags["prefix_caching"], flags["calibrate"], flags["rotate_keys"]
 
 
 LM_HEAD_DTYPES = ("float8_e4m3fn",)

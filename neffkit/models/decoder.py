@@ -23,7 +23,7 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
-from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
+from neffkit.kernels.kv import from_cache, gather_context, rotated_keys, to_cache, write_kv
 from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
@@ -40,7 +40,7 @@ from neffkit.models.projection import (
     project_many,
 )
 from neffkit.models.rope_scaling import rope_frequencies
-from neffkit.models.shards import FP8_SCALE, ROPE_INV_FREQ
+from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ
 from neffkit.models.step import Span, Step
 from neffkit.targets import E4M3FN_MAX
 
@@ -256,6 +256,8 @@ class DecoderGraph(torch.nn.Module):
         v = v.view(rows, tokens, kv_heads, cfg.head_dim)
         q, k = self.qk_norm(q, k, w, p)
         q, k = self.positional(q, k, layer, step)
+        if K_ROTATION in w:  # an fp8 cache's keys, rotated and centered (kv_cache.rotate_keys)
+            q, k = rotated_keys(q, k, w[K_ROTATION], w.get(f"{p}.self_attn.k_offset"))
         k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
         fp8_max = self.fp8_max
         write_kv(

@@ -31,9 +31,13 @@ from neffkit.models.rope_scaling import rope_frequencies
 ROPE_INV_FREQ = "rope.inv_freq"  # a graph input like the weights; float32 in every bundle dtype
 ROPE_LOCAL_INV_FREQ = "rope.local_inv_freq"  # the sliding layers' own (Gemma 3)
 FP8_SCALE = ".scale"  # `<weight>.scale`: the float32 block scales beside an fp8 weight input
-FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ, ROPE_LOCAL_INV_FREQ})
-# DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales
-FLOAT32_SUFFIXES = (".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale")
+# the rotation an fp8 cache's keys and queries take (kv_cache.rotate_keys: kernels/kv.py)
+K_ROTATION = "kv.k_rotation"
+FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ, ROPE_LOCAL_INV_FREQ, K_ROTATION})
+# DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales and key offsets
+FLOAT32_SUFFIXES = (
+    ".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.k_offset"
+)  # fmt: skip
 
 Named = Iterator[tuple[str, torch.Tensor]]
 
@@ -91,6 +95,8 @@ class Shards:
             yield "lm_head.weight", self.vocab_shard(self.need("lm_head.weight"))
         # computed, not read: the rope frequencies as HF derives them (float32, never cast)
         yield ROPE_INV_FREQ, rope_frequencies(cfg.rope_params, cfg.head_dim)[0]
+        if K_ROTATION in self.available:  # computed by the build (models/weights.py)
+            yield K_ROTATION, self.get(K_ROTATION)
 
     # ------------------------------------------------------------ parts a family overrides
     def layer(self, layer: int) -> Named:
@@ -106,11 +112,16 @@ class Shards:
     final_norm = True
 
     def kv_scale_tensors(self, p: str) -> Named:
-        """The layer's fp8 KV cache scales, where the build asked for them (replicated)."""
+        """The layer's fp8 KV cache scales, where the build asked for them (replicated), and
+        the calibrated key offset of this rank's KV heads, where it has one."""
         if self.kv_scales:
             for kind in ("k", "v"):
                 name = kv_scale_name(p, kind, self.available)
                 yield f"{p}.self_attn.{kind}_scale", self.need(name).reshape(1)
+        if f"{p}.self_attn.k_offset" in self.available:
+            offset = self.need(f"{p}.self_attn.k_offset").reshape(-1)
+            rows = offset[self.k0 : self.k0 + self.kv_rows]
+            yield f"{p}.self_attn.k_offset", rows.reshape(-1, self.cfg.head_dim)
 
     def attention(self, p: str) -> Named:
         """q, k, v column-parallel (this rank's heads), o row-parallel; biases where present."""

@@ -16,6 +16,7 @@ import torch
 
 from neffkit.contract.tensor_files import TensorReader, read_header
 from neffkit.errors import ModelError
+from neffkit.kernels.kv import key_rotation
 from neffkit.kernels.quant import (
     effective_block,
     expand_scales,
@@ -28,7 +29,7 @@ from neffkit.models.forms import TIED_TABLE, Storage, blocked_shape, blocks
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import to_blocked
 from neffkit.models.registry import shards_class
-from neffkit.models.shards import FP8_SCALE, Named, keeps_float32, kv_scale_name
+from neffkit.models.shards import FP8_SCALE, K_ROTATION, Named, keeps_float32, kv_scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,17 +57,31 @@ def has_kv_scales(model_dir: Path) -> bool:
     return kv_scale_name("model.layers.0", "k", names) in names
 
 
-def calibrated_kv_scales(cfg: ModelConfig, storage: Storage) -> dict[str, float | None]:
-    """The K/V scales a build calibrated (compile/calibrate.py) under the names the shards read,
-    each layer's k_scale and v_scale; values None while the layout is planned (shapes only)."""
+def calibrated_tensors(cfg: ModelConfig, storage: Storage) -> dict[str, torch.Tensor]:
+    """What a build calibrated for an fp8 KV cache (compile/calibrate.py), under the names the
+    shards read: each layer's k_scale and v_scale, with rotated keys the rotation and each
+    layer's k_offset (all KV heads; the shards cut a rank's); meta while the layout is planned
+    (shapes only)."""
     if storage.kv_calibrated is None:
         return {}
+    out: dict[str, torch.Tensor] = {}
     pairs = storage.kv_calibrated or ((None, None),) * cfg.num_layers
-    return {
-        f"model.layers.{layer}.self_attn.{kind}_scale": pair[i]
-        for layer, pair in enumerate(pairs)
-        for i, kind in enumerate("kv")
-    }
+    offsets = storage.k_offsets or (None,) * cfg.num_layers
+    for layer, (pair, offset) in enumerate(zip(pairs, offsets, strict=True)):
+        p = f"model.layers.{layer}.self_attn"
+        for kind, value in zip("kv", pair, strict=True):
+            out[f"{p}.{kind}_scale"] = _values(value, (1,))
+        if storage.k_offsets is not None:
+            out[f"{p}.k_offset"] = _values(offset, (cfg.num_kv_heads, cfg.head_dim))
+    if storage.rotate_keys:
+        out[K_ROTATION] = key_rotation(cfg.head_dim)
+    return out
+
+
+def _values(values: float | tuple[float, ...] | None, shape: tuple[int, ...]) -> torch.Tensor:
+    if values is None:
+        return torch.empty(shape, device="meta")
+    return torch.tensor(values, dtype=torch.float32).reshape(shape)
 
 
 def weight_dtype(name: str, dtype: str) -> torch.dtype:
@@ -130,11 +145,11 @@ def rank_weight_specs(
     float32 block scales (`<name>.scale`); stored blocked, its scales are `lane_scales`."""
     storage = _storage(storage)
     index, entries = _headers(model_dir, cfg)
-    calibrated = calibrated_kv_scales(cfg, storage)
+    calibrated = calibrated_tensors(cfg, storage)
 
     def meta(name: str) -> torch.Tensor:
         if name in calibrated:
-            return torch.empty(1, device="meta")
+            return calibrated[name].to("meta")
         fp8 = entries[name]["dtype"] == "F8_E4M3"
         return torch.empty(entries[name]["shape"], device="meta", dtype=FP8 if fp8 else None)
 
@@ -176,7 +191,7 @@ def iter_rank_weights(
     expanded to one per element, then taken back to one per block; a cut that splits a block
     cannot be taken back, and is an error naming the tensor."""
     storage = _storage(storage)
-    source = _Checkpoint(model_dir, cfg, calibrated_kv_scales(cfg, storage))
+    source = _Checkpoint(model_dir, cfg, calibrated_tensors(cfg, storage))
     available, kv_scales = source.names, storage.kv_scales
     scales = (
         rank_weights(cfg, par, rank, source.expanded_scale, available, kv_scales)
@@ -229,7 +244,7 @@ class _Checkpoint:
     scales a build calibrated beside them."""
 
     def __init__(
-        self, model_dir: Path, cfg: ModelConfig, calibrated: dict[str, float | None]
+        self, model_dir: Path, cfg: ModelConfig, calibrated: dict[str, torch.Tensor]
     ) -> None:
         self.index, self.cfg, self.calibrated = checkpoint_index(model_dir), cfg, calibrated
         self.names = set(self.index) | set(calibrated)
@@ -244,15 +259,15 @@ class _Checkpoint:
     def read(self, name: str) -> torch.Tensor:
         if name in self.calibrated:
             value = self.calibrated[name]
-            if value is None:
-                raise ModelError(f"{name}: the fp8 KV cache's scales were never calibrated")
-            return torch.tensor([value], dtype=torch.float32)
+            if value.is_meta:
+                raise ModelError(f"{name}: the fp8 KV cache was never calibrated")
+            return value
         return self.reader(name).get(name)
 
     def expanded_scale(self, name: str) -> torch.Tensor:
         """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
         if name in self.calibrated:
-            return torch.empty(1, device="meta")
+            return torch.empty(self.calibrated[name].shape, device="meta")
         scale_name = name + self.cfg.fp8_scale_suffix
         weight_shape = self.reader(name).header[name]["shape"]
         if scale_name not in self.index:

@@ -390,6 +390,57 @@ def test_fp8_kv_cache_reads_the_checkpoints_k_and_v_scales(channel_model, sessio
     assert same / total >= 0.25  # chance: 1 in 1024
 
 
+def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
+    session_dir, hf_model_dir, monkeypatch
+):
+    """Calibrated scales rotate keys by default: the cache holds e4m3 of ((k - offset) H) /
+    k_scale and of v / v_scale, queries are multiplied by H. HF's own attention, its K and V
+    put through the same rounding (the bundle's offsets and scales, H from scipy), gives the
+    same greedy tokens, and inspect says how keys are stored."""
+    import transformers
+    import transformers.models.llama.modeling_llama as llama
+    from safetensors.torch import load_file
+    from scipy.linalg import hadamard
+
+    from tests.conftest import run_cli, run_json
+
+    model = hf_model_dir("llama")
+    kv = {"block_size": 16, "dtype": "float8_e4m3fn"}
+    result = build_session_bundle(
+        session_dir, model, "llama_kvfp8", buckets=ONE_DECODE, kv_cache=kv
+    )
+    assert bundle_json(result.bundle)["fp8"]["keys"] == "centered, rotated"
+    assert run_json("inspect", str(result.bundle))["fp8"]["keys"] == "centered, rotated"
+    assert "keys centered, rotated" in run_cli("inspect", str(result.bundle), check=True).stdout
+    weights = load_file(result.bundle / "weights" / "rank0.safetensors")
+    rotation = torch.tensor(hadamard(16), dtype=torch.float32) / 4
+    assert torch.equal(weights["kv.k_rotation"], rotation)
+
+    def stored(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+    eager = llama.eager_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):  # [B, heads, T, D]
+        p = f"model.layers.{module.layer_idx}.self_attn"
+        offset = weights[f"{p}.k_offset"][None, :, None, :]
+        key = stored((key - offset) @ rotation, weights[f"{p}.k_scale"])
+        value = stored(value, weights[f"{p}.v_scale"])
+        return eager(module, query @ rotation, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "eager_attention_forward", attention)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.float32, attn_implementation="eager"
+    )
+    prompts = [SHORT, LONG, *MIXED]
+    want = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=ids * 0 + 1)
+        want.append(out[0, len(prompt) :].tolist())
+    assert _run(result.bundle, prompts) == want
+
+
 def _schema() -> dict:
     import json
 
@@ -507,10 +558,13 @@ def test_trn2_fp8_kv_cache_clamps_to_240_and_passes_the_audit(fp8_model, session
 def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model_dir):
     """No scales in the checkpoint: each layer's scale is max |K| / 200 and max |V| / 100 over a
     prefill of the calibration text (vLLM's calculate_kv_scales), here against HF's own cache
-    on the same ids; the shards then carry them as k_scale / v_scale inputs."""
+    on the same ids. By default the keys are stored less the layer's mean key and rotated by a
+    Hadamard matrix (scipy's here), and the K scale is measured on those; the shards carry the
+    scales, the means and the rotation as graph inputs."""
     import transformers
+    from scipy.linalg import hadamard
 
-    from neffkit.compile.calibrate import calibration_tokens, kv_scales
+    from neffkit.compile.calibrate import calibration_tokens, kv_calibration
     from neffkit.compile.layout import target_layout
     from neffkit.manifest import load_manifest
     from neffkit.models.parallel import Parallelism
@@ -519,27 +573,47 @@ def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model
 
     kv = {"block_size": 16, "dtype": "float8_e4m3fn"}
     model = hf_model_dir("llama")
+    layers, kv_heads, dim = COMMON["num_hidden_layers"], COMMON["num_key_value_heads"], 16
+    rotation = torch.tensor(hadamard(dim), dtype=torch.float32) / dim**0.5
     manifest = load_manifest(write_manifest(tmp_path / "m.yaml", model, kv_cache=kv))
     layout = target_layout(manifest)
-    assert layout.storage.kv_scales and layout.storage.kv_calibrated == ()
-    scales = kv_scales(manifest)
+    storage = layout.storage
+    assert storage.kv_scales and storage.kv_calibrated == () and storage.k_offsets == ()
+    scales, offsets = kv_calibration(manifest, storage)
     ids = calibration_tokens(manifest)
     assert len(ids) % 16 == 0 and len(ids) >= 64
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
-    assert len(scales) == COMMON["num_hidden_layers"]
+    assert len(scales) == len(offsets) == layers
     for layer, (k_scale, v_scale) in enumerate(scales):
-        want_k = cache.layers[layer].keys.abs().max().item() / 200
+        keys = cache.layers[layer].keys[0].transpose(0, 1)  # [T, KV, D]
+        mean = keys.mean(0)
+        assert torch.tensor(offsets[layer]).reshape(kv_heads, dim) == pytest.approx(
+            mean, rel=2e-3, abs=1e-5
+        )
+        stored = (keys - mean) @ rotation
+        assert k_scale == pytest.approx(stored.abs().max().item() / 200, rel=2e-3), layer
         want_v = cache.layers[layer].values.abs().max().item() / 100
-        assert k_scale == pytest.approx(want_k, rel=2e-3), layer
         assert v_scale == pytest.approx(want_v, rel=2e-3), layer
-    storage = dataclasses.replace(layout.storage, kv_calibrated=scales)
-    stored = dict(iter_rank_weights(model, layout.config, storage, Parallelism(), 0))
+    storage = dataclasses.replace(storage, kv_calibrated=scales, k_offsets=offsets)
+    weights = dict(iter_rank_weights(model, layout.config, storage, Parallelism(), 0))
+    assert torch.equal(weights["kv.k_rotation"], rotation)
     for layer, (k_scale, v_scale) in enumerate(scales):
         p = f"model.layers.{layer}.self_attn"
-        assert stored[f"{p}.k_scale"].tolist() == [pytest.approx(k_scale)]
-        assert stored[f"{p}.v_scale"].tolist() == [pytest.approx(v_scale)]
+        assert weights[f"{p}.k_scale"].tolist() == [pytest.approx(k_scale)]
+        assert weights[f"{p}.v_scale"].tolist() == [pytest.approx(v_scale)]
+        assert weights[f"{p}.k_offset"].flatten().tolist() == pytest.approx(offsets[layer])
+    # kv_cache.rotate_keys: false stores keys as they are: vLLM's max |K| / 200
+    raw = {**kv, "rotate_keys": False}
+    manifest = load_manifest(write_manifest(tmp_path / "raw.yaml", model, kv_cache=raw))
+    storage = target_layout(manifest).storage
+    assert not storage.rotate_keys and storage.k_offsets is None
+    scales, offsets = kv_calibration(manifest, storage)
+    assert offsets is None
+    for layer, (k_scale, _) in enumerate(scales):
+        want_k = cache.layers[layer].keys.abs().max().item() / 200
+        assert k_scale == pytest.approx(want_k, rel=2e-3), layer
     # kv_cache.calibrate: false keeps vLLM's default without calculate_kv_scales: 1.0
     off = {**kv, "calibrate": False}
     plain = load_manifest(write_manifest(tmp_path / "off.yaml", model, kv_cache=off))

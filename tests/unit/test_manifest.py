@@ -139,6 +139,21 @@ BAD = [
         "kv_cache.calibrate: expected true or false, got 'yes'",
     ),
     (
+        "key rotation without an fp8 cache",
+        _with("kv_cache", {"rotate_keys": False}),
+        "kv_cache.rotate_keys: only an fp8 cache has keys to rotate",
+    ),
+    (
+        "key rotation without calibrated scales",
+        _with("kv_cache", {"dtype": "float8_e4m3fn", "calibrate": False, "rotate_keys": True}),
+        "kv_cache.rotate_keys: rotated keys need scales calibrated on them",
+    ),
+    (
+        "key rotation not a bool",
+        _with("kv_cache", {"dtype": "float8_e4m3fn", "rotate_keys": 1}),
+        "kv_cache.rotate_keys: expected true or false, got 1",
+    ),
+    (
         "fp8 head on an unquantized checkpoint",
         _with("lm_head", {"dtype": "float8_e4m3fn"}),
         "lm_head.dtype: float8_e4m3fn needs an fp8 checkpoint",
