@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, write_result  # noqa: E402
+from common import median, timed, write_result  # noqa: E402
 
 HIDDEN, KV, MLP, LAYERS, VOCAB = 576, 192, 1536, 30, 49152
 THREADS = 2
@@ -59,12 +58,7 @@ def call(x: torch.Tensor, weights: list[Weight]) -> torch.Tensor:
 def timed_ms(fn: Callable[[], object], repeats: int = 30) -> float:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * median(times)
+    return 1000 * median([timed(fn) for _ in range(repeats)])
 
 
 def layer_projections(kind: str, rounds: int) -> dict[str, dict[str, float]]:

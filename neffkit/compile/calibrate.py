@@ -32,7 +32,7 @@ from neffkit.compile.trace import decoder_module
 from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.compile.verify_inputs import representative_inputs
 from neffkit.contract import abi
-from neffkit.kernels.kv import key_rotation
+from neffkit.kernels.kv import key_rotation, stored_keys
 from neffkit.models.forms import Storage
 from neffkit.models.parallel import Parallelism
 from neffkit.models.weights import iter_rank_weights
@@ -76,12 +76,13 @@ def kv_calibration(
         # block 0 is the null block; blocks 1.. hold the text's tokens, in order
         keys = caches[f"k_cache.{layer}"][1:].float().flatten(0, 1)  # [T, KV, D]
         values = caches[f"v_cache.{layer}"][1:].float()
+        offset = None
         if storage.k_offsets is not None:
             mean = keys.mean(0)
             offsets.append(tuple(float(f"{x:.4g}") for x in mean.flatten().tolist()))
-            keys = keys - torch.tensor(offsets[-1]).reshape(mean.shape)
+            offset = torch.tensor(offsets[-1]).reshape(mean.shape)
         if rotation is not None:
-            keys = keys @ rotation
+            keys = stored_keys(keys, rotation, offset)
         amax_k, amax_v = keys.abs().max().item(), values.abs().max().item()
         scales.append((_scale(amax_k, K_RANGE), _scale(amax_v, V_RANGE)))
     return tuple(scales), tuple(offsets) if storage.k_offsets is not None else None

@@ -245,7 +245,7 @@ def fp8_record(manifest: Manifest, storage: Storage) -> Fp8Record | None:
         kv_scales=_kv_scale_source(storage) if fp8_kv else "",
         k_scales=tuple(k for k, _ in storage.kv_calibrated) if storage.kv_calibrated else None,
         v_scales=tuple(v for _, v in storage.kv_calibrated) if storage.kv_calibrated else None,
-        keys=_stored_keys(storage) if fp8_kv else None,
+        keys=_stored_keys(storage),  # rotated keys imply an fp8 cache
     )
 
 

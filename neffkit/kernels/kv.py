@@ -66,10 +66,17 @@ def rotated_keys(
     query's keys, which softmax ignores (SageAttention's smoothing of K; not where a sink logit
     or a soft cap takes part, so those layers get no offset), and R R^T = I keeps q.k. What the
     fp8 cache then rounds is small and evenly spread."""
-    r = rotation.to(q.dtype)
+    return q @ rotation.to(q.dtype), stored_keys(k, rotation, offset)
+
+
+def stored_keys(
+    k: torch.Tensor, rotation: torch.Tensor, offset: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(k - offset) R: the keys a rotated cache stores (what calibration measures its K scale
+    on, too)."""
     if offset is not None:
         k = k - offset.to(k.dtype)
-    return q @ r, k @ r
+    return k @ rotation.to(k.dtype)
 
 
 def from_cache(
