@@ -1,12 +1,15 @@
-"""`compiler.cpu_kernel: auto`: per decode graph, neffkit's kernel (for the large weights, or
-for every weight) or Inductor's blocked-rows form, whichever streams that graph's projections
-faster on the build host.
+"""`compiler.cpu_kernel: auto`: per graph, neffkit's kernel (for the large weights, or for
+every weight) or Inductor's blocked form (a reduction per row up to 8 rows, a bmm over the
+blocks beyond), whichever runs that graph's projections faster on the build host.
 
 Which form wins depends on the CPU, not only on its ISA: the kernel was tuned on an Intel host,
 and on an AMD Zen 4 host Inductor's fused reduction was faster at one row (LAB.md). So, as
 Inductor's max-autotune times its templates, the build times the three forms on this host for
-each decode row count: every blocked projection weight of the model (random values, the model's
-shapes and dtypes, as many copies as the graph has, up to `MAX_BYTES`), run through
+each graph's row count (decode rows, verify and prefill tokens): every blocked projection
+weight of the model (random values, the model's shapes and dtypes, as many copies as the graph
+has, up to `MAX_BYTES`, a share of that beyond 8 rows, where the work grows with the rows
+while the weights' reuse makes it compute-bound; there without the LM head, which a prefill
+runs on its last tokens only), run through
 `models.projection.project` compiled by Inductor under each policy, alternating, medians.
 Measurements are kept per host and model shape (beside the kernel library, `cpu_kernels.cache_dir`)
 so a rebuild here picks the same forms and writes the same bundle; bundle.json records them per
@@ -30,30 +33,41 @@ import torch
 from neffkit.compile.layout import blocked_projections, spec_bytes
 from neffkit.compile.units import FormTiming, ModelLayout
 from neffkit.contract.abi import TensorSpec
-from neffkit.models.forms import ProjectionPolicy
+from neffkit.models.forms import TIED_TABLE, ProjectionPolicy
 from neffkit.models.projection import BlockedFp8, project
 from neffkit.platform import cpu_kernels, cpus, host
 from neffkit.targets import DTYPE_BYTES
 
 MAX_BYTES = 1 << 30  # weights allocated to time a graph's projections (a larger model: a share)
+SHARE_ROWS = 8  # beyond this many rows, MAX_BYTES * SHARE_ROWS / rows (a bounded time to measure)
 REPEATS = 15  # timed runs of each form, alternating (the host is shared: medians of many)
 FP8 = "float8_e4m3fn"
+HEADS = ("lm_head.weight", TIED_TABLE)  # the LM head, its own or the tied table
 
 
 def autotuned(layout: ModelLayout, rows: list[int]) -> tuple[ModelLayout, tuple[FormTiming, ...]]:
-    """The layout with each decode row count's projections in the form that measured fastest
-    there (the kernel for the large weights, the kernel for all, or Inductor's reduction)."""
+    """The layout with each row count's projections in the form that measured fastest there
+    (the kernel for the large weights, the kernel for all, or Inductor's blocked form)."""
     policy = layout.projection
     weights = _timed_weights(layout)
     if policy.kernel != "auto" or not weights or not rows:
         return layout, ()
-    timings = tuple(_cached(layout, weights, r) for r in sorted(set(rows)))
+    timings = tuple(_cached(layout, _run_at(weights, r), r) for r in sorted(set(rows)))
     projection = dataclasses.replace(
         policy,
         kernel_rows=frozenset(t.rows for t in timings if t.chosen != "inductor"),
         kernel_all_rows=frozenset(t.rows for t in timings if t.chosen == "kernel-all"),
     )
     return dataclasses.replace(layout, projection=projection, kernel_timings=timings), timings
+
+
+def _run_at(weights: list[TensorSpec], rows: int) -> list[TensorSpec]:
+    """The weights a graph of `rows` rows projects at that row count: beyond SHARE_ROWS (a
+    prefill's tokens) not the LM head, which a prefill graph runs on each sequence's last token,
+    a row count measured on its own."""
+    if rows <= SHARE_ROWS:
+        return weights
+    return [w for w in weights if w.name.removesuffix(".scale") not in HEADS]
 
 
 def _timed_weights(layout: ModelLayout) -> list[TensorSpec]:
@@ -102,7 +116,8 @@ def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
     # compiles per function is reached at the third decode row count
     torch._dynamo.reset()
     dtype = getattr(torch, layout.dtype)
-    share, flat, k_block = _weights(weights, layout.config.fp8_block)
+    max_bytes = MAX_BYTES * min(1.0, SHARE_ROWS / rows)
+    share, flat, k_block = _weights(weights, layout.config.fp8_block, max_bytes)
     groups = _unflatten(flat, k_block)
     xs = {k: torch.randn(rows, k).to(dtype) for k in {_in_features(w) for w in groups}}
     base = dataclasses.replace(layout.projection, kernel_rows=None, kernel_all_rows=frozenset())
@@ -127,12 +142,12 @@ def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
 
 
 def _weights(
-    weights: list[TensorSpec], fp8_block: tuple[int, ...] | None
+    weights: list[TensorSpec], fp8_block: tuple[int, ...] | None, max_bytes: float
 ) -> tuple[float, list[torch.Tensor], int]:
-    """Random tensors of the weights' shapes: every weight once, or a `MAX_BYTES` share of
+    """Random tensors of the weights' shapes: every weight once, or a `max_bytes` share of
     each shape (the share, so the time can be scaled back to the whole graph)."""
     total = sum(spec_bytes(w) for w in weights)
-    share = min(1.0, MAX_BYTES / total)
+    share = min(1.0, max_bytes / total)
     counts = Counter((w.shape, w.dtype) for w in weights if not w.name.endswith(".scale"))
     scales = {(w.shape, w.dtype): s for w, s in zip(weights, weights[1:], strict=False)
               if s.name == w.name + ".scale"}  # fmt: skip

@@ -147,11 +147,11 @@ def _target_build(
 def _measured_forms(
     layout: ModelLayout, specs: Planned, progress: Progress, result: BuildResult
 ) -> ModelLayout:
-    """cpu_kernel auto: each decode row count takes the kernel only where it measured faster
+    """cpu_kernel auto: each graph's row count takes the kernel only where it measured faster
     here than Inductor's form (compile/autotune.py); timed before any worker runs."""
     if layout.projection.kernel != "auto":
         return layout
-    rows = [s.rows * s.tokens for s, _ in specs if s.rows * s.tokens <= layout.projection.max_rows]
+    rows = [s.rows * s.tokens for s, _ in specs]
     try:
         layout, timings = autotuned(layout, rows)
     except Exception as exc:  # a measurement is an optimisation: the build goes on without it
@@ -159,7 +159,7 @@ def _measured_forms(
         return layout
     for t in timings if progress.enabled else ():
         progress.message(
-            f"decode rows {t.rows}: projections {t.kernel_ms:.2f} ms with neffkit's kernel for "
+            f"{t.rows} rows: projections {t.kernel_ms:.2f} ms with neffkit's kernel for "
             f"weights of 1 MiB or more, {t.kernel_all_ms:.2f} ms for every weight, "
             f"{t.inductor_ms:.2f} ms in Inductor's form: {t.chosen}"
         )

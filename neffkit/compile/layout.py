@@ -165,15 +165,16 @@ def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
 
 
 def uses_kernel(layout: ModelLayout) -> bool:
-    """Do this layout's decode graphs call neffkit's CPU kernels (decode attention, or some
-    blocked weight taking the kernel form at some row count)?"""
+    """Do this layout's graphs call neffkit's CPU kernels (decode attention, or some blocked
+    weight taking the kernel form at some row count: every decode row count, and the larger
+    ones the build measured)?"""
     policy = layout.projection
     if policy.attention_kernel:
         return True
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
     sizes = blocked_weight_bytes(layout)
-    rows = range(1, policy.max_rows + 1)
+    rows = {*range(1, policy.max_rows + 2), *(policy.kernel_rows or ())}
     return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
 
 

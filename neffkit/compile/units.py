@@ -42,9 +42,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FormTiming:
-    """One decode row count's projections timed here (ms for the whole graph) in each form:
-    the kernel for weights of kernel_min_bytes or more (Inductor's reduction for the smaller),
-    the kernel for every weight, and Inductor's reduction for every weight."""
+    """One row count's projections timed here (ms for the whole graph) in each form: the
+    kernel for weights of kernel_min_bytes or more (Inductor's form for the smaller), the
+    kernel for every weight, and Inductor's form (blocked rows or bmm) for every weight."""
 
     rows: int
     kernel_ms: float

@@ -59,7 +59,7 @@ class VerifyRecord(Record):
 
 @dataclass(frozen=True)
 class KernelTiming(Record):
-    """cpu_kernel auto: a decode graph's projections timed on the build host (ms for the whole
+    """cpu_kernel auto: a graph's projections timed on the build host (ms for the whole
     graph) with the kernel for weights of 1 MiB or more, in Inductor's form, and with the kernel
     for every weight, and the form it took: "kernel", "inductor" or "kernel-all"
     (compile/autotune.py)."""
@@ -130,11 +130,11 @@ class GraphRecord(Record):
     hlo_sha256: str | None = None
     compiler: CompilerRecord | None = None
     # how the layers' projections were written for the compiler (models/projection.py):
-    # "blocked-rows" (cpu decode: per-row reductions sharing each blocked weight tile),
-    # "blocked-bmm" (cpu prefill: bmm over the blocks), "reduction" (one row, plain weights),
-    # "mm" (a library GEMM), "dot" (HLO)
+    # "kernel-rows" (cpu: neffkit's kernel on blocked weights), "blocked-rows" (cpu decode:
+    # per-row reductions sharing each blocked weight tile), "blocked-bmm" (cpu prefill: bmm
+    # over the blocks), "reduction" (one row, plain weights), "mm" (a GEMM), "dot" (HLO)
     projection: str | None = None
-    kernel_timing: KernelTiming | None = None  # cpu_kernel auto's measurement (decode graphs)
+    kernel_timing: KernelTiming | None = None  # cpu_kernel auto's measurement of this graph
     # "kernel": decode attention through neffkit::paged_decode_attention (cpu), which reads only
     # each row's visible keys; None: the graph's own gather, mask and softmax
     attention: str | None = None

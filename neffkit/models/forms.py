@@ -19,13 +19,13 @@ class ProjectionPolicy:
 
     max_rows: int = 0  # rows written as fused reductions; 0 = always `dot` / `mm`
     lanes: int = 0  # projection weights stored blocked [out/lanes, in, lanes]; 0 = plain
-    # decode rows on blocked weights through neffkit::blocked_rows: "off", "on" (every weight)
-    # or "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's reductions)
+    # rows on blocked weights through neffkit::blocked_rows: "off", "on" (every weight) or
+    # "auto" (weights of kernel_min_bytes or more; smaller ones stay Inductor's forms)
     kernel: str = "off"
     kernel_min_bytes: int = 1 << 20
-    # "auto": the row counts whose decode graphs take the kernel, as the build measured them
-    # on its host (compile/autotune.py); None: every row count. At `kernel_all_rows` the kernel
-    # takes the weights below kernel_min_bytes too.
+    # "auto": the row counts whose graphs (decode, verify, prefill) take the kernel, as the
+    # build measured them on its host (compile/autotune.py); None: every row count. At
+    # `kernel_all_rows` the kernel takes the weights below kernel_min_bytes too.
     kernel_rows: frozenset[int] | None = None
     kernel_all_rows: frozenset[int] = frozenset()
     # Inductor targets: attention's queries stored once, after RoPE, before the score reduction
@@ -52,14 +52,12 @@ class ProjectionPolicy:
         """The form `project` writes for `rows` activation rows and this weight layout
         (`weight_bytes` None: the form of the largest weights)."""
         if blocked:
-            if rows > self.max_rows:
-                return "blocked-bmm"
             big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
             big = big or rows in self.kernel_all_rows
             measured = self.kernel_rows is None or rows in self.kernel_rows
             if self.kernel == "on" or (self.kernel == "auto" and big and measured):
                 return "kernel-rows"
-            return "blocked-rows"
+            return "blocked-rows" if rows <= self.max_rows else "blocked-bmm"
         if self.max_rows == 0:
             return "dot"
         return "reduction" if rows == 1 else "mm"

@@ -12,13 +12,15 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
 - "blocked-bmm" (prefill, larger buckets): `matmul` against the blocks, a bmm of
   [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows here).
 
-- "kernel-rows" (decode, cpu with AVX-512): neffkit's own C++ kernel on the same blocked
-  weights (neffkit/platform/csrc/blocked_rows.cpp): each weight vector, loaded once (bf16 widened in
-  register), feeds every row's accumulator held in registers, with the weight lines prefetched
-  ahead; Inductor's reductions keep neither the rows nor the stream that way. bf16 rows on bf16
-  weights use AMX tiles where the CPU has them (the FMA path is compute-bound at 8 bf16 rows).
-  Called through the dispatcher (~3 us a call), so "auto" takes it only for weights of at least
-  `kernel_min_bytes`; the manifest's `compiler.cpu_kernel` says on/off/auto.
+- "kernel-rows" (cpu with AVX-512, any number of rows): neffkit's own C++ kernel on the same
+  blocked weights (neffkit/platform/csrc/blocked_rows.cpp): each weight vector, loaded once
+  (bf16 widened in register), feeds every row's accumulator held in registers, with the weight
+  lines prefetched ahead; Inductor's reductions keep neither the rows nor the stream that way.
+  bf16 rows on bf16 weights use AMX tiles where the CPU has them, else VDPBF16PS. Groups of 8
+  rows over the same tile make it a GEMM for prefill too, 2.5x or more Inductor's bmm over the
+  blocks here (whose 16-lane blocks are narrow GEMMs). Called through the dispatcher (~3 us a
+  call), so "auto" takes it only for weights of at least `kernel_min_bytes`, at the row counts
+  where the build measured it faster; the manifest's `compiler.cpu_kernel` says on/off/auto.
 
 Other forms: "reduction" (plain layout, a single row, the original GEMV form), "mm", and "dot"
 (neuron: neuronx-cc needs the `dot` to put a projection on the TensorEngine).

@@ -1,5 +1,6 @@
-"""cpu_kernel auto times neffkit's kernel against Inductor's form on this host, per decode row
-count, takes the faster, and keeps the measurement so a rebuild here chooses the same."""
+"""cpu_kernel auto times neffkit's kernel against Inductor's form on this host, per graph row
+count (decode rows, prefill tokens), takes the faster, and keeps the measurement so a rebuild
+here chooses the same."""
 
 from __future__ import annotations
 
@@ -35,26 +36,45 @@ def test_auto_takes_the_form_that_measured_faster_and_keeps_the_measurement(
     assert min(blocked_weight_bytes(layout)) < threshold
     small = dataclasses.replace(layout.projection, kernel_min_bytes=threshold)
     layout = dataclasses.replace(layout, projection=small)
-    # three row counts: nine compiles of one function, past Dynamo's per-function limit of 8
-    tuned, timings = autotuned(layout, [1, 3, 2, 3])
-    assert [t.rows for t in timings] == [1, 2, 3]
+    # four row counts (16: a prefill's tokens): twelve compiles of one function, past
+    # Dynamo's per-function limit of 8
+    tuned, timings = autotuned(layout, [1, 3, 2, 16, 3])
+    assert [t.rows for t in timings] == [1, 2, 3, 16]
     assert all(min(t.kernel_ms, t.inductor_ms, t.kernel_all_ms) > 0 for t in timings)
-    forms = {"kernel": "kernel-rows+blocked-rows", "kernel-all": "kernel-rows",
-             "inductor": "blocked-rows"}  # fmt: skip
     for t in timings:  # the graphs write what measured fastest, and record the figures
         fastest = min(t.kernel_ms, t.inductor_ms, t.kernel_all_ms)
         assert {"kernel": t.kernel_ms, "inductor": t.inductor_ms,
                 "kernel-all": t.kernel_all_ms}[t.chosen] == fastest  # fmt: skip
+        inductor = "blocked-rows" if t.rows <= 8 else "blocked-bmm"
+        forms = {"kernel": f"kernel-rows+{inductor}", "kernel-all": "kernel-rows",
+                 "inductor": inductor}  # fmt: skip
         assert projection_form(tuned, t.rows) == forms[t.chosen]
+    assert projection_form(tuned, 32) == "blocked-bmm"  # a row count not measured
     assert uses_kernel(tuned) == any(t.chosen != "inductor" for t in timings)
     # kept per host and shape: the same figures again, nothing re-measured (files untouched)
     kept = sorted((tmp_path / "kernels" / "autotune").glob("*.json"))
-    assert len(kept) == 3
+    assert len(kept) == 4
     stamps = [p.stat().st_mtime_ns for p in kept]
-    again, timings_again = autotuned(layout, [3, 2, 1])
+    again, timings_again = autotuned(layout, [16, 3, 2, 1])
     assert timings_again == timings and again.projection == tuned.projection
     assert [p.stat().st_mtime_ns for p in kept] == stamps
-    assert {json.loads(p.read_text())["rows"] for p in kept} == {1, 2, 3}
+    assert {json.loads(p.read_text())["rows"] for p in kept} == {1, 2, 3, 16}
+
+
+def test_prefill_row_counts_time_the_layers_without_the_lm_head(hf_model_dir, tmp_path):
+    """A prefill graph runs the LM head on each sequence's last token only, so its token count
+    is timed on the layers' projections alone (the head's row count is timed on its own)."""
+    from neffkit.compile.autotune import _run_at, _timed_weights
+
+    manifest = load_manifest(write_manifest(tmp_path / "m.yaml", hf_model_dir("llama")))
+    layout = target_layout(manifest)
+    small = dataclasses.replace(layout.projection, kernel_min_bytes=1)
+    weights = _timed_weights(dataclasses.replace(layout, projection=small))
+    assert "lm_head.weight" in {w.name for w in weights}
+    assert _run_at(weights, 8) == weights
+    assert [w.name for w in _run_at(weights, 16)] == [
+        w.name for w in weights if w.name != "lm_head.weight"
+    ]
 
 
 def test_graph_records_carry_the_measurement_and_omit_it_otherwise():

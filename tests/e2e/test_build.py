@@ -66,12 +66,13 @@ def test_rebuild_compiles_nothing_and_is_byte_identical(bundle, session_dir, tmp
     second = Path(report["bundle"])
     assert (first / "bundle.json").read_bytes() == (second / "bundle.json").read_bytes()
     # the projection form each graph was written with (cpu: blocked weights; llama_tied's
-    # decode rows through neffkit's kernel, cpu_kernel: on; prefill as bmm over the blocks)
+    # rows through neffkit's kernel, cpu_kernel: on, prefill's tokens too; without it, decode
+    # rows as Inductor's per-row reductions and prefill as bmm over the blocks)
     forms = {g["name"]: g["projection"] for g in bundle_json(second)["graphs"]}
     kernel = EXTRA["llama_tied"]["compiler"]["cpu_kernel"] == "on"
     decode = "kernel-rows" if kernel else "blocked-rows"
     assert forms == {
-        "prefill_t16_c64": "blocked-bmm",
+        "prefill_t16_c64": "kernel-rows" if kernel else "blocked-bmm",
         "decode_b1_c64": decode,
         "decode_b4_c64": decode,
     }
