@@ -64,7 +64,8 @@ def autotuned(layout: ModelLayout, rows: list[int]) -> tuple[ModelLayout, tuple[
 def _run_at(weights: list[TensorSpec], rows: int) -> list[TensorSpec]:
     """The weights a graph of `rows` rows projects at that row count: beyond SHARE_ROWS (a
     prefill's tokens) not the LM head, which a prefill graph runs on each sequence's last token,
-    a row count measured on its own."""
+    a row count measured on its own (a verify graph of that many rows runs it there too, in
+    the form its layers measured faster in)."""
     if rows <= SHARE_ROWS:
         return weights
     return [w for w in weights if w.name.removesuffix(".scale") not in HEADS]

@@ -174,7 +174,7 @@ def uses_kernel(layout: ModelLayout) -> bool:
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
     sizes = blocked_weight_bytes(layout)
-    rows = {*range(1, policy.max_rows + 2), *(policy.kernel_rows or ())}
+    rows = {*range(1, policy.max_rows + 1), *(policy.kernel_rows or ())}
     return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
 
 
