@@ -9,7 +9,7 @@ each graph's row count (decode rows, verify and prefill tokens): every blocked p
 weight of the model (random values, the model's shapes and dtypes, as many copies as the graph
 has, up to `MAX_BYTES`, a share of that beyond 8 rows, where the work grows with the rows
 while the weights' reuse makes it compute-bound; there without the LM head, which a prefill
-runs on its last tokens only), run through
+runs on its last tokens only, and at 128 rows at most, scaled), run through
 `models.projection.project` compiled by Inductor under each policy, alternating, medians.
 Measurements are kept per host and model shape (beside the kernel library, `cpu_kernels.cache_dir`)
 so a rebuild here picks the same forms and writes the same bundle; bundle.json records them per
@@ -40,6 +40,9 @@ from neffkit.targets import DTYPE_BYTES
 
 MAX_BYTES = 1 << 30  # weights allocated to time a graph's projections (a larger model: a share)
 SHARE_ROWS = 8  # beyond this many rows, MAX_BYTES * SHARE_ROWS / rows (a bounded time to measure)
+# more rows are timed at this many (both forms are compute-bound there, their time grows with
+# the rows), so a long prefill bucket of a large model does not hold the build for minutes
+MAX_TIMED_ROWS = 128
 REPEATS = 15  # timed runs of each form, alternating (the host is shared: medians of many)
 FP8 = "float8_e4m3fn"
 HEADS = ("lm_head.weight", TIED_TABLE)  # the LM head, its own or the tied table
@@ -117,10 +120,12 @@ def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
     # compiles per function is reached at the third decode row count
     torch._dynamo.reset()
     dtype = getattr(torch, layout.dtype)
-    max_bytes = MAX_BYTES * min(1.0, SHARE_ROWS / rows)
+    timed = min(rows, MAX_TIMED_ROWS)
+    max_bytes = MAX_BYTES * min(1.0, SHARE_ROWS / timed)
     share, flat, k_block = _weights(weights, layout.config.fp8_block, max_bytes)
+    share *= timed / rows  # the time scaled back to the graph's rows as well
     groups = _unflatten(flat, k_block)
-    xs = {k: torch.randn(rows, k).to(dtype) for k in {_in_features(w) for w in groups}}
+    xs = {k: torch.randn(timed, k).to(dtype) for k in {_in_features(w) for w in groups}}
     base = dataclasses.replace(layout.projection, kernel_rows=None, kernel_all_rows=frozenset())
     policies = {
         "kernel": dataclasses.replace(base, kernel="auto"),

@@ -36,10 +36,10 @@ def test_auto_takes_the_form_that_measured_faster_and_keeps_the_measurement(
     assert min(blocked_weight_bytes(layout)) < threshold
     small = dataclasses.replace(layout.projection, kernel_min_bytes=threshold)
     layout = dataclasses.replace(layout, projection=small)
-    # four row counts (16: a prefill's tokens): twelve compiles of one function, past
-    # Dynamo's per-function limit of 8
-    tuned, timings = autotuned(layout, [1, 3, 2, 16, 3])
-    assert [t.rows for t in timings] == [1, 2, 3, 16]
+    # five row counts (16 and 200: a prefill's tokens, 200 timed at 128 and scaled): fifteen
+    # compiles of one function, past Dynamo's per-function limit of 8
+    tuned, timings = autotuned(layout, [1, 3, 2, 16, 200, 3])
+    assert [t.rows for t in timings] == [1, 2, 3, 16, 200]
     assert all(min(t.kernel_ms, t.inductor_ms, t.kernel_all_ms) > 0 for t in timings)
     for t in timings:  # the graphs write what measured fastest, and record the figures
         fastest = min(t.kernel_ms, t.inductor_ms, t.kernel_all_ms)
@@ -53,12 +53,12 @@ def test_auto_takes_the_form_that_measured_faster_and_keeps_the_measurement(
     assert uses_kernel(tuned) == any(t.chosen != "inductor" for t in timings)
     # kept per host and shape: the same figures again, nothing re-measured (files untouched)
     kept = sorted((tmp_path / "kernels" / "autotune").glob("*.json"))
-    assert len(kept) == 4
+    assert len(kept) == 5
     stamps = [p.stat().st_mtime_ns for p in kept]
-    again, timings_again = autotuned(layout, [16, 3, 2, 1])
+    again, timings_again = autotuned(layout, [200, 16, 3, 2, 1])
     assert timings_again == timings and again.projection == tuned.projection
     assert [p.stat().st_mtime_ns for p in kept] == stamps
-    assert {json.loads(p.read_text())["rows"] for p in kept} == {1, 2, 3, 16}
+    assert {json.loads(p.read_text())["rows"] for p in kept} == {1, 2, 3, 16, 200}
 
 
 def test_prefill_row_counts_time_the_layers_without_the_lm_head(hf_model_dir, tmp_path):
