@@ -9,8 +9,8 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
 - "blocked-rows" (decode, up to `max_rows` rows): one reduction per row over the same weight
   tile; Inductor fuses them into one loop whose body loads a LANES-wide weight vector once and
   feeds every row's accumulator (a register-blocked GEMV: bench/batch.py, LAB.md).
-- "blocked-bmm" (prefill, larger buckets): `matmul` against the blocks, a bmm of
-  [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows here).
+- "blocked-bmm" (prefill, larger buckets, without the kernel): `matmul` against the blocks, a
+  bmm of [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows on the Intel host).
 
 - "kernel-rows" (cpu with AVX-512, any number of rows): neffkit's own C++ kernel on the same
   blocked weights (neffkit/platform/csrc/blocked_rows.cpp): each weight vector, loaded once
