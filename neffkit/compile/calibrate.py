@@ -97,7 +97,7 @@ def eager_prefill(
     cfg, bs, tokens = layout.config, layout.block_size, len(ids)
     layout = dataclasses.replace(
         layout, num_blocks=tokens // bs + 1, prompt_logprobs=logits,
-        projection=dataclasses.replace(layout.projection, max_rows=0, kernel="off"),
+        projection=dataclasses.replace(layout.projection, max_rows=0),
     )  # fmt: skip
     spec = GraphSpec("prefill", "prefill", 1, tokens, tokens)
     module, specs = decoder_module(layout, spec)

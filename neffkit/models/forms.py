@@ -52,6 +52,8 @@ class ProjectionPolicy:
         """The form `project` writes for `rows` activation rows and this weight layout
         (`weight_bytes` None: the form of the largest weights)."""
         if blocked:
+            if self.max_rows == 0:  # matmuls only (the eager references)
+                return "blocked-bmm"
             big = weight_bytes is None or weight_bytes >= self.kernel_min_bytes
             big = big or rows in self.kernel_all_rows
             measured = self.kernel_rows is None or rows in self.kernel_rows
