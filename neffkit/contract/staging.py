@@ -13,26 +13,7 @@ from pathlib import Path
 
 from neffkit.contract.bundle import BUNDLE_JSON
 from neffkit.errors import BundleError
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_temp_dirs(parent: Path, prefix: str) -> None:
-    """Remove `<prefix><pid>-*` temp dirs whose process is gone (a SIGKILLed build)."""
-    if not parent.is_dir():
-        return
-    for path in parent.glob(f"{prefix}*"):
-        pid_text = path.name[len(prefix) :].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            shutil.rmtree(path, ignore_errors=True)
+from neffkit.platform.tempdirs import owned_temp_dir
 
 
 @contextmanager
@@ -49,8 +30,7 @@ def staging_dir(dest: Path) -> Iterator[Path]:
             hint="choose another output directory with -o",
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_dirs(dest.parent, f".{dest.name}.tmp-")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
+    tmp = owned_temp_dir(f".{dest.name}.tmp-", dest.parent)
     try:
         yield tmp
         if dest.exists():

@@ -3,7 +3,8 @@
 `torch._C._aoti.AOTIModelPackageLoader` unpacks each package into a fresh `$TMPDIR/aotinductor_*`
 directory that nothing removes (dozens pile up in /tmp after a day of runs). Here every package
 a process loads unpacks into one directory of its own, removed when the process exits: the
-unpacked libraries stay in use until then (CUDA kernels are read lazily), so nothing goes earlier.
+unpacked libraries stay in use until then (CUDA kernels are read lazily), so nothing goes earlier;
+what a killed process left is removed by the next one.
 The loader is called directly, not through `torch._inductor`, so the runtime imports no compiler.
 """
 
@@ -12,18 +13,21 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from neffkit.platform.tempdirs import owned_temp_dir
+
 _EXTRACTED: list[str] = []  # this process's extraction directory, once made
 
 
 def extraction_dir() -> str:
+    """This process's `neffkit-aoti-<pid>-*` directory; made once, after removing those of dead
+    processes (a server stopped with SIGKILL runs no atexit)."""
     if not _EXTRACTED:
-        _EXTRACTED.append(tempfile.mkdtemp(prefix="neffkit-aoti-"))
+        _EXTRACTED.append(str(owned_temp_dir("neffkit-aoti-")))
         atexit.register(shutil.rmtree, _EXTRACTED[0], True)
     return _EXTRACTED[0]
 

@@ -452,6 +452,15 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -
         assert srv.proc.wait(timeout=60) == 1
         assert "the engine failed" in srv.stderr()
         assert not _alive(core)
+        # the killed core could not remove its unpacked packages; the next process that loads
+        # a bundle does
+        left = f"neffkit-aoti-{core}-*"
+        assert list(Path(tempfile.gettempdir()).glob(left))
+        assert (
+            run_cli("run", str(serve_bundle), "--prompt-ids", "5,6", "--max-tokens", "1").returncode
+            == 0
+        )
+        assert not list(Path(tempfile.gettempdir()).glob(left))
     finally:
         if srv.proc.poll() is None:
             srv.stop()

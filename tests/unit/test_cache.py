@@ -4,6 +4,9 @@ whole builds through a cache, an S3-compatible one included)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from neffkit.compile.cache.local import KEY_JSON, ArtifactCache
 from neffkit.compile.cache.remote import RemoteArtifactCache
 from neffkit.compile.units import CacheKey
 from neffkit.errors import BuildError
+from neffkit.platform.tempdirs import owned_temp_dir
 
 KEY = CacheKey({"graph": "g", "flags": ["-O2"]})
 
@@ -158,3 +162,18 @@ def test_remote_readonly_writes_nothing(tmp_path, remote):
     ro.store_trace(other, {"t": 1})
     ro.remember("m/g", other)
     assert _files(url) == before and ro.lookup(other) is None
+
+
+def test_owned_temp_dirs_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    """What a SIGKILLed process left (`<prefix><pid>-*`, pid gone) goes when the next process
+    makes its own; a live process's directory and unrelated names stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"neffkit-aoti-{dead.pid}-abc").mkdir()
+    (tmp_path / f"neffkit-aoti-{os.getppid()}-abc").mkdir()
+    (tmp_path / "neffkit-aoti-notapid").mkdir()
+    mine = owned_temp_dir("neffkit-aoti-", tmp_path)
+    assert mine.name.startswith(f"neffkit-aoti-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [mine.name, f"neffkit-aoti-{os.getppid()}-abc", "neffkit-aoti-notapid"]
+    )
