@@ -191,10 +191,11 @@ class DecoderGraph(torch.nn.Module):
             last_pos = positions[:, -1]  # [B]
             h_last = self.norm(h[:, -1], w.get("model.norm.weight"))
             logits = self.logits(h_last, head, rank)  # [B, vocab]
-        masked, processed = process(logits, LogitInputs.of(m, abi.LOGIT_INPUTS))
+        branches = self.projection.sampler_branches
+        masked, processed = process(logits, LogitInputs.of(m, abi.LOGIT_INPUTS), branches)
         sampled = sample(
             masked, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs,
-            processed,
+            processed, branches,
         )  # fmt: skip
         return sampled, prompt
 
@@ -212,8 +213,11 @@ class DecoderGraph(torch.nn.Module):
         params = [m[name].repeat_interleave(tokens) for name in abi.SAMPLING_NAMES]
         positions = m[abi.POSITIONS].reshape(-1)
         inputs = LogitInputs.of(m, abi.LOGIT_INPUTS).per_position(tokens)
-        masked, processed = process(logits, inputs)
-        s = sample(masked, *params, positions, self.max_top_k, self.shape.logprobs, processed)
+        branches = self.projection.sampler_branches
+        masked, processed = process(logits, inputs, branches)
+        s = sample(
+            masked, *params, positions, self.max_top_k, self.shape.logprobs, processed, branches
+        )
         sampled = s.next_tokens.view(rows, tokens)
         drafts = m[abi.INPUT_IDS][:, 1:]  # -1 where a row proposes fewer than K
         rejected = (sampled[:, :-1] != drafts).to(torch.int32)

@@ -37,6 +37,10 @@ class ProjectionPolicy:
     # scoring and masking the whole context bucket. Set where the kernel library is in use and
     # the cache holds the compute dtype (not fp8; not MLA's latent cache).
     attention_kernel: bool = False
+    # cpu graphs: the sampler skips what no row of a step needs (drawing when every row is
+    # greedy, the grammar mask when it allows every token) through torch.cond, and ranks the
+    # vocabulary by chunks (kernels/sampling.py); static-graph targets (XLA) run every path
+    sampler_branches: bool = False
 
     def attends_in_kernel(self, phase: str, rows: int) -> bool:
         """Does a graph of this phase and row count attend through the kernel? Decode and verify

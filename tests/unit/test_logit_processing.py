@@ -14,7 +14,7 @@ import torch
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels.logits import LogitInputs, process
-from neffkit.kernels.sampling import sample
+from neffkit.kernels.sampling import sample, top_by_chunks
 from neffkit.runtime.logit_inputs import Penalties, fill_bitmasks, write_row
 from neffkit.runtime.runner import padded_metadata
 from neffkit.runtime.sampling_params import SamplingParams
@@ -182,3 +182,44 @@ def test_verify_rows_repeat_per_position():
     assert flat.bitmask.shape == (6, words) and flat.bitmask[4, 0] == 4 * words
     assert flat.penalty_ids.tolist() == [[1, -1]] * 3 + [[2, 3]] * 3
     assert flat.presence.tolist() == pytest.approx([0.1] * 3 + [0.2] * 3)
+
+
+@pytest.mark.parametrize("masked_rows", [True, False])
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0, 0.0), (0.0, 2.0, 0.0, 0.7)])
+def test_the_branching_sampler_equals_the_static_one(masked_rows, temperatures):
+    """cpu graphs skip the drawing when every row is greedy and the mask when it allows every
+    token (torch.cond), and rank the vocabulary by chunks: every output equals the static form's
+    (the one XLA targets trace), drawn rows and top-k / top-p rows included."""
+    rng = np.random.default_rng(2)
+    params, prompts, outputs, masks = _rows(rng)
+    masks = masks if masked_rows else [None] * ROWS
+    logits = torch.from_numpy((rng.standard_normal((ROWS, VOCAB)) * 4).astype(np.float32))
+    inputs = _meta(params, prompts, outputs, masks)
+    static = process(logits, inputs)
+    branching = process(logits, inputs, branches=True)
+    assert all(torch.equal(a, b) for a, b in zip(static, branching, strict=True))
+    top_k, top_p = torch.tensor([0, 5, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8])
+    sampling = (
+        torch.tensor(temperatures),
+        top_k,
+        top_p,
+        torch.arange(ROWS) + 11,
+        torch.arange(ROWS),
+    )
+    for seed_shift in range(5):
+        seeds = (*sampling[:3], sampling[3] + seed_shift, sampling[4])
+        want = sample(static[0], *seeds, 16, 5, static[1])
+        got = sample(branching[0], *seeds, 16, 5, branching[1], branches=True)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vocab", [300, 5000, 49152, 151936])
+@pytest.mark.parametrize("k", [1, 5, 64])
+def test_ranking_by_chunks_equals_topk(vocab, k):
+    """Values and ids equal torch.topk's (no ties in random logits), vocabularies that are not a
+    whole number of chunks included; -inf logits (masked tokens) rank last."""
+    x = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab + k)) * 3
+    x[1, ::3] = float("-inf")
+    want, got = torch.topk(x, k, dim=-1), top_by_chunks(x, k)
+    assert torch.equal(want.values, got[0]) and torch.equal(want.indices, got[1])

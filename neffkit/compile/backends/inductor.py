@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 # cpu: projection weights stored blocked, decode graphs of up to 8 rows as register-blocked
 # reductions that read each weight tile once for all rows, larger ones as bmm over the blocks
 # (models/projection.py; measured with bench/batch.py on a 125M Llama, see docs/performance.md).
-CPU_PROJECTION = ProjectionPolicy(max_rows=8, lanes=LANES, buffer_queries=True)
+CPU_PROJECTION = ProjectionPolicy(
+    max_rows=8, lanes=LANES, buffer_queries=True, sampler_branches=True
+)
 # cuda: plain weights; one decode row as a fused reduction, more rows as `mm` (cuBLAS)
 CUDA_PROJECTION = ProjectionPolicy(max_rows=1, lanes=0, buffer_queries=True)
 
