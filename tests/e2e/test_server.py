@@ -453,9 +453,9 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -
         assert "the engine failed" in srv.stderr()
         assert not _alive(core)
         # the killed core could not remove its unpacked packages; the next process that loads
-        # a bundle does
+        # a bundle does (or another test's process already has: /tmp is shared with the other
+        # worker, so whether the directory is still there before this run is a race)
         left = f"neffkit-aoti-{core}-*"
-        assert list(Path(tempfile.gettempdir()).glob(left))
         assert (
             run_cli("run", str(serve_bundle), "--prompt-ids", "5,6", "--max-tokens", "1").returncode
             == 0
