@@ -40,7 +40,13 @@ BASE_NEURON_FLAGS: tuple[str, ...] = (
 # Realise (store once) any reused expression of more than 16 ops. Inductor's CPU default (50)
 # inlined the rotated query into the attention-score reduction, recomputing pow/cos/sin for every
 # context position of every layer: demo model, decode batch 1, 0.35 ms → 0.20 ms per step.
-BASE_INDUCTOR_OPTIONS: dict[str, OptionValue] = {"realize_opcount_threshold": 16}
+# The host code that calls the kernels compiled at -O0 (Inductor's default -O1): it only calls
+# library functions, and g++ spends most of a graph's compile optimising it. SmolLM2, bf16,
+# three graphs: 147 → 106 s of compile, decode steps unchanged (docs/manifest.md).
+BASE_INDUCTOR_OPTIONS: dict[str, OptionValue] = {
+    "aot_inductor.compile_wrapper_opt_level": "O0",
+    "realize_opcount_threshold": 16,
+}
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,13 @@ INDUCTOR_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "cpp.simdlen": int,
     "cpp.threads": int,
     "aot_inductor.debug_compile": bool,
+    # g++'s -O for the host code that calls the kernels (the kernels are -O3 either way)
+    "aot_inductor.compile_wrapper_opt_level": str,
     "fallback_random": bool,
+}
+# the string options' allowed values
+INDUCTOR_CHOICES: dict[str, tuple[str, ...]] = {
+    "aot_inductor.compile_wrapper_opt_level": ("O0", "O1", "O2", "O3", "Os"),
 }
 
 

@@ -18,6 +18,7 @@ from neffkit.manifest.fields import (
     string_list,
 )
 from neffkit.manifest.schema import (
+    INDUCTOR_CHOICES,
     INDUCTOR_OPTIONS,
     KV_DTYPES,
     SPECULATION_METHODS,
@@ -47,6 +48,8 @@ def read_inductor_options(value: Any, path: str) -> dict[str, Any]:
         if isinstance(v, bool) and expected is int or not isinstance(v, expected):
             name = expected.__name__ if isinstance(expected, type) else "value"
             raise ManifestError(f"{path}.{key}: expected {name}, got {describe(v)}")
+        if key in INDUCTOR_CHOICES:
+            choice(v, INDUCTOR_CHOICES[key], f"{path}.{key}")
     return dict(data)
 
 

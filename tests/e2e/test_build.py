@@ -307,8 +307,13 @@ def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_m
         in proc.stderr
     )
     graph = next(g for g in bundle_json(tmp_path / "out")["graphs"] if g["name"] == "decode_b4_c64")
-    assert graph["options"] == {"epilogue_fusion": False, "realize_opcount_threshold": 16}
+    assert graph["options"] == {
+        "aot_inductor.compile_wrapper_opt_level": "O0",
+        "epilogue_fusion": False,
+        "realize_opcount_threshold": 16,
+    }
     assert graph["option_origins"] == {
+        "aot_inductor.compile_wrapper_opt_level": "base",
         "epilogue_fusion": "rule 0",
         "realize_opcount_threshold": "base",
     }

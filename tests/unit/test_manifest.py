@@ -118,6 +118,12 @@ BAD = [
         "compiler.inductor.freezing: not an allowed AOTInductor option",
     ),
     (
+        "wrapper opt level",
+        _with("compiler", {"inductor": {"aot_inductor.compile_wrapper_opt_level": "O9"}}),
+        "compiler.inductor.aot_inductor.compile_wrapper_opt_level: unknown value 'O9'; "
+        "available: O0, O1, O2, O3, Os",
+    ),
+    (
         "per_graph bad phase",
         _with("compiler", {"per_graph": [{"match": {"phase": "both"}}]}),
         "compiler.per_graph[0].match.phase: unknown value 'both'",
