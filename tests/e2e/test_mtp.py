@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import build_session_bundle, cached_dir, lowered_build, model_digest, run_cli
+from tests.conftest import (
+    build_session_bundle,
+    cached_dir,
+    lowered_build,
+    model_digest,
+    prebuild,
+    run_cli,
+)
 from tests.e2e.test_speculation import _assert_equal_outputs, _generate, _random_workload
 
 # max_batch 1: batches of 4 decode plainly while the MTP layer sits out, so single rows then
@@ -56,8 +63,7 @@ def _add_mtp_layer(source: Path, out: Path) -> None:
               metadata={"format": "pt"})  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def mtp_model(hf_model_dir) -> Path:
+def mtp_model_dir(hf_model_dir) -> Path:
     import hashlib
     import inspect
 
@@ -67,12 +73,22 @@ def mtp_model(hf_model_dir) -> Path:
     return cached_dir(f"models/deepseek-mtp-{digest}", lambda out: _add_mtp_layer(source, out))
 
 
-@pytest.fixture(scope="module")
-def mtp_bundle(session_dir: Path, mtp_model: Path) -> Path:
+@prebuild("deepseek_mtp")
+def build_mtp_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
-        session_dir, mtp_model, "deepseek_mtp", buckets=BUCKETS, speculation=SPEC,
-        sampling={"max_top_k": 16, "max_logprobs": 2},
+        session_dir, mtp_model_dir(hf_model_dir), "deepseek_mtp", buckets=BUCKETS,
+        speculation=SPEC, sampling={"max_top_k": 16, "max_logprobs": 2},
     ).bundle  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mtp_model(hf_model_dir) -> Path:
+    return mtp_model_dir(hf_model_dir)
+
+
+@pytest.fixture(scope="module")
+def mtp_bundle(session_dir: Path, hf_model_dir) -> Path:
+    return build_mtp_bundle(session_dir, hf_model_dir)
 
 
 class EagerMtp:

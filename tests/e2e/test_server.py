@@ -22,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import REPO, run_cli, run_json
+from tests.conftest import REPO, build_session_bundle, prebuild, run_cli, run_json
 
 # one worker runs this module, so its tests share one server (pytest-xdist --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("server")
@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, bundle: Path, *args: str) -> None:
+    def __init__(self, bundle: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # files, not pipes: the access log writes a line per request, and a pipe nobody reads
@@ -48,7 +48,7 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(self.port),
                  *args],
-                cwd=REPO, stdout=out, stderr=err, text=True,
+                cwd=REPO, stdout=out, stderr=err, text=True, env=env,
             )  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -80,10 +80,8 @@ class Server:
         shutil.rmtree(self.logs, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
-    from tests.conftest import build_session_bundle
-
+@prebuild("llama_serve", last=True)
+def build_serve_bundle(session_dir: Path, hf_model_dir) -> Path:
     # the llama bundle's KV cache size, so its decode graphs are the same graphs (cache hits):
     # the prefill graph (with prompt logprobs) and decode_b8 are compiled for the server
     return build_session_bundle(
@@ -91,6 +89,11 @@ def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
         kv_cache={"block_size": 16, "num_blocks": 17},
         sampling={"max_top_k": 16, "prompt_logprobs": True},
     ).bundle  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
+    return build_serve_bundle(session_dir, hf_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -432,10 +435,13 @@ def _wait_submitted(srv: Server, count: int = 1) -> None:
         time.sleep(0.05)
 
 
-def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -> None:
+def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path, tmp_path) -> None:
     """Kill the engine core with a request in flight: that request gets a 500 naming the cause,
-    the server logs it and exits 1 (a supervisor restarts it), and nothing is left running."""
-    srv = Server(serve_bundle, "--served-model-name", "tiny")
+    the server logs it and exits 1 (a supervisor restarts it), and nothing is left running.
+    The server has a temp dir of its own, which no other test's process sweeps."""
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    srv = Server(serve_bundle, "--served-model-name", "tiny", env=env)
     try:
         (core,) = _children(srv.proc.pid, "spawn_main")  # not the resource tracker
         os.kill(core, signal.SIGSTOP)  # frozen: the next request is in flight for certain
@@ -453,14 +459,16 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path) -
         assert "the engine failed" in srv.stderr()
         assert not _alive(core)
         # the killed core could not remove its unpacked packages; the next process that loads
-        # a bundle does (or another test's process already has: /tmp is shared with the other
-        # worker, so whether the directory is still there before this run is a race)
+        # a bundle does
         left = f"neffkit-aoti-{core}-*"
-        assert (
-            run_cli("run", str(serve_bundle), "--prompt-ids", "5,6", "--max-tokens", "1").returncode
-            == 0
-        )
-        assert not list(Path(tempfile.gettempdir()).glob(left))
+        assert list((tmp_path / "tmp").glob(left))
+        again = subprocess.run(
+            [sys.executable, "-m", "neffkit", "run", str(serve_bundle), "--prompt-ids", "5,6",
+             "--max-tokens", "1"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        assert not list((tmp_path / "tmp").glob(left))
     finally:
         if srv.proc.poll() is None:
             srv.stop()

@@ -17,6 +17,7 @@ from tests.conftest import (
     cached_dir,
     lowered_build,
     model_digest,
+    prebuild,
     run_cli,
     run_json,
 )
@@ -42,8 +43,16 @@ def draft_dir(hf_model_dir) -> Path:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def draft_bundle(session_dir: Path, hf_model_dir) -> Path:
+@prebuild("llama_spec")
+def build_spec_bundle(session_dir: Path, hf_model_dir) -> Path:
+    return build_session_bundle(
+        session_dir, hf_model_dir("llama"), "llama_spec", buckets=BUCKETS, speculation=SPEC,
+        sampling={"max_top_k": 16, "max_logprobs": 2},
+    ).bundle  # fmt: skip
+
+
+@prebuild("llama_draft", last=True)  # its target graphs are llama_spec's
+def build_draft_bundle(session_dir: Path, hf_model_dir) -> Path:
     spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
     return build_session_bundle(
         session_dir, hf_model_dir("llama"), "llama_draft", buckets=BUCKETS, speculation=spec,
@@ -52,11 +61,13 @@ def draft_bundle(session_dir: Path, hf_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
+def draft_bundle(session_dir: Path, hf_model_dir) -> Path:
+    return build_draft_bundle(session_dir, hf_model_dir)
+
+
+@pytest.fixture(scope="module")
 def spec_bundle(session_dir: Path, hf_model_dir) -> Path:
-    return build_session_bundle(
-        session_dir, hf_model_dir("llama"), "llama_spec", buckets=BUCKETS, speculation=SPEC,
-        sampling={"max_top_k": 16, "max_logprobs": 2},
-    ).bundle  # fmt: skip
+    return build_spec_bundle(session_dir, hf_model_dir)
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:

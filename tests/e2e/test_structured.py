@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.test_server import SERVE_BUCKETS, Server
+from tests.e2e.test_server import Server, build_serve_bundle
 
 pytestmark = pytest.mark.xdist_group("server")
 
@@ -38,13 +38,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def served(session_dir: Path, hf_model_dir) -> Iterator[Server]:
-    from tests.conftest import build_session_bundle
-
-    bundle = build_session_bundle(
-        session_dir, hf_model_dir("llama"), "llama_serve", buckets=SERVE_BUCKETS,
-        kv_cache={"block_size": 16, "num_blocks": 17},
-        sampling={"max_top_k": 16, "prompt_logprobs": True},
-    ).bundle  # fmt: skip
+    bundle = build_serve_bundle(session_dir, hf_model_dir)
     srv = Server(bundle, "--served-model-name", "tiny", "--tool-call-parser", "hermes")
     yield srv
     srv.stop()
