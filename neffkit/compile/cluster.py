@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from neffkit.compile.progress import Progress
+from neffkit.compile.workers import build_threads
 from neffkit.errors import BuildError
 
 GIB = 1 << 30
@@ -42,9 +43,10 @@ def _remote_call(
 ) -> tuple[Any, bytes | None, str]:
     """Run one job on a Ray worker: (its result, the file it wrote, "node-ip node-id").
 
-    `threads` is the driver's intra-op thread count: Ray gives a one-CPU task one thread, and
-    Inductor writes the thread count into the kernels it generates (their OpenMP regions), so
-    without it a cluster build would differ from a local one and run single-threaded. On
+    `threads` is the driver's build thread count (workers.build_threads): Ray gives a one-CPU
+    task one thread, and Inductor writes the thread count into the kernels it generates (their
+    OpenMP regions), so without it a cluster build would differ from a local one and run
+    single-threaded. On
     another machine than the driver's, the staging directories a job writes under are made
     for it and removed after its file has been read."""
     import ray
@@ -101,9 +103,7 @@ def ray_pool(
         num_cpus=1, memory=task_memory, max_retries=RETRIES, retry_exceptions=False
     )
     counts = nodes if nodes is not None else Counter()
-    import torch
-
-    threads, driver = torch.get_num_threads(), host_id()
+    threads, driver = build_threads(), host_id()
 
     def run(
         fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress

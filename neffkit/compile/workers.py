@@ -23,6 +23,7 @@ from neffkit.compile.progress import Progress
 from neffkit.compile.trace import release_fake_process_group, trace_graph, trace_result
 from neffkit.compile.units import GraphSpec, ModelLayout, Traced, TraceResult
 from neffkit.errors import BuildError
+from neffkit.platform.cpus import usable_cpus
 
 
 def quiet_warnings() -> None:
@@ -30,8 +31,32 @@ def quiet_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
 
 
-def _worker_init() -> None:
+def build_threads() -> int:
+    """The intra-op thread count every trace and compile of a build runs with, wherever it runs:
+    the CPUs the build may use (affinity and cgroup quota). Inductor writes the count into the
+    kernels it generates (at 1 it writes no parallel regions at all), so a build must not
+    inherit whatever its caller set torch to (an engine that ran in the same process, a
+    container's OMP_NUM_THREADS=1)."""
+    return usable_cpus()
+
+
+@contextmanager
+def threads_for_build(threads: int) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
     quiet_warnings()
+    torch.set_num_threads(threads)
     # Ctrl-C goes to the whole process group: the parent decides, workers are terminated by it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -109,14 +134,19 @@ def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
         results: list[Any] = [None] * len(arg_list)
         if jobs <= 1 or len(arg_list) <= 1:
             quiet_warnings()  # the jobs run here, in the main process
-            for i, args in enumerate(arg_list):
-                results[i] = fn(*args)
-                progress.done(names[i], _seconds(results[i]))
+            with threads_for_build(build_threads()):
+                for i, args in enumerate(arg_list):
+                    results[i] = fn(*args)
+                    progress.done(names[i], _seconds(results[i]))
             return results
         if pool is None:
             _start_quiet_resource_tracker()
             ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(processes=min(jobs, len(arg_list)), initializer=_worker_init)
+            pool = ctx.Pool(
+                processes=min(jobs, len(arg_list)),
+                initializer=_worker_init,
+                initargs=(build_threads(),),
+            )
         tasks = [(fn, i, args) for i, args in enumerate(arg_list)]
         for index, value in pool.imap_unordered(_call, tasks):
             results[index] = value

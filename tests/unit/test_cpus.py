@@ -61,3 +61,23 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread() -> None:
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == "1"
+
+
+def test_a_build_runs_with_the_usable_cpus_whatever_its_caller_set() -> None:
+    """Inductor writes the thread count into the kernels it generates (at 1, no parallel regions
+    at all), so jobs a build runs in its own process see the usable CPUs, not the caller's
+    count (an engine that ran before in the process), and the caller's count comes back."""
+    import torch
+
+    from neffkit.compile.progress import Progress
+    from neffkit.compile.workers import worker_pool
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with worker_pool(1) as run:
+            seen = run(torch.get_num_threads, [()], ["threads"], Progress(enabled=False))
+        assert seen == [cpus.usable_cpus()]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
