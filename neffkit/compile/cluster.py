@@ -46,9 +46,8 @@ def _remote_call(
     `threads` is the driver's build thread count (workers.build_threads): Ray gives a one-CPU
     task one thread, and Inductor writes the thread count into the kernels it generates (their
     OpenMP regions), so without it a cluster build would differ from a local one and run
-    single-threaded. On
-    another machine than the driver's, the staging directories a job writes under are made
-    for it and removed after its file has been read."""
+    single-threaded. On another machine than the driver's, the staging directories a job
+    writes under are made for it and removed after its file has been read."""
     import ray
     import torch
 

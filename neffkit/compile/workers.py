@@ -42,6 +42,7 @@ def build_threads() -> int:
 
 @contextmanager
 def threads_for_build(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` for the block, the caller's count restored."""
     import torch
 
     previous = torch.get_num_threads()
