@@ -100,12 +100,8 @@ def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
     path = cpu_kernels.cache_dir() / "autotune" / f"{digest}.json"
     if path.exists():
         return FormTiming(**json.loads(path.read_text()))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with cpus.torch_threads(threads):
         timing = measure(layout, weights, rows)
-    finally:
-        torch.set_num_threads(previous)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(dataclasses.asdict(timing)))

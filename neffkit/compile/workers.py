@@ -23,7 +23,7 @@ from neffkit.compile.progress import Progress
 from neffkit.compile.trace import release_fake_process_group, trace_graph, trace_result
 from neffkit.compile.units import GraphSpec, ModelLayout, Traced, TraceResult
 from neffkit.errors import BuildError
-from neffkit.platform.cpus import usable_cpus
+from neffkit.platform.cpus import torch_threads, usable_cpus
 
 
 def quiet_warnings() -> None:
@@ -38,19 +38,6 @@ def build_threads() -> int:
     inherit whatever its caller set torch to (an engine that ran in the same process, a
     container's OMP_NUM_THREADS=1)."""
     return usable_cpus()
-
-
-@contextmanager
-def threads_for_build(threads: int) -> Iterator[None]:
-    """torch's intra-op threads set to `threads` for the block, the caller's count restored."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _worker_init(threads: int) -> None:
@@ -135,7 +122,7 @@ def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
         results: list[Any] = [None] * len(arg_list)
         if jobs <= 1 or len(arg_list) <= 1:
             quiet_warnings()  # the jobs run here, in the main process
-            with threads_for_build(build_threads()):
+            with torch_threads(build_threads()):
                 for i, args in enumerate(arg_list):
                     results[i] = fn(*args)
                     progress.done(names[i], _seconds(results[i]))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -82,3 +84,18 @@ def resolve_threads(requested: int | None, what: str = "engine") -> int:
             flush=True,
         )
     return requested
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` for the block, the caller's count restored: for
+    work whose result depends on the count (a build's kernels, a timing) inside a process whose
+    engine runs with another."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
