@@ -272,14 +272,17 @@ def artifact_cache() -> Path:
     return cache_root() / "artifacts" / environment_digest()
 
 
-def run_cli(*args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
-    """The real CLI in a subprocess, as a user runs it."""
+def run_cli(
+    *args: str, check: bool = False, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess, as a user runs it (in `env`, else this process's)."""
     proc = subprocess.run(
         [sys.executable, "-m", "neffkit", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO,
+        env=env,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"neffkit {' '.join(args)} failed:\n{proc.stderr}")

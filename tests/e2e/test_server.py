@@ -462,11 +462,8 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path, t
         # a bundle does
         left = f"neffkit-aoti-{core}-*"
         assert list((tmp_path / "tmp").glob(left))
-        again = subprocess.run(
-            [sys.executable, "-m", "neffkit", "run", str(serve_bundle), "--prompt-ids", "5,6",
-             "--max-tokens", "1"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        again = run_cli("run", str(serve_bundle), "--prompt-ids", "5,6", "--max-tokens", "1",
+                        env=env)  # fmt: skip
         assert again.returncode == 0, again.stderr
         assert not list((tmp_path / "tmp").glob(left))
     finally:
