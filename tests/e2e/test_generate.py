@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import LONG, MAX_NEW, MIXED, MODELS, SHORT, VARIANTS, run_cli, run_json
+from tests.conftest import (
+    CPU_PARITY_IN_MATRIX,
+    LONG,
+    MAX_NEW,
+    MIXED,
+    MODELS,
+    SHORT,
+    run_cli,
+    run_json,
+)
 
 
 def _ids(prompt: list[int]) -> str:
@@ -19,7 +28,8 @@ def _run(bundle, prompts: list[list[int]], *extra: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "kind", [pytest.param(k, marks=pytest.mark.matrix) if k in VARIANTS else k for k in MODELS]
+    "kind",
+    [pytest.param(k, marks=pytest.mark.matrix) if k in CPU_PARITY_IN_MATRIX else k for k in MODELS],
 )
 def test_greedy_matches_hf(kind, bundle, hf_model_dir, hf_greedy):
     b, model_dir = bundle(kind), hf_model_dir(kind)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import (
+    LEAN_SAMPLING,
     build_session_bundle,
     cached_dir,
     lowered_build,
@@ -77,7 +78,7 @@ def mtp_model_dir(hf_model_dir) -> Path:
 def build_mtp_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
         session_dir, mtp_model_dir(hf_model_dir), "deepseek_mtp", buckets=BUCKETS,
-        speculation=SPEC, sampling={"max_top_k": 16, "max_logprobs": 2},
+        speculation=SPEC, sampling={**LEAN_SAMPLING, "max_logprobs": 2},
     ).bundle  # fmt: skip
 
 

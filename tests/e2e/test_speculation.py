@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    LEAN_SAMPLING,
     REPO,
     build_session_bundle,
     cached_dir,
@@ -47,7 +48,7 @@ def draft_dir(hf_model_dir) -> Path:
 def build_spec_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
         session_dir, hf_model_dir("llama"), "llama_spec", buckets=BUCKETS, speculation=SPEC,
-        sampling={"max_top_k": 16, "max_logprobs": 2},
+        sampling={**LEAN_SAMPLING, "max_logprobs": 2},
     ).bundle  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def build_draft_bundle(session_dir: Path, hf_model_dir) -> Path:
     spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
     return build_session_bundle(
         session_dir, hf_model_dir("llama"), "llama_draft", buckets=BUCKETS, speculation=spec,
-        sampling={"max_top_k": 16, "max_logprobs": 2},
+        sampling={**LEAN_SAMPLING, "max_logprobs": 2},
     ).bundle  # fmt: skip
 
 
