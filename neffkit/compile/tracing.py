@@ -41,8 +41,10 @@ def trace_graphs(
     if misses:
         ctx.progress.start("trace", names)
         args = [(ctx.layout, pairs[i][0], pairs[i][1], ctx.manifest.target) for i in misses]
-        for i, traced in zip(misses, ctx.run_parallel(trace_job, args, names, ctx.progress),
-                             strict=True):  # fmt: skip
+        # keyed like the compile jobs, which then run in the worker that traced their graph
+        where = [(pairs[i][0].name, pairs[i][1]) for i in misses]
+        traces = ctx.run_parallel(trace_job, args, names, ctx.progress, keys=where)
+        for i, traced in zip(misses, traces, strict=True):
             flat[i] = traced
             if cache is not None:
                 cache.store_trace(keys[i], traced)

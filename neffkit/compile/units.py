@@ -241,7 +241,8 @@ class Compiled:
     compiler: CompilerRecord | None = None
 
 
-# run_parallel(fn, argument tuples, names, progress) → results in order (compile/workers.py)
+# run_parallel(fn, argument tuples, names, progress, keys=None) → results in order
+# (compile/workers.py)
 RunParallel = Callable[..., list]
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import queue
 import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -105,61 +106,129 @@ def _start_quiet_resource_tracker() -> None:
         sys.warnoptions.remove(option)
 
 
+class _Workers:
+    """One single-process pool a worker, so that a job can go to the worker of its choice: a
+    compile job runs where its graph was traced, whose program is still there (_traced_here),
+    instead of tracing it again elsewhere (about a fifth of a cpu graph's build). A job with a
+    key runs where the last job with that key ran; a worker with none of its own takes one no
+    worker ran, then another's (tracing again beats waiting)."""
+
+    def __init__(self, count: int) -> None:
+        _start_quiet_resource_tracker()
+        ctx = multiprocessing.get_context("spawn")
+        self.pools = [
+            ctx.Pool(processes=1, initializer=_worker_init, initargs=(build_threads(),))
+            for _ in range(count)
+        ]
+        self.where: dict[Hashable, int] = {}
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        arg_list: list[tuple],
+        names: list[str],
+        progress: Progress,
+        keys: list[Hashable] | None,
+    ) -> list[Any]:
+        results: list[Any] = [None] * len(arg_list)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        pending, idle, busy = list(range(len(arg_list))), list(range(len(self.pools))), 0
+        while pending or busy:
+            while idle and pending:
+                worker = idle.pop(0)
+                index = self._pick(worker, pending, keys)
+                pending.remove(index)
+                self.pools[worker].apply_async(
+                    _call,
+                    ((fn, index, arg_list[index]),),
+                    callback=lambda value, w=worker: done.put((w, value, None)),
+                    error_callback=lambda exc, w=worker: done.put((w, None, exc)),
+                )
+                busy += 1
+            worker, value, exc = _next(done)
+            busy -= 1
+            idle.append(worker)
+            if exc is not None:
+                raise exc
+            index, result = value
+            results[index] = result
+            if keys is not None:
+                self.where[keys[index]] = worker
+            progress.done(names[index], _seconds(result))
+        return results
+
+    def _pick(self, worker: int, pending: list[int], keys: list[Hashable] | None) -> int:
+        if keys is not None:
+            for owner in (worker, None):
+                for index in pending:
+                    if self.where.get(keys[index]) == owner:
+                        return index
+        return pending[0]
+
+    def close(self, terminate: bool) -> None:
+        for pool in self.pools:
+            pool.terminate() if terminate else pool.close()
+        for pool in self.pools:
+            pool.join()
+
+
+def _next(done: queue.SimpleQueue) -> tuple[int, Any, BaseException | None]:
+    """The next finished job; waits in short slices so Ctrl-C and SIGTERM interrupt it."""
+    while True:
+        try:
+            return done.get(timeout=0.2)
+        except queue.Empty:
+            continue
+
+
 @contextmanager
 def worker_pool(jobs: int) -> Iterator[Callable[..., list[Any]]]:
-    """Yield run(fn, arg_tuples, names, progress) → results in order; workers start lazily.
+    """Yield run(fn, arg_tuples, names, progress, keys=None) → results in order; workers start
+    lazily. `keys`: each job's key, so that a later job with the same key runs in the same
+    worker (a graph's compile where it was traced).
 
     SIGTERM is turned into KeyboardInterrupt so both end the same way: workers terminated, staging
     directory removed by the caller's context managers, nothing left at the destination.
     """
-    pool: Any = None
+    workers: _Workers | None = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
 
     def run(
-        fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress
+        fn: Callable[..., Any],
+        arg_list: list[tuple],
+        names: list[str],
+        progress: Progress,
+        keys: list[Hashable] | None = None,
     ) -> list:
-        nonlocal pool
-        results: list[Any] = [None] * len(arg_list)
-        if jobs <= 1 or len(arg_list) <= 1:
+        nonlocal workers
+        if jobs <= 1 or (workers is None and len(arg_list) <= 1):
+            results: list[Any] = [None] * len(arg_list)
             quiet_warnings()  # the jobs run here, in the main process
             with torch_threads(build_threads()):
                 for i, args in enumerate(arg_list):
                     results[i] = fn(*args)
                     progress.done(names[i], _seconds(results[i]))
             return results
-        if pool is None:
-            _start_quiet_resource_tracker()
-            ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(
-                processes=min(jobs, len(arg_list)),
-                initializer=_worker_init,
-                initargs=(build_threads(),),
-            )
-        tasks = [(fn, i, args) for i, args in enumerate(arg_list)]
-        for index, value in pool.imap_unordered(_call, tasks):
-            results[index] = value
-            progress.done(names[index], _seconds(value))
-        return results
+        if workers is None:
+            workers = _Workers(min(jobs, len(arg_list)))
+        return workers.run(fn, arg_list, names, progress, keys)
 
     try:
         yield run
     except BaseException:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-            # release the pool's queues now (their semaphores), not at interpreter exit, where
+        if workers is not None:
+            workers.close(terminate=True)
+            # release the pools' queues now (their semaphores), not at interpreter exit, where
             # the resource tracker would report them as leaked
-            del pool
-            pool = None
+            workers = None
             gc.collect()
         raise
     finally:
         _traced_here.clear()
         release_fake_process_group()
         signal.signal(signal.SIGTERM, previous)
-        if pool is not None:
-            pool.close()
-            pool.join()
+        if workers is not None:
+            workers.close(terminate=False)
 
 
 def _seconds(value: Any) -> float | None:

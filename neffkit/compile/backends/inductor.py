@@ -149,8 +149,9 @@ class CpuBackend:
             for u in units
         ]
         names = [u.stem for u in units]
+        keys = [(u.spec.name, u.rank or 0) for u in units]  # where each graph was traced
         ctx.progress.start("compile", names)
-        return ctx.run_parallel(compile_job, work, names, ctx.progress)
+        return ctx.run_parallel(compile_job, work, names, ctx.progress, keys=keys)
 
     def verify_runner(
         self, layout: ModelLayout, unit: GraphUnit, stage: Path
