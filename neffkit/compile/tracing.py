@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from neffkit.compile.cache.keys import trace_key
 from neffkit.compile.layout import projection_form
-from neffkit.compile.units import BuildContext, TraceResult
+from neffkit.compile.units import BuildContext, TraceResult, job_key
 from neffkit.compile.workers import trace_job
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ def trace_graphs(
     if misses:
         ctx.progress.start("trace", names)
         args = [(ctx.layout, pairs[i][0], pairs[i][1], ctx.manifest.target) for i in misses]
-        # keyed like the compile jobs, which then run in the worker that traced their graph
-        where = [(pairs[i][0].name, pairs[i][1]) for i in misses]
+        where = [job_key(*pairs[i]) for i in misses]
         traces = ctx.run_parallel(trace_job, args, names, ctx.progress, keys=where)
         for i, traced in zip(misses, traces, strict=True):
             flat[i] = traced

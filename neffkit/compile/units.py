@@ -265,3 +265,9 @@ Runner = Callable[[list[Any]], tuple[list["np.ndarray"], dict[str, "np.ndarray"]
 
 # (each rank's inputs) → (rank 0's user outputs, each rank's K/V cache tensors by input name)
 SpmdRunner = Callable[[list[list[Any]]], tuple[list["np.ndarray"], list[dict[str, "np.ndarray"]]]]
+
+
+def job_key(spec: GraphSpec, rank: int | None) -> tuple[str, int]:
+    """The pool key of graph `spec` on `rank`: its trace job and its compile job share it, so the
+    compile runs in the worker that holds the traced program."""
+    return (spec.name, rank or 0)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from neffkit.compile.units import BuildContext, Compiled, GraphSpec, GraphUnit
+from neffkit.compile.units import BuildContext, Compiled, GraphSpec, GraphUnit, job_key
 from neffkit.contract.codec import OptionValue
 from neffkit.contract.records import ArtifactMetadata, HostRecord, NeuronRecord
 from neffkit.errors import BuildError
@@ -149,7 +149,7 @@ class CpuBackend:
             for u in units
         ]
         names = [u.stem for u in units]
-        keys = [(u.spec.name, u.rank or 0) for u in units]  # where each graph was traced
+        keys = [job_key(u.spec, u.rank) for u in units]  # the worker that traced each graph
         ctx.progress.start("compile", names)
         return ctx.run_parallel(compile_job, work, names, ctx.progress, keys=keys)
 
