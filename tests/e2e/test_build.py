@@ -250,6 +250,7 @@ def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
     assert "Traceback" not in missing.stderr
 
 
+@pytest.mark.full  # six traces on every run: `make test-all`
 def test_a_changed_checkpoint_is_traced_again(bundle, session_dir, hf_model_dir, tmp_path):
     """A checkpoint file's stamp is part of the early key: touching it retraces every graph;
     the traced graphs are unchanged, so nothing recompiles."""
@@ -391,6 +392,7 @@ def _kill_mid_compile(sig: int, manifest: Path, out: Path, cache: Path, tmp_path
     return log.read_text()
 
 
+@pytest.mark.full  # two killed builds and a whole one on every run: `make test-all`
 def test_killed_builds_leave_nothing_half_written(hf_model_dir, tmp_path):
     """A build interrupted (SIGINT) or killed (SIGKILL) while it compiles leaves no bundle and no
     half-written cache entry; the next build succeeds and clears what the SIGKILL left behind."""

@@ -43,7 +43,7 @@ def _build(manifest: Path, out: Path, address: str, *extra: str) -> subprocess.P
     )
 
 
-@pytest.mark.matrix  # about 100 s of Ray tasks and compiles: `make test-all`
+@pytest.mark.full  # about 100 s of Ray tasks and compiles: `make test-all`
 def test_cluster_build_equals_local_and_survives_a_lost_node(
     tp_bundle, session_dir, tmp_path, ray_cluster
 ):

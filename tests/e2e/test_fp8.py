@@ -91,7 +91,7 @@ def channel_model(session_dir: Path) -> tuple[Path, Path]:
 
 
 # tp=2 of block scales in `make test-all`; per-channel scales at tp=2 run in `make test`
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.matrix)])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_fp8_bundle_equals_hf_on_the_dequantized_weights(tp, fp8_model, session_dir, hf_greedy):
     """tp=1 decodes through the kernel's fp8 path (cpu_kernel: on, where the CPU has it): the
     blocked projections' fp8 bytes widened in register, scaled per partial K block; prefill
@@ -164,6 +164,7 @@ def _fp8_head_oracle(exact: Path, block: int) -> Path:
     return cached_dir(f"models/{exact.parent.name}-fp8-head", make)
 
 
+@pytest.mark.full  # an option's variant of the fp8 parity `make test` runs
 def test_an_fp8_lm_head_equals_hf_with_the_head_quantized(tied_fp8_model, session_dir, hf_greedy):
     """`lm_head: {dtype: float8_e4m3fn}` on a tied model: the head becomes an fp8 copy of the
     table in the checkpoint's blocks (decode reads its bytes in the kernel where the CPU has
@@ -228,7 +229,7 @@ def test_a_tp_cut_inside_an_fp8_block_is_refused_naming_the_tensor(session_dir):
     assert len(list(iter_rank_weights(fp8, cfg, "float32", Parallelism(tp=1), 0))) > 0
 
 
-@pytest.mark.matrix  # fp8 KV without checkpoint scales; the scaled cache stays in `make test`
+@pytest.mark.full  # fp8 KV without checkpoint scales; the scaled cache stays in `make test`
 def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bundle):
     """kv_cache.dtype float8_e4m3fn: K/V inputs are fp8 (a byte per value), scales calibrated by
     the build, inspect says so, and greedy tokens stay close to the unquantized cache's (the
@@ -275,7 +276,7 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
 # ---------------------------------------------------------------- per-channel and per-tensor scales
 
 
-@pytest.mark.matrix  # per-channel fp8 at tp=1 (the KV-scale test's checkpoint) in `make test`
+@pytest.mark.full  # per-channel fp8 at tp=1 (the KV-scale test's checkpoint) in `make test`
 def test_per_channel_fp8_at_tp2_equals_hf(channel_model, session_dir, hf_greedy):
     """compressed-tensors per-channel fp8 at tp=2: o/down are cut across their input, which a
     per-channel scale survives; each rank stores [rows, 1] scales. The checkpoint's k/v scales
@@ -476,7 +477,7 @@ def _rank0(bundle: Path) -> dict[str, torch.Tensor]:
     return load_file(str(bundle / "weights" / "rank0.safetensors"))
 
 
-@pytest.mark.matrix  # trn2's fp8 range stays in `make test` (the clamp-to-240 test)
+@pytest.mark.full  # neuron fp8 builds: `make test` runs fp8 on cpu, the ±240 rules in tests/unit
 def test_trn2_and_trn3_builds_differ_by_the_240_rescale_and_the_flag(
     fp8_model, session_dir, hf_greedy, tmp_path
 ):
@@ -533,6 +534,7 @@ def test_trn2_and_trn3_builds_differ_by_the_240_rescale_and_the_flag(
                                         for p in prompts]  # fmt: skip
 
 
+@pytest.mark.full  # as above: a neuron fp8 build
 def test_trn2_fp8_kv_cache_clamps_to_240_and_passes_the_audit(fp8_model, session_dir):
     """An fp8 cache on trn2: every cast to fp8 reads a ±240 clamp (NK202 stays quiet on
     neffkit's own graphs; the build would fail otherwise), and the HLO matches the eager graph

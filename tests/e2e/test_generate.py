@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import (
-    CPU_PARITY_IN_MATRIX,
+    BUNDLES_IN_TEST,
     LONG,
     MAX_NEW,
     MIXED,
     MODELS,
     SHORT,
+    full_unless,
     run_cli,
     run_json,
 )
@@ -27,10 +28,7 @@ def _run(bundle, prompts: list[list[int]], *extra: str) -> dict:
     return run_json(*args)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [pytest.param(k, marks=pytest.mark.matrix) if k in CPU_PARITY_IN_MATRIX else k for k in MODELS],
-)
+@pytest.mark.parametrize("kind", full_unless(MODELS, BUNDLES_IN_TEST))
 def test_greedy_matches_hf(kind, bundle, hf_model_dir, hf_greedy):
     b, model_dir = bundle(kind), hf_model_dir(kind)
     for prompt in (SHORT, LONG):
@@ -104,7 +102,7 @@ def test_mla_latent_cache_bytes_per_token(bundle):
     assert "mla float32: 40 values per token per layer, 320 bytes per token" in text
 
 
-@pytest.mark.matrix  # an option's variant: DeepSeek's default (absorbed) decode is in `make test`
+@pytest.mark.full  # an option's variant: DeepSeek's default (absorbed) decode is in `make test`
 def test_mla_expanded_decode_matches_hf(session_dir, hf_model_dir, hf_greedy):
     """`mla.decode: expanded` (per-head K/V from the latent every step, bench/mla.py's baseline)
     gives HF's tokens too; its prefill graph is the absorbed bundle's (a cache hit)."""

@@ -229,6 +229,7 @@ def test_mtp_outputs_equal_plain_decoding(mtp_bundle, together, monkeypatch):
     assert spec_core.scheduler.spec.draft_tokens > (0 if together else 300)
 
 
+@pytest.mark.full  # MTP on cpu and the verify graphs on XLA:CPU stay in `make test`
 def test_mtp_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, mtp_model, hf_greedy):
     bundle = lowered_build(
         session_dir, mtp_model, "deepseek_mtp_neuron", "--lower-only",

@@ -29,10 +29,12 @@ from neffkit.contract.neff import (
 from neffkit.contract.read import read_bundle
 from tests.conftest import (
     LOWERED,
+    LOWERED_IN_TEST,
     NEURON,
     REPO,
     artifact_cache,
     bundle_json,
+    full_unless,
     run_cli,
     write_manifest,
 )
@@ -48,7 +50,7 @@ def _alias_params(hlo_text: str) -> list[int]:
     return [int(p) for p in re.findall(r"\{\d+\}: \((\d+), \{\}, may-alias\)", header)]
 
 
-@pytest.mark.parametrize(("kind", "tp"), list(LOWERED))
+@pytest.mark.parametrize(("kind", "tp"), full_unless(LOWERED, LOWERED_IN_TEST))
 def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: int) -> None:
     bundle = read_bundle(lowered(kind, tp))
     data = bundle.record.to_json()
@@ -75,7 +77,7 @@ def test_lowered_bundle_aliases_every_layer_and_is_spmd(lowered, kind: str, tp: 
         assert g["verify"]["executor"].startswith("xla-cpu") and devices in g["verify"]["executor"]
 
 
-@pytest.mark.parametrize(("kind", "tp"), list(LOWERED))
+@pytest.mark.parametrize(("kind", "tp"), full_unless(LOWERED, LOWERED_IN_TEST))
 def test_own_graphs_pass_the_hlo_rules(lowered, kind: str, tp: int) -> None:
     """The HLO rules (NK30x) on what neuronx-cc would read: no errors on neffkit's own graphs,
     only the informational opcode note. (Before them, an ep=2 MoE lowered `rank // moe_tp`
@@ -139,7 +141,17 @@ def test_hlo_protos_are_byte_identical_across_builds(
 
 @pytest.mark.parametrize(
     ("kind", "tp"),
-    [("llama", 1), ("gpt_oss", 1), ("deepseek", 1), ("llama4", 1), ("llama", 2), ("mixtral", 2)],
+    full_unless(
+        [
+            ("llama", 1),
+            ("gpt_oss", 1),
+            ("deepseek", 1),
+            ("llama4", 1),
+            ("llama", 2),
+            ("mixtral", 2),
+        ],
+        LOWERED_IN_TEST,
+    ),  # fmt: skip
 )
 def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind, tp) -> None:
     """tp=2 (and tp=2 ep=2): the one HLO module runs as SPMD over two host devices in one

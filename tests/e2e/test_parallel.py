@@ -20,7 +20,7 @@ from tests.conftest import run_ids as _run
 # tp=2 of llama and qwen3 in `make test` (TP2_IN_TEST); every other family's in `make test-all`
 @pytest.mark.parametrize(
     "kind",
-    [k if k in TP2_IN_TEST else pytest.param(k, marks=pytest.mark.matrix) for k in PARALLEL],
+    [k if k in TP2_IN_TEST else pytest.param(k, marks=pytest.mark.full) for k in PARALLEL],
 )
 def test_parallel_bundle_matches_hf(kind, tp_bundle, hf_model_dir, hf_greedy):
     result = tp_bundle(kind)
@@ -38,7 +38,7 @@ def test_parallel_bundle_matches_hf(kind, tp_bundle, hf_model_dir, hf_greedy):
     assert _run(result.bundle, prompts) == [hf_greedy(model, p, MAX_NEW) for p in prompts]
 
 
-@pytest.mark.matrix  # both bundles are compared with HF on a superset of these prompts
+@pytest.mark.full  # both bundles are compared with HF on a superset of these prompts
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
 def test_parallel_bundle_matches_its_tp1_bundle(kind, tp_bundle, bundle):
     prompts = [SHORT, *MIXED]
@@ -101,7 +101,7 @@ def test_rank_leaking_into_a_slice_fails_spmd(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.matrix  # four fresh compiles every run: `make test-all`
+@pytest.mark.full  # four fresh compiles every run: `make test-all`
 def test_per_rank_artifacts_opt_in(
     monkeypatch, hf_model_dir, hf_greedy, tmp_path, no_process_group
 ):

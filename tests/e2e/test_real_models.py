@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import build_session_bundle, cached_dir, lowered_build, run_json
 
-pytestmark = pytest.mark.matrix
+pytestmark = pytest.mark.full
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTIONS = [

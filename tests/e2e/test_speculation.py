@@ -310,6 +310,7 @@ def test_draft_model_bundle_is_recorded_verified_and_reported(draft_bundle, hf_m
     assert report["speculation"]["draft_tokens"] > 0 and report["speculation"]["draft_calls"] > 0
 
 
+@pytest.mark.full  # the draft on cpu and the verify graphs on XLA:CPU stay in `make test`
 def test_draft_model_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model_dir,
                                                                  hf_greedy):  # fmt: skip
     """The target's and the draft's graphs lowered to HLO (the draft's bundle inside the

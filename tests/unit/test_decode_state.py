@@ -11,53 +11,25 @@ import pytest
 import torch
 
 from neffkit.compile.layout import graph_inputs, model_layout
-from neffkit.compile.trace import decoder_module
 from neffkit.compile.units import GraphSpec
-from neffkit.contract import abi
 from neffkit.manifest import load_manifest
 from neffkit.models.weights import load_weights
 from neffkit.runtime.runner import DecodeBuffers, GraphEntry
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.scheduler import SequenceState
 from tests.conftest import write_manifest
+from tests.eager import EagerGraphs
 
 BS, CONTEXT = 16, 32
 PROMPTS = {1: [5, 17, 300, 42, 7], 3: [9, 8, 7, 6, 5, 4, 3]}  # first block → prompt
 BLOCKS = {1: [1, 2], 3: [3, 4]}
 
 
-class EagerGraphs:
-    """A layout's prefill (2 sequences packed) and decode (2 rows) graphs, run eagerly on one
-    set of K/V caches (and, with device state, one last_tokens tensor)."""
-
-    def __init__(self, layout, weights: dict[str, torch.Tensor]) -> None:
-        self.layout = layout
-        self.prefill = self._graph(GraphSpec("prefill_b2_t16_c32", "prefill", 2, 16, CONTEXT))
-        self.decode = self._graph(GraphSpec("decode_b2_c32", "decode", 2, 1, CONTEXT))
-        _, specs = graph_inputs(layout, GraphSpec("decode_b2_c32", "decode", 2, 1, CONTEXT))
-        self.state = {
-            s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
-            for s in specs
-            if "_cache." in s.name or s.name == "last_tokens"
-        }
-        self.weights = weights
-
-    def _graph(self, spec: GraphSpec):
-        return decoder_module(self.layout, spec)
-
-    def run(self, graph, meta: dict[str, np.ndarray]) -> np.ndarray:
-        module, specs = graph
-        inputs = []
-        for s in specs:
-            if s.name in self.state:
-                inputs.append(self.state[s.name])
-            elif s.name in self.weights:
-                inputs.append(self.weights[s.name])
-            else:  # logit inputs the test leaves out: their no-op padding
-                value = meta.get(s.name, np.full(s.shape, abi.PAD_VALUES.get(s.name, 0)))
-                inputs.append(torch.from_numpy(np.asarray(value, dtype=s.dtype)))
-        with torch.no_grad():
-            return module(*inputs)[0].numpy()
+def _graphs(layout, weights: dict[str, torch.Tensor]) -> EagerGraphs:
+    """A packed prefill of 2 sequences and a decode of 2 rows."""
+    prefill = GraphSpec("prefill_b2_t16_c32", "prefill", 2, 16, CONTEXT)
+    decode = GraphSpec("decode_b2_c32", "decode", 2, 1, CONTEXT)
+    return EagerGraphs(layout, weights, prefill, decode)
 
 
 def _prefill_meta() -> dict[str, np.ndarray]:
@@ -117,7 +89,7 @@ def test_device_state_samples_the_host_paths_tokens(hf_model_dir, tmp_path):
     weights = load_weights(manifest.model, manifest.model_config, host.storage)
     runs = {}
     for name, layout in (("host", host), ("device", device)):
-        graphs = EagerGraphs(layout, weights)
+        graphs = _graphs(layout, weights)
         runs[name] = (_generate(graphs, 5), graphs.state)
     (host_tokens, host_state), (device_tokens, device_state) = runs["host"], runs["device"]
     assert device_tokens == host_tokens
