@@ -613,18 +613,18 @@ TP2_IN_TEST = ("llama", "qwen3")  # their tp=2 bundles serve runtime, server and
 
 
 # bundles a test module builds for its own tests, registered by `prebuild` for the prebuild:
-# name → (builder, whether it goes last)
-PREBUILD: dict[str, tuple[Callable[[Path, Callable[[str], Path]], Path], bool]] = {}
+# name → (builder, its stage)
+PREBUILD: dict[str, tuple[Callable[[Path, Callable[[str], Path]], Path], int]] = {}
 
 
-def prebuild(name: str, last: bool = False):
+def prebuild(name: str, stage: int = 0):
     """Register a test module's bundle builder, fn(session_dir, hf_model_dir) → bundle, with the
     prebuild: without it, two workers reaching the module together would both wait on one
-    build. `last`: a bundle whose graphs another bundle compiles (cache hits once that one is
-    built), so no worker compiles them twice side by side."""
+    build. `stage` 1: after the shared bundles, whose graphs it shares (cache hits once those
+    are built), so no worker compiles them twice side by side; stage 2: after stage 1's."""
 
     def register(fn: Callable[[Path, Callable[[str], Path]], Path]):
-        PREBUILD[name] = (fn, last)
+        PREBUILD[name] = (fn, stage)
         return fn
 
     return register
@@ -642,12 +642,13 @@ def prebuilt(session_dir: Path, hf_model_dir, bundle, tp_bundle, lowered) -> Non
         name: (lambda fn=fn: fn(session_dir, hf_model_dir)) for name, (fn, _) in PREBUILD.items()
     }
     jobs: list[tuple[str, Callable[[], object]]] = [
-        (name, own[name]) for name, (_, last) in PREBUILD.items() if not last
+        (name, own[name]) for name, (_, stage) in PREBUILD.items() if stage == 0
     ]
     jobs += [(kind, lambda k=kind: bundle(k)) for kind in BUNDLES_IN_TEST]
     jobs += [(f"{k}_tp2", lambda k=k: tp_bundle(k)) for k in TP2_IN_TEST]
     jobs += [(f"{k}_neuron_tp{tp}", lambda k=k, tp=tp: lowered(k, tp)) for k, tp in LOWERED_IN_TEST]
-    jobs += [(name, own[name]) for name, (_, last) in PREBUILD.items() if last]
+    for later in (1, 2):
+        jobs += [(name, own[name]) for name, (_, stage) in PREBUILD.items() if stage == later]
     for name, build in jobs:
         with claimed(session_dir, name) as mine:
             if mine:

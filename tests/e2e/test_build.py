@@ -131,6 +131,7 @@ def _s3fs(env: dict[str, str]) -> Any:
     )
 
 
+@pytest.mark.full  # two graphs compiled into a fresh S3 cache, and one again: `make test-all`
 def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
     bundle, session_dir, tmp_path, s3
 ):
@@ -140,7 +141,8 @@ def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
     are byte-identical to a local build's (packages made reproducible: inductor's
     make_reproducible). Then: an entry whose upload stopped before its key.json is compiled
     again, `--cache-readonly` writes nothing, and the pack is read back from the bucket.
-    qwen3's bundle: two graphs, one per share."""
+    qwen3's bundle: two graphs, one per share. (`make test` reads a pack from S3 below; the
+    cache's store rules on an fsspec store are unit tests.)"""
     first = bundle("qwen3")
     manifest = session_dir / "qwen3.yaml"
     fs = _s3fs(s3)
@@ -222,8 +224,24 @@ def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
     bad = _cli_build(manifest, tmp_path / "x", tmp_path / "c", "--shard", "3/2")
     assert bad.returncode == 2 and "expected K/N with 1 <= K <= N" in bad.stderr
 
+    _inspect_from_s3(fs, env, second, Path(report["pack"]))
+
+
+def test_a_pack_on_s3_is_inspected_by_url(bundle, tmp_path, s3):
+    """A bundle's pack uploaded to an S3 endpoint: `inspect --verify` by URL equals the
+    directory's; a missing pack is named, without a traceback."""
+    from neffkit.contract.pack import pack_bundle
+
+    local = tmp_path / "qwen3"
+    shutil.copytree(bundle("qwen3"), local)
+    fs = _s3fs(s3)
+    fs.mkdir("neffkit-ci")
+    _inspect_from_s3(fs, {**os.environ, **s3}, local, pack_bundle(local))
+
+
+def _inspect_from_s3(fs: Any, env: dict[str, str], bundle_dir: Path, pack: Path) -> None:
     # the pack, uploaded and read back by URL: inspect equals the directory's
-    fs.put_file(report["pack"], "neffkit-ci/bundles/qwen3.tar.zst")
+    fs.put_file(str(pack), "neffkit-ci/bundles/qwen3.tar.zst")
     inspected = [
         subprocess.run(
             [sys.executable, "-m", "neffkit", "inspect", target, "--verify", "--json"],
@@ -233,7 +251,7 @@ def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
             env=env,
             timeout=300,
         )  # fmt: skip
-        for target in (str(second), "s3://neffkit-ci/bundles/qwen3.tar.zst")
+        for target in (str(bundle_dir), "s3://neffkit-ci/bundles/qwen3.tar.zst")
     ]
     assert all(p.returncode == 0 for p in inspected), inspected[1].stderr
     from_dir, from_url = (json.loads(p.stdout) for p in inspected)

@@ -44,20 +44,22 @@ def draft_dir(hf_model_dir) -> Path:
     )  # fmt: skip
 
 
-@prebuild("llama_spec")
+# the llama bundle's sampler and KV cache: its prefill and decode graphs are the llama bundle's
+# (cache hits), only the verify graphs are compiled for it
+@prebuild("llama_spec", stage=1)
 def build_spec_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
         session_dir, hf_model_dir("llama"), "llama_spec", buckets=BUCKETS, speculation=SPEC,
-        sampling={**LEAN_SAMPLING, "max_logprobs": 2},
+        sampling=LEAN_SAMPLING,
     ).bundle  # fmt: skip
 
 
-@prebuild("llama_draft", last=True)  # its target graphs are llama_spec's
+@prebuild("llama_draft", stage=2)  # its target graphs are llama_spec's
 def build_draft_bundle(session_dir: Path, hf_model_dir) -> Path:
     spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
     return build_session_bundle(
         session_dir, hf_model_dir("llama"), "llama_draft", buckets=BUCKETS, speculation=spec,
-        sampling={**LEAN_SAMPLING, "max_logprobs": 2},
+        sampling=LEAN_SAMPLING,
     ).bundle  # fmt: skip
 
 
