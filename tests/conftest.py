@@ -609,7 +609,7 @@ def _tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-TP2_IN_TEST = ("llama", "qwen3")  # their tp=2 bundles serve runtime, server and audit tests
+TP2_IN_TEST = ("llama",)  # its tp=2 bundle serves the runtime, server and audit tests
 
 
 # bundles a test module builds for its own tests, registered by `prebuild` for the prebuild:

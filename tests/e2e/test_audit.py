@@ -15,7 +15,7 @@ from tests.conftest import REPO, run_cli
 
 def test_model_graphs_are_clean(bundle, tp_bundle):
     """neffkit's own graphs (tp=1 and tp=2) pass every rule."""
-    for path in (bundle("llama"), tp_bundle("qwen3").bundle):
+    for path in (bundle("llama"), tp_bundle("llama").bundle):
         report = json.loads(run_cli("inspect", str(path), "--json", check=True).stdout)
         assert report["findings"] == [] and report["finding_counts"]["error"] == 0
 

@@ -17,7 +17,7 @@ from tests.conftest import LONG, MAX_NEW, MIXED, PARALLEL, REPO, SHORT, TP2_IN_T
 from tests.conftest import run_ids as _run
 
 
-# tp=2 of llama and qwen3 in `make test` (TP2_IN_TEST); every other family's in `make test-all`
+# tp=2 of llama in `make test` (TP2_IN_TEST); every other family's in `make test-all`
 @pytest.mark.parametrize(
     "kind",
     [k if k in TP2_IN_TEST else pytest.param(k, marks=pytest.mark.full) for k in PARALLEL],
@@ -140,7 +140,7 @@ def test_per_rank_artifacts_opt_in(
 
 def test_a_dead_rank_fails_the_others_fast(tp_bundle):
     """torchrun-style launch; rank 1 joins then dies: rank 0 errors out instead of hanging."""
-    bundle = tp_bundle("qwen3").bundle
+    bundle = tp_bundle("llama").bundle
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29651", "WORLD_SIZE": "2"}
     die = "from neffkit.runtime.distributed import _init; import os; _init('gloo', 10); os._exit(1)"
     rank1 = subprocess.Popen([sys.executable, "-c", die], env={**env, "RANK": "1"}, cwd=REPO)

@@ -273,7 +273,7 @@ def test_server_binds_localhost_by_default(server: Server) -> None:
 
 def test_tp2_bundle_serves_from_rank0(tp_bundle) -> None:
     """With tp > 1 the engine core is rank 0 and starts the other rank, as offline runs do."""
-    bundle = tp_bundle("qwen3").bundle
+    bundle = tp_bundle("llama").bundle
     prompt = [7, 8, 9, 10, 11]
     offline = run_cli(
         "run", str(bundle), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "8",
@@ -472,7 +472,7 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path, t
 
 
 def test_a_dead_follower_rank_stops_the_tp2_server(tp_bundle) -> None:
-    srv = Server(tp_bundle("qwen3").bundle, "--served-model-name", "tiny", "--dist-timeout", "20")
+    srv = Server(tp_bundle("llama").bundle, "--served-model-name", "tiny", "--dist-timeout", "20")
     try:
         (core,) = _children(srv.proc.pid, "spawn_main")
         (follower,) = _children(core, "neffkit.runtime.follower")
