@@ -104,6 +104,9 @@ def test_bundle_ships_the_kernel_and_the_runtime_needs_no_compiler(bundle, tmp_p
     assert list(tmp_path.iterdir()) == []  # nothing compiled
 
 
+# an AOTInductor compile on every run: `make test-all`; `make test` compiles the form in the qwen3
+# bundle (cpu_kernel: off) and checks it against HF
+@pytest.mark.full
 def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
     """The blocked-rows form through AOTInductor, the weight a graph input: x @ W.T."""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
@@ -126,6 +129,8 @@ def test_blocked_projection_compiles_with_weights_as_inputs(tmp_path) -> None:
     torch.testing.assert_close(out, x @ weight.t(), atol=1e-5, rtol=1e-5)
 
 
+# as above; `make test` compiles the op's calls in the tied llama bundle (cpu_kernel: on)
+@pytest.mark.full
 def test_projections_of_one_input_compile_as_one_kernel_call(tmp_path, op) -> None:
     """project_many through AOTInductor: three weights (graph inputs), one call of the op with a
     list of them, each output x @ W.T."""

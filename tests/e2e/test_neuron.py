@@ -38,9 +38,6 @@ from tests.conftest import (
     run_cli,
     write_manifest,
 )
-from tests.conftest import (
-    lowered_build as _build,
-)
 
 STAND_IN = REPO / "tests" / "tools" / "neuronx-cc"
 
@@ -116,27 +113,6 @@ def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
             ).sha256
         )
     assert shas[0] == shas[1]
-
-
-def test_hlo_protos_are_byte_identical_across_builds(
-    lowered, session_dir: Path, hf_model_dir
-) -> None:
-    first = lowered("llama", 1)
-    again = _build(
-        session_dir,
-        hf_model_dir("llama"),
-        "llama_neuron_again",
-        "--lower-only",
-        "--no-cache",  # lowered afresh: the HLO of two separate lowerings is compared
-        "-j",
-        "1",
-        # the first bundle's largest context alone: the same graphs (the KV cache sized alike)
-        buckets={**LOWERED[("llama", 1)], "context": [64]},
-    )
-    graphs = bundle_json(again)["graphs"]
-    assert [g["name"] for g in graphs] == ["prefill_t16_c64", "decode_b2_c64"]
-    for g in graphs:
-        assert (first / g["hlo"]).read_bytes() == (again / g["hlo"]).read_bytes(), g["name"]
 
 
 @pytest.mark.parametrize(
@@ -274,13 +250,16 @@ def test_compiler_failures_are_explained(lowered, tmp_path: Path, env, expected)
 
 
 def test_build_with_compiler_compiles_and_caches(
-    session_dir: Path, hf_model_dir, tmp_path: Path, monkeypatch
+    lowered, hf_model_dir, tmp_path: Path, monkeypatch
 ) -> None:
-    """`neffkit build` on a host with neuronx-cc: NEFFs in one step; a rebuild hits the cache."""
+    """`neffkit build` on a host with neuronx-cc: NEFFs in one step; a rebuild hits the cache.
+    The first build lowers afresh (an empty cache): its HLO protos are byte-identical to those
+    of the lowered llama bundle, lowered separately (the same graphs: the KV cache sized
+    alike, its largest context alone)."""
     monkeypatch.setenv("NEFFKIT_NEURONX_CC", str(STAND_IN))
-    path = write_manifest(
-        tmp_path / "withcc.yaml", hf_model_dir("llama"), **NEURON, buckets=LOWERED[("qwen3", 1)]
-    )
+    buckets = {**LOWERED[("llama", 1)], "context": [64]}
+    model = hf_model_dir("llama")
+    path = write_manifest(tmp_path / "withcc.yaml", model, **NEURON, buckets=buckets)
     cache = tmp_path / "cache"
     build = ("build", str(path), "-o", str(tmp_path / "b"), "--cache", str(cache), "-j", "1")
     first = json.loads(run_cli(*build, "--json", check=True).stdout)
@@ -289,6 +268,10 @@ def test_build_with_compiler_compiles_and_caches(
     assert again["counters"]["compiled"] == 0 and again["counters"]["cache_hits"] == 2
     graphs = bundle_json(tmp_path / "b")["graphs"]
     assert all(g["compiler"]["argv"][0] == "neuronx-cc" for g in graphs)
+    assert [g["name"] for g in graphs] == ["prefill_t16_c64", "decode_b2_c64"]
+    reference = lowered("llama", 1)
+    for g in graphs:
+        assert (reference / g["hlo"]).read_bytes() == (tmp_path / "b" / g["hlo"]).read_bytes()
 
 
 # ---------------------------------------------------------------- NEFF header
