@@ -176,3 +176,41 @@ def test_reference_check_catches_misspellings():
         "--internal-backend-options: --made-up is not among the recorded options"
     ]
     assert check_against_reference([*base, "-O2", "--logical-nc-config", "2"]) == []
+
+
+def test_an_inductor_rule_changes_only_its_graphs_options(tmp_path):
+    """A per_graph rule on decode batch 4: that graph's resolved options (a factor of its
+    compile key) change, with the rule as origin, and the miss is explained as the build
+    prints it; every other graph's options are unchanged (its cache entry still hits). The
+    rebuild itself: tests/e2e/test_build.py (make test-all)."""
+    from neffkit.compile.cache.keys import explain_change
+
+    rule = {"match": {"phase": "decode", "batch": 4}, "inductor": {"epilogue_fusion": False}}
+    data = {
+        "neffkit": 1,
+        "name": "rule",
+        "model": str(DEMO_MODEL),
+        "buckets": {"prefill": [16], "decode": [1, 4], "context": [64]},
+    }
+    before = load_manifest(_write(tmp_path / "before.yaml", data))
+    after = load_manifest(
+        _write(tmp_path / "after.yaml", {**data, "compiler": {"per_graph": [rule]}})
+    )
+    changed = {}
+    for spec_before, spec_after in zip(
+        make_plan(before).graphs, make_plan(after).graphs, strict=True
+    ):
+        old, new = resolve_options(before, spec_before), resolve_options(after, spec_after)
+        if old.inductor != new.inductor:
+            changed[spec_after.name] = (old, new)
+    assert list(changed) == ["decode_b4_c64"]
+    old, new = changed["decode_b4_c64"]
+    assert new.origins["epilogue_fusion"] == "rule 0"
+    assert explain_change({"options": old.inductor}, {"options": new.inductor}) == (
+        "options changed: epilogue_fusion=(unset) → False"
+    )
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
