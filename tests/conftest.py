@@ -68,7 +68,7 @@ CHAT_TEMPLATE = (
 
 # kind → (transformers config class, extra config, buckets)
 SMALL = {"prefill": [16], "decode": [4], "context": [64]}  # two graphs: one prefill, one decode
-# decode [1, 4]: rows move into a smaller bucket (runtime tests); context [32, 64]: a bucket switch
+# decode [1, 4]: rows move into a smaller bucket (runtime tests)
 TWO_DECODE = {"prefill": [16], "decode": [1, 4], "context": [64]}
 # MoE: decode [1] gathers each token's 2 routed experts (2 < 8); prefill runs all 8 densely, the
 # code a decode of 4 rows would run too (8 is not < 8); more prompts than rows take turns
@@ -83,8 +83,9 @@ DEEPSEEK: dict[str, Any] = {
                         "rope_theta": 10000.0},
 }  # fmt: skip
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
-    # prefill_batch [1, 4]: prompts given together prefill packed, one row each
-    "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [32, 64],
+    # prefill_batch [1, 4]: prompts given together prefill packed, one row each (a context
+    # bucket switch: the lowered llama bundle's [32, 64], test_generate)
+    "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [64],
                                   "prefill_batch": [1, 4]}),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
     # GELU (exact erf) and every bias: hidden_act and attention/mlp_bias change the function

@@ -300,7 +300,7 @@ def _evict(cache: Path, options: dict[str, Any]) -> None:
 
 
 @pytest.mark.full  # a graph compiled again on every run: `make test-all`; `make test` checks the
-# keys a rule changes (tests/unit/test_cache.py) and rebuilds that compile nothing
+# options a rule changes (tests/unit/test_flags.py) and rebuilds that compile nothing
 def test_one_rule_change_recompiles_exactly_its_graphs(bundle, session_dir, hf_model_dir, tmp_path):
     bundle("llama_tied")  # the cache holds this manifest's graphs
     # the last build of this manifest is the unchanged one (the session's may come from the

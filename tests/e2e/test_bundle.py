@@ -26,16 +26,7 @@ def test_bundle_layout_and_alias_map(bundle):
     data = b.record.to_json()
     assert data["format"] == 1 and data["target"] == "cpu"
     names = [g["name"] for g in data["graphs"]]
-    assert names == [
-        "prefill_t16_c32",
-        "prefill_t16_c64",
-        "prefill_b4_t16_c32",
-        "prefill_b4_t16_c64",
-        "decode_b1_c32",
-        "decode_b1_c64",
-        "decode_b4_c32",
-        "decode_b4_c64",
-    ]
+    assert names == ["prefill_t16_c64", "prefill_b4_t16_c64", "decode_b1_c64", "decode_b4_c64"]
     for g in data["graphs"]:
         aliased = sorted(a["input"] for a in g["io_alias"])
         assert aliased == sorted(f"{kv}_cache.{i}" for kv in "kv" for i in range(2))
