@@ -102,7 +102,7 @@ bench: setup-test
 	$(PY) bench/startup.py
 	$(PY) bench/matrix.py
 	$(PY) bench/roofline.py
-	$(PY) bench/kernels.py
+	$(PY) bench/kernel_ops.py
 	$(PY) bench/build.py
 	$(PY) bench/tp.py
 	$(PY) bench/report.py --write-docs

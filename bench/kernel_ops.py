@@ -13,7 +13,7 @@ a 49152 x 576 head), 2 threads, alternating rounds, medians:
 Every weight is its own tensor, 30 layers of them, so they stream from memory as in a step.
 Writes bench/results/kernels.json.
 
-    .venv/bin/python bench/kernels.py [--rounds 5]
+    .venv/bin/python bench/kernel_ops.py [--rounds 5]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     if not cpu_kernels.supported():
-        raise SystemExit("bench/kernels.py: this CPU lacks the kernel's AVX-512 (nothing timed)")
+        raise SystemExit("bench/kernel_ops.py: this CPU lacks the kernel's AVX-512 (nothing timed)")
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
     cpu_kernels.ensure_for_tracing()
