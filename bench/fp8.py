@@ -12,8 +12,8 @@ next-token distribution. Each variant's logits come from neffkit's model code ru
 code its graphs are traced from: one prefill at every position, the cache written and read back
 as a graph does): float32 (the baseline's own error), bf16 weights, fp8 weights (block 128x128,
 the rest float32), fp8 weights with the LM head quantized too (`lm_head.dtype`), and an fp8 KV
-cache: the default (calibrated scales, keys centered and rotated: kv_cache.rotate_keys), keys as
-they are (calibrated scales), and scale 1.0.
+cache: the default (calibrated scales, keys centered, weighted and rotated:
+kv_cache.rotate_keys), keys as they are (calibrated scales), and scale 1.0.
 
 Writes bench/results/fp8.json.
 

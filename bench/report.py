@@ -363,7 +363,7 @@ def _fp8_kl(kl: dict[str, Any]) -> str:
         f"{kl['tokens']} tokens of `{kl['text']}`): mean next-token KL divergence from "
         f"{kl['reference']}, neffkit's model code run eagerly (every position reads the cache "
         "back as a decode step does); fp8 weights are block 128x128 with the rest float32; "
-        "fp8 KV uses float32 weights, and by default stores keys centered and rotated "
+        "fp8 KV uses float32 weights, and by default stores keys centered, weighted and rotated "
         "(`kv_cache.rotate_keys`; *keys as they are*: `rotate_keys: false`).\n\n"
         + _table(["variant", "mean KL", "vs bf16 weights", "top-1 = reference"], rows)
     )

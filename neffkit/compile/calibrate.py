@@ -12,16 +12,20 @@ v_scale graph inputs and are recorded in bundle.json.
 
 e4m3 keeps 3 mantissa bits whatever the scale, and a model's scores are made mostly of a few
 key channels, so on a real model most of an fp8 cache's error comes from its keys. By default
-(kv_cache.rotate_keys) the cache stores keys less the layer's mean key over the same text (a
-shift of every score of one query, which softmax ignores) and rotated by a Hadamard matrix,
-queries rotated alike (kernels/kv.rotated_keys); the K scale is measured on the keys so stored.
-The means become k_offset graph inputs.
+(kv_cache.rotate_keys) the cache stores each key less an offset, weighted per channel and
+rotated by a Hadamard matrix, queries weighted and rotated alike, and the offset's own product
+with the query added back (kernels/kv.py). The same prefill measures, per layer: the mean key
+before RoPE (the offset at position p is that mean put through RoPE at p: what RoPE turns with
+the position no single mean after RoPE can remove), the key at position 0 (the offset there: the
+attention sink, close to one vector whatever the text) and each channel's weight sqrt(|q| / |k|)
+over the centered keys; the K scale is measured on the keys as the cache then stores them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,54 +50,94 @@ MAX_TOKENS = 512
 
 
 def calibrated(manifest: Manifest, layout: ModelLayout) -> ModelLayout:
-    """The layout with its storage's K/V scales (and key offsets) measured (a layout that asks
-    for none: as is)."""
+    """The layout with its storage's K/V scales (and rotated keys' forms) measured (a layout
+    that asks for none: as is)."""
     if layout.storage.kv_calibrated != ():
         return layout
-    scales, offsets = kv_calibration(manifest, layout.storage)
-    storage = dataclasses.replace(layout.storage, kv_calibrated=scales, k_offsets=offsets)
+    storage = dataclasses.replace(layout.storage, **kv_calibration(manifest, layout.storage))
     return dataclasses.replace(layout, storage=storage)
 
 
-def kv_calibration(
-    manifest: Manifest, storage: Storage
-) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, ...], ...] | None]:
-    """(k_scale, v_scale) per layer from one eager prefill of the calibration text, and where
-    the storage centers keys (Storage.k_offsets) each layer's mean key, [KV heads x head_dim]
-    flat. With rotated keys the K scale is measured on the keys as the cache stores them."""
+Values = tuple[float, ...]
+
+
+def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, tuple | None]:
+    """The Storage fields one eager prefill of the calibration text measures: (k_scale,
+    v_scale) per layer (`kv_calibrated`) and, where the storage rotates keys, each layer's
+    `k_offsets`, `k_firsts` and `k_smooth` ([KV heads x head_dim] flat, four significant
+    digits), the K scale then measured on the keys as stored."""
     cfg = manifest.model_config
     full = dataclasses.replace(
         manifest,
         parallel=Parallelism(),
         kv_cache=dataclasses.replace(manifest.kv_cache, dtype=manifest.dtype),
     )
-    caches, _ = eager_prefill(
-        model_layout(full, "cpu"), manifest.model, calibration_tokens(manifest)
-    )
     rotation = key_rotation(cfg.head_dim) if storage.rotate_keys else None
-    scales, offsets = [], []
+    forms: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, positional, step) -> None:
+        if rotation is not None:
+            forms[layer] = key_forms(layer, q, k, positional, step)
+
+    caches, _ = eager_prefill(
+        model_layout(full, "cpu"), manifest.model, calibration_tokens(manifest), observe=observe
+    )
+    scales: list[tuple[float, float]] = []
     for layer in range(cfg.num_layers):
         # block 0 is the null block; blocks 1.. hold the text's tokens, in order
         keys = caches[f"k_cache.{layer}"][1:].float().flatten(0, 1)  # [T, KV, D]
         values = caches[f"v_cache.{layer}"][1:].float()
-        offset = None
-        if storage.k_offsets is not None:
-            mean = keys.mean(0)
-            offsets.append(tuple(float(f"{x:.4g}") for x in mean.flatten().tolist()))
-            offset = torch.tensor(offsets[-1]).reshape(mean.shape)
         if rotation is not None:
-            keys = stored_keys(keys, rotation, offset)
+            *_, smooth, offsets = forms[layer]
+            keys = stored_keys(keys, offsets, smooth, rotation)
         amax_k, amax_v = keys.abs().max().item(), values.abs().max().item()
         scales.append((_scale(amax_k, K_RANGE), _scale(amax_v, V_RANGE)))
-    return tuple(scales), tuple(offsets) if storage.k_offsets is not None else None
+    out: dict[str, tuple | None] = {"kv_calibrated": tuple(scales)}
+    for i, field in enumerate(("k_offsets", "k_firsts", "k_smooth")):
+        per_layer = (_rounded(forms[layer][i]) for layer in range(cfg.num_layers))
+        out[field] = tuple(per_layer) if rotation is not None else None
+    return out
+
+
+def key_forms(layer: int, q, k, positional, step) -> tuple[torch.Tensor, ...]:
+    """One layer's rotated-key forms from its queries and keys before their positional
+    encoding ([1, T, heads, D], positions 0..T-1): the mean key, the key at position 0, the
+    channel weights [KV, D] (rounded as recorded), and the offsets at every position [T, KV, D]
+    (Decoder.key_offsets, from the rounded values)."""
+    q_rope, k_rope = (x[0].float() for x in positional(q, k, layer, step))  # [T, heads, D]
+    mean = _round(k[0].float().mean(0))
+    first = _round(k_rope[0])
+    spread = mean.to(k.dtype).expand_as(k)
+    offsets = positional(spread, spread, layer, step)[1][0].float()
+    offsets[0] = first
+    tokens, kv_heads, dim = k_rope.shape
+    sigma_k = (k_rope - offsets).pow(2).mean(0).sqrt().clamp(min=1e-6)  # [KV, D]
+    sigma_q = q_rope.reshape(tokens, kv_heads, -1, dim).pow(2).mean((0, 2)).sqrt()
+    smooth = (sigma_q.clamp(min=1e-6) / sigma_k).sqrt()
+    smooth = _round(smooth / smooth.pow(2).mean(-1, keepdim=True).sqrt())  # RMS 1 per head
+    return mean, first, smooth, offsets
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(_rounded(x)).reshape(x.shape)
+
+
+def _rounded(x: torch.Tensor) -> Values:
+    """Four significant digits, so a rebuild writes the same bytes."""
+    return tuple(float(f"{v:.4g}") for v in x.flatten().tolist())
 
 
 def eager_prefill(
-    layout: ModelLayout, model_dir: Path, ids: list[int], logits: bool = False
+    layout: ModelLayout,
+    model_dir: Path,
+    ids: list[int],
+    logits: bool = False,
+    observe: Callable[..., None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """One prefill of `ids` (whole KV blocks) through neffkit's eager model at tp=1, projections
     as matmuls: every layer's cache after it, by name, and (`logits`) the logits at every
-    position, float32 [T, vocab] (the benchmarks' KL divergence reads them)."""
+    position, float32 [T, vocab] (the benchmarks' KL divergence reads them). `observe(layer, q,
+    k, positional, step)` sees each layer's q and k before their positional encoding."""
     cfg, bs, tokens = layout.config, layout.block_size, len(ids)
     layout = dataclasses.replace(
         layout, num_blocks=tokens // bs + 1, prompt_logprobs=logits,
@@ -118,6 +162,14 @@ def eager_prefill(
     names = abi.kv_cache_names(cfg.num_layers, cfg.kv_kind)
     for name in names:
         inputs[index[name]] = torch.zeros_like(inputs[index[name]])
+    if observe is not None:
+        positional = module.positional
+
+        def observed(q, k, layer, step):
+            observe(layer, q, k, positional, step)
+            return positional(q, k, layer, step)
+
+        module.positional = observed
     seen: list[torch.Tensor] = []
     head = module.logits
     module.logits = lambda *args: seen.append(head(*args)) or seen[-1]  # the full [T, vocab]

@@ -43,14 +43,16 @@ def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
             hint="leave kv_cache.rotate_keys out: rotated keys need scales the build measures",
         )
     rotate = calibrate and manifest.kv_cache.rotate_keys is not False
-    centered = rotate and manifest.model_config.softmax_ignores_key_offsets
+    planned = () if rotate else None  # measured with the scales (compile/calibrate.py)
     return Storage(
         manifest.dtype,
         fp8_rescale=manifest.fp8_max / E4M3FN_MAX if manifest.model_config.fp8_block else 1.0,
         kv_scales=from_checkpoint or calibrate,
         kv_calibrated=() if calibrate else None,  # measured before the weights are written
         rotate_keys=rotate,
-        k_offsets=() if centered else None,
+        k_offsets=planned,
+        k_firsts=planned,
+        k_smooth=planned,
         lanes=lanes,
         fp8_head=manifest.lm_head_dtype == "float8_e4m3fn",
     )

@@ -252,7 +252,7 @@ def fp8_record(manifest: Manifest, storage: Storage) -> Fp8Record | None:
 def _stored_keys(storage: Storage) -> str | None:
     if not storage.rotate_keys:
         return None
-    return "centered, rotated" if storage.k_offsets is not None else "rotated"
+    return "centered, weighted, rotated"
 
 
 def _kv_scale_source(storage: Storage) -> str:

@@ -346,8 +346,8 @@ class Fp8Record(Record):
     kv_scales: str
     k_scales: tuple[float, ...] | None = None  # the calibrated scales, one per layer
     v_scales: tuple[float, ...] | None = None
-    # how the cache stores keys (kv_cache.rotate_keys): "centered, rotated" (less each layer's
-    # calibrated mean, then a Hadamard rotation, queries rotated alike), "rotated"; None: as is
+    # how the cache stores keys (kv_cache.rotate_keys): "centered, weighted, rotated" (less a
+    # calibrated offset, weighted per channel, Hadamard-rotated: kernels/kv.py); None: as is
     keys: str | None = None
 
 

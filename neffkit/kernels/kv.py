@@ -46,9 +46,9 @@ def to_cache(
 def key_rotation(dim: int) -> torch.Tensor:
     """The orthonormal [dim, dim] matrix an fp8 cache's keys and their queries are rotated by:
     Sylvester's Hadamard matrix over 1/sqrt(n), block-diagonal in the largest power-of-two
-    blocks that divide `dim` (96: three of 32). It spreads the few channels where RoPE'd keys
-    and queries concentrate over all of them, so e4m3's relative rounding no longer lands on
-    the channels that make up most of every score (QuaRot's observation; float32)."""
+    blocks that divide `dim` (96: three of 32). It spreads the few channels where keys and
+    queries concentrate over all of them, so e4m3's relative rounding no longer lands on the
+    channels that make up most of every score (QuaRot's observation; float32)."""
     n = dim & -dim  # the largest power of two dividing dim
     block = torch.ones(1, 1)
     while block.shape[0] < n:
@@ -56,27 +56,43 @@ def key_rotation(dim: int) -> torch.Tensor:
     return torch.block_diag(*[block / n**0.5] * (dim // n))
 
 
-def rotated_keys(
-    q: torch.Tensor,  # [..., H, D]
-    k: torch.Tensor,  # [..., KV, D]
-    rotation: torch.Tensor,  # [D, D], key_rotation
-    offset: torch.Tensor | None = None,  # [KV, D], the layer's calibrated key mean
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q R and (k - offset) R: every score q.k moves by -q.offset, the same for all of a
-    query's keys, which softmax ignores (SageAttention's smoothing of K; not where a sink logit
-    or a soft cap takes part, so those layers get no offset), and R R^T = I keeps q.k. What the
-    fp8 cache then rounds is small and evenly spread."""
-    return q @ rotation.to(q.dtype), stored_keys(k, rotation, offset)
-
-
 def stored_keys(
-    k: torch.Tensor, rotation: torch.Tensor, offset: torch.Tensor | None = None
+    k: torch.Tensor,  # [..., KV, D]
+    offsets: torch.Tensor,  # [..., KV, D]: key_offsets at each key's position
+    smooth: torch.Tensor,  # [KV, D]
+    rotation: torch.Tensor,  # [D, D], key_rotation
 ) -> torch.Tensor:
-    """(k - offset) R: the keys a rotated cache stores (what calibration measures its K scale
-    on, too)."""
-    if offset is not None:
-        k = k - offset.to(k.dtype)
-    return k @ rotation.to(k.dtype)
+    """((k - offset) * smooth) R: what an fp8 cache with rotated keys rounds. The offset is the
+    layer's calibrated mean key rotated to the key's position (a pre-RoPE mean: the part of a
+    key that RoPE turns with the position, which no single post-RoPE mean removes), so what is
+    left is small; `smooth` weighs each channel by sqrt(|q| / |k|) there (SmoothQuant's
+    balance, queries divided alike), and R spreads the result over every channel."""
+    return ((k - offsets.to(k.dtype)) * smooth.to(k.dtype)) @ rotation.to(k.dtype)
+
+
+def stored_queries(
+    q: torch.Tensor,  # [..., H, D]
+    smooth: torch.Tensor,  # [KV, D]
+    rotation: torch.Tensor,  # [D, D]
+) -> torch.Tensor:
+    """(q / smooth) R, query head h divided by its KV head's weights: with stored_keys, the
+    product with a stored key is q . (k - offset)."""
+    group = q.shape[-2] // smooth.shape[0]
+    return (q / smooth.to(q.dtype).repeat_interleave(group, 0)) @ rotation.to(q.dtype)
+
+
+def with_key_offsets(
+    q: torch.Tensor,  # [B, T, H, D]: the query as RoPE left it
+    q_stored: torch.Tensor,  # [B, T, H, D]: stored_queries(q)
+    keys: torch.Tensor,  # [B, C, KV, D]: the stored keys, read back and scaled
+    offsets: torch.Tensor,  # [1, C, KV, D]: key_offsets at each context position
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys of width 2D whose products are q . k exactly: q_stored . stored +
+    q . offset. Adding the offset term back keeps the scores (not only their softmax), so sinks
+    and soft caps see the same values; it costs a second q.k, where rotating the offsets into
+    the stored form would cost a D x D product per context position."""
+    offsets = offsets.to(keys.dtype).expand(keys.shape[0], -1, -1, -1)
+    return torch.cat((q_stored, q), -1), torch.cat((keys, offsets), -1)
 
 
 def from_cache(

@@ -51,9 +51,9 @@ class KVCache:
     prefix_caching: bool = True
     # fp8: per-layer K/V scales measured on a calibration text when the checkpoint has none
     calibrate: bool = True
-    # fp8 with calibrated scales: keys stored centered (minus each layer's calibrated mean, where
-    # softmax ignores the shift) and rotated by a Hadamard matrix, queries rotated alike
-    # (kernels/kv.py); None: on wherever it applies
+    # fp8 with calibrated scales: keys stored less a calibrated offset at their position,
+    # weighted per channel and rotated by a Hadamard matrix, queries alike, the offset's
+    # product added back (kernels/kv.py); None: on wherever it applies
     rotate_keys: bool | None = None
 
 

@@ -82,13 +82,6 @@ class ModelConfig:
         return False
 
     @property
-    def softmax_ignores_key_offsets(self) -> bool:
-        """Does attention ignore a constant added to all of one query's scores, so an fp8 cache
-        may store keys less their mean (kernels/kv.rotated_keys)? Not where a sink logit
-        (GPT-OSS) or a soft cap (Gemma 2) takes part."""
-        return True
-
-    @property
     def kv_width(self) -> int:
         """Values per token per KV head in the cache (MLA: the latent and its rope part)."""
         return self.head_dim

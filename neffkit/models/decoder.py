@@ -23,13 +23,14 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
-from neffkit.kernels.kv import from_cache, gather_context, rotated_keys, to_cache, write_kv
+from neffkit.kernels.kv import from_cache, gather_context, to_cache, with_key_offsets, write_kv
 from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.forms import PLAIN, ProjectionPolicy
+from neffkit.models.key_offsets import KeyOffsets
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import (
     BlockedFp8,
@@ -54,7 +55,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table[ids // lanes, :, ids % lanes]  # [..., H]
 
 
-class DecoderGraph(torch.nn.Module):
+class DecoderGraph(KeyOffsets, torch.nn.Module):
     """forward(*flat_inputs) → the tensors `abi.graph_outputs` lists (next tokens and logprobs);
     K/V caches are mutated in place (io-aliased)."""
 
@@ -158,9 +159,12 @@ class DecoderGraph(torch.nn.Module):
             rows = (positions, context_lens, shape.context)
             masks = {span: attn.context_mask(*rows, *span) for span in spans}
         slots = m[abi.SLOT_MAPPING].reshape(-1)  # [B*T]
-        return Step(
+        step = Step(
             w, rank, tuple(caches), cos, sin, masks, slots, block_tables, positions, bounds=bounds
         )
+        if K_ROTATION in w:  # fp8 rotated keys: their offsets at the context's positions
+            step.context = self.context_step(step, packed=seq_ids is not None)
+        return step
 
     def _sample(self, h, m, w, rank) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The final norm and LM head where sampling needs them, then on-device sampling; prefill
@@ -260,8 +264,9 @@ class DecoderGraph(torch.nn.Module):
         v = v.view(rows, tokens, kv_heads, cfg.head_dim)
         q, k = self.qk_norm(q, k, w, p)
         q, k = self.positional(q, k, layer, step)
-        if K_ROTATION in w:  # an fp8 cache's keys, rotated and centered (kv_cache.rotate_keys)
-            q, k = rotated_keys(q, k, w[K_ROTATION], w.get(f"{p}.self_attn.k_offset"))
+        q_rope = q
+        if K_ROTATION in w:  # an fp8 cache's keys, centered and rotated (kv_cache.rotate_keys)
+            q, k = self.stored_forms(q, k, layer, step)
         k_scale, v_scale = w.get(f"{p}.self_attn.k_scale"), w.get(f"{p}.self_attn.v_scale")
         fp8_max = self.fp8_max
         write_kv(
@@ -279,6 +284,8 @@ class DecoderGraph(torch.nn.Module):
         else:
             keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)
             values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
+            if step.context is not None:  # rotated keys: each context key's offset added back
+                q, keys = with_key_offsets(q_rope, q, keys, self.key_offsets(layer, step.context))
             if self.projection.buffer_queries:
                 q = materialized(q)
             mask = step.masks[self.span(layer)]

@@ -117,11 +117,14 @@ class Storage:
     # (kv_calibrated) measured by the build, one (k, v) pair per layer
     kv_scales: bool = False
     kv_calibrated: tuple[tuple[float, float], ...] | None = None
-    # keys and queries rotated before an fp8 cache (kv_cache.rotate_keys, kernels/kv.py), keys
-    # less each layer's calibrated mean (k_offsets: KV heads x head_dim values per layer; None
-    # where softmax does not ignore the shift); () for both while the layout is planned
+    # keys stored less a calibrated offset, weighted and rotated before an fp8 cache, queries
+    # alike (kv_cache.rotate_keys, kernels/kv.py). Per layer, KV heads x head_dim values each:
+    # the mean key before RoPE (k_offsets), the key at position 0 (k_firsts) and each
+    # channel's weight (k_smooth); () while the layout is planned, None without rotation
     rotate_keys: bool = False
     k_offsets: tuple[tuple[float, ...], ...] | None = None
+    k_firsts: tuple[tuple[float, ...], ...] | None = None
+    k_smooth: tuple[tuple[float, ...], ...] | None = None
     # projection weights stored blocked [out/lanes, in, lanes] (models/projection.py); 0: plain
     lanes: int = 0
     # fp8 projection weights stored blocked: only where neffkit's kernel may read them (Inductor

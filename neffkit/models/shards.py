@@ -33,10 +33,13 @@ ROPE_LOCAL_INV_FREQ = "rope.local_inv_freq"  # the sliding layers' own (Gemma 3)
 FP8_SCALE = ".scale"  # `<weight>.scale`: the float32 block scales beside an fp8 weight input
 # the rotation an fp8 cache's keys and queries take (kv_cache.rotate_keys: kernels/kv.py)
 K_ROTATION = "kv.k_rotation"
+# per layer [KV, D] beside it: the mean key before RoPE, the key at position 0, the weights
+KEY_FORMS = ("k_offset", "k_first", "k_smooth")
 FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ, ROPE_LOCAL_INV_FREQ, K_ROTATION})
-# DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales and key offsets
+# DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales and key forms
 FLOAT32_SUFFIXES = (
-    ".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.k_offset"
+    ".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale",
+    *(f".self_attn.{name}" for name in KEY_FORMS),
 )  # fmt: skip
 
 Named = Iterator[tuple[str, torch.Tensor]]
@@ -113,15 +116,16 @@ class Shards:
 
     def kv_scale_tensors(self, p: str) -> Named:
         """The layer's fp8 KV cache scales, where the build asked for them (replicated), and
-        the calibrated key offset of this rank's KV heads, where it has one."""
+        the calibrated key forms of this rank's KV heads, where the keys are rotated."""
         if self.kv_scales:
             for kind in ("k", "v"):
                 name = kv_scale_name(p, kind, self.available)
                 yield f"{p}.self_attn.{kind}_scale", self.need(name).reshape(1)
-        if f"{p}.self_attn.k_offset" in self.available:
-            offset = self.need(f"{p}.self_attn.k_offset").reshape(-1)
-            rows = offset[self.k0 : self.k0 + self.kv_rows]
-            yield f"{p}.self_attn.k_offset", rows.reshape(-1, self.cfg.head_dim)
+        for form in KEY_FORMS:
+            if f"{p}.self_attn.{form}" in self.available:
+                values = self.need(f"{p}.self_attn.{form}").reshape(-1)
+                rows = values[self.k0 : self.k0 + self.kv_rows]
+                yield f"{p}.self_attn.{form}", rows.reshape(-1, self.cfg.head_dim)
 
     def attention(self, p: str) -> Named:
         """q, k, v column-parallel (this rank's heads), o row-parallel; biases where present."""

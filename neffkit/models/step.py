@@ -29,3 +29,6 @@ class Step:
     # attention through neffkit's kernel: each span's (lo, hi, block tables) per query, the
     # visible keys lo..hi [B*T] and the table each reads [B*T, C/bs] (the masks are not built)
     bounds: dict[Span, tuple[torch.Tensor, ...]] | None = None
+    # an fp8 cache with rotated keys: this step at the context keys' positions [1, C] (packed:
+    # every sequence's), whose RoPE puts each key's offset back (Decoder.key_offsets)
+    context: Step | None = None

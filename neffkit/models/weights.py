@@ -29,7 +29,14 @@ from neffkit.models.forms import TIED_TABLE, Storage, blocked_shape, blocks
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import to_blocked
 from neffkit.models.registry import shards_class
-from neffkit.models.shards import FP8_SCALE, K_ROTATION, Named, keeps_float32, kv_scale_name
+from neffkit.models.shards import (
+    FP8_SCALE,
+    K_ROTATION,
+    KEY_FORMS,
+    Named,
+    keeps_float32,
+    kv_scale_name,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,21 +67,24 @@ def has_kv_scales(model_dir: Path) -> bool:
 def calibrated_tensors(cfg: ModelConfig, storage: Storage) -> dict[str, torch.Tensor]:
     """What a build calibrated for an fp8 KV cache (compile/calibrate.py), under the names the
     shards read: each layer's k_scale and v_scale, with rotated keys the rotation and each
-    layer's k_offset (all KV heads; the shards cut a rank's); meta while the layout is planned
-    (shapes only)."""
+    layer's k_offset, k_first and k_smooth (all KV heads; the shards cut a rank's); meta while
+    the layout is planned (shapes only)."""
     if storage.kv_calibrated is None:
         return {}
     out: dict[str, torch.Tensor] = {}
     pairs = storage.kv_calibrated or ((None, None),) * cfg.num_layers
-    offsets = storage.k_offsets or (None,) * cfg.num_layers
-    for layer, (pair, offset) in enumerate(zip(pairs, offsets, strict=True)):
+    for layer, pair in enumerate(pairs):
         p = f"model.layers.{layer}.self_attn"
         for kind, value in zip("kv", pair, strict=True):
             out[f"{p}.{kind}_scale"] = _values(value, (1,))
-        if storage.k_offsets is not None:
-            out[f"{p}.k_offset"] = _values(offset, (cfg.num_kv_heads, cfg.head_dim))
-    if storage.rotate_keys:
-        out[K_ROTATION] = key_rotation(cfg.head_dim)
+    if not storage.rotate_keys:
+        return out
+    heads = (cfg.num_kv_heads, cfg.head_dim)
+    for name, per_layer in zip(KEY_FORMS, ("k_offsets", "k_firsts", "k_smooth"), strict=True):
+        values = getattr(storage, per_layer) or (None,) * cfg.num_layers
+        for layer, value in enumerate(values):
+            out[f"model.layers.{layer}.self_attn.{name}"] = _values(value, heads)
+    out[K_ROTATION] = key_rotation(cfg.head_dim)
     return out
 
 

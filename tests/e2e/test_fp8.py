@@ -394,10 +394,11 @@ def test_fp8_kv_cache_reads_the_checkpoints_k_and_v_scales(channel_model, sessio
 def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
     session_dir, hf_model_dir, monkeypatch
 ):
-    """Calibrated scales rotate keys by default: the cache holds e4m3 of ((k - offset) H) /
-    k_scale and of v / v_scale, queries are multiplied by H. HF's own attention, its K and V
-    put through the same rounding (the bundle's offsets and scales, H from scipy), gives the
-    same greedy tokens, and inspect says how keys are stored."""
+    """Calibrated scales rotate keys by default: the cache holds e4m3 of ((k - offset) * w) H
+    / k_scale, the offset the layer's mean key before RoPE rotated to the key's position (its
+    first key at position 0), and e4m3 of v / v_scale. HF's own attention, its K and V put
+    through the same rounding (the bundle's forms and scales, H from scipy, RoPE from HF) and
+    read back, gives the same greedy tokens, and inspect says how keys are stored."""
     import transformers
     import transformers.models.llama.modeling_llama as llama
     from safetensors.torch import load_file
@@ -410,9 +411,10 @@ def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
     result = build_session_bundle(
         session_dir, model, "llama_kvfp8", buckets=ONE_DECODE, kv_cache=kv
     )
-    assert bundle_json(result.bundle)["fp8"]["keys"] == "centered, rotated"
-    assert run_json("inspect", str(result.bundle))["fp8"]["keys"] == "centered, rotated"
-    assert "keys centered, rotated" in run_cli("inspect", str(result.bundle), check=True).stdout
+    keys = "centered, weighted, rotated"
+    assert bundle_json(result.bundle)["fp8"]["keys"] == keys
+    assert run_json("inspect", str(result.bundle))["fp8"]["keys"] == keys
+    assert f"keys {keys}" in run_cli("inspect", str(result.bundle), check=True).stdout
     weights = load_file(result.bundle / "weights" / "rank0.safetensors")
     rotation = torch.tensor(hadamard(16), dtype=torch.float32) / 4
     assert torch.equal(weights["kv.k_rotation"], rotation)
@@ -424,10 +426,15 @@ def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
 
     def attention(module, query, key, value, *args, **kwargs):  # [B, heads, T, D]
         p = f"model.layers.{module.layer_idx}.self_attn"
-        offset = weights[f"{p}.k_offset"][None, :, None, :]
-        key = stored((key - offset) @ rotation, weights[f"{p}.k_scale"])
+        form = {name: weights[f"{p}.{name}"][None, :, None, :] for name in KEY_FORMS}
+        mean = form["k_offset"].expand_as(key)
+        cos, sin = hf.model.rotary_emb(key, torch.arange(key.shape[2])[None])
+        offset = llama.apply_rotary_pos_emb(mean, mean, cos, sin)[1]
+        offset[:, :, 0] = form["k_first"][:, :, 0]
+        key = stored((key - offset) * form["k_smooth"] @ rotation, weights[f"{p}.k_scale"])
+        key = key @ rotation.T / form["k_smooth"] + offset
         value = stored(value, weights[f"{p}.v_scale"])
-        return eager(module, query @ rotation, key, value, *args, **kwargs)
+        return eager(module, query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(llama, "eager_attention_forward", attention)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -440,6 +447,9 @@ def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
         out = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=ids * 0 + 1)
         want.append(out[0, len(prompt) :].tolist())
     assert _run(result.bundle, prompts) == want
+
+
+KEY_FORMS = ("k_offset", "k_first", "k_smooth")
 
 
 def _schema() -> dict:
@@ -557,13 +567,15 @@ def test_trn2_fp8_kv_cache_clamps_to_240_and_passes_the_audit(fp8_model, session
     assert not [f for f in findings if f["rule"] == "NK202"]
 
 
-def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model_dir):
+def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model_dir, monkeypatch):
     """No scales in the checkpoint: each layer's scale is max |K| / 200 and max |V| / 100 over a
-    prefill of the calibration text (vLLM's calculate_kv_scales), here against HF's own cache
-    on the same ids. By default the keys are stored less the layer's mean key and rotated by a
-    Hadamard matrix (scipy's here), and the K scale is measured on those; the shards carry the
-    scales, the means and the rotation as graph inputs."""
+    prefill of the calibration text (vLLM's calculate_kv_scales), here against HF's own
+    forward on the same ids. By default keys are stored less an offset (the layer's mean key
+    before RoPE, RoPE'd to each position; at position 0 the first key), weighted per channel by
+    sqrt(rms q / rms k) and rotated by a Hadamard matrix (scipy's here), and the K scale is
+    measured on those; the shards carry the scales, the forms and the rotation as inputs."""
     import transformers
+    import transformers.models.llama.modeling_llama as llama
     from scipy.linalg import hadamard
 
     from neffkit.compile.calibrate import calibration_tokens, kv_calibration
@@ -581,39 +593,59 @@ def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model
     layout = target_layout(manifest)
     storage = layout.storage
     assert storage.kv_scales and storage.kv_calibrated == () and storage.k_offsets == ()
-    scales, offsets = kv_calibration(manifest, storage)
+    measured = kv_calibration(manifest, storage)
     ids = calibration_tokens(manifest)
     assert len(ids) % 16 == 0 and len(ids) >= 64
+    seen: list[tuple[torch.Tensor, ...]] = []  # per layer: q, k before RoPE, q, k after
+    rope = llama.apply_rotary_pos_emb
+
+    def observed(q, k, cos, sin, *args, **kwargs):
+        out = rope(q, k, cos, sin, *args, **kwargs)
+        seen.append((q, k, *out, cos, sin))
+        return out
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", observed)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
-    assert len(scales) == len(offsets) == layers
-    for layer, (k_scale, v_scale) in enumerate(scales):
-        keys = cache.layers[layer].keys[0].transpose(0, 1)  # [T, KV, D]
-        mean = keys.mean(0)
-        assert torch.tensor(offsets[layer]).reshape(kv_heads, dim) == pytest.approx(
-            mean, rel=2e-3, abs=1e-5
-        )
-        stored = (keys - mean) @ rotation
-        assert k_scale == pytest.approx(stored.abs().max().item() / 200, rel=2e-3), layer
+    assert len(measured["kv_calibrated"]) == len(measured["k_offsets"]) == layers == len(seen)
+    for layer, (k_scale, v_scale) in enumerate(measured["kv_calibrated"]):
+        _, k_pre, q_post, k_post, cos, sin = seen[layer]  # [1, heads, T, D]
+        mean = k_pre.mean(2, keepdim=True)
+        got = {f: torch.tensor(measured[f][layer]).reshape(kv_heads, dim) for f in measured
+               if f.startswith("k_")}  # fmt: skip
+        assert got["k_offsets"] == pytest.approx(mean[0, :, 0], rel=2e-3, abs=1e-5)
+        assert got["k_firsts"] == pytest.approx(k_post[0, :, 0], rel=2e-3, abs=1e-5)
+        offset = rope(mean.expand_as(k_pre), mean.expand_as(k_pre), cos, sin)[1]
+        offset[:, :, 0] = k_post[:, :, 0]
+        centered = k_post - offset
+        rms_k = centered.pow(2).mean(2).sqrt()[0]  # [KV, D]
+        rms_q = q_post[0].reshape(kv_heads, -1, len(ids), dim).pow(2).mean((1, 2)).sqrt()
+        smooth = (rms_q / rms_k).sqrt()
+        smooth = smooth / smooth.pow(2).mean(-1, keepdim=True).sqrt()
+        assert got["k_smooth"] == pytest.approx(smooth, rel=5e-3), layer
+        keys = (centered * got["k_smooth"][None, :, None]) @ rotation
+        assert k_scale == pytest.approx(keys.abs().max().item() / 200, rel=5e-3), layer
         want_v = cache.layers[layer].values.abs().max().item() / 100
         assert v_scale == pytest.approx(want_v, rel=2e-3), layer
-    storage = dataclasses.replace(storage, kv_calibrated=scales, k_offsets=offsets)
+    storage = dataclasses.replace(storage, **measured)
     weights = dict(iter_rank_weights(model, layout.config, storage, Parallelism(), 0))
     assert torch.equal(weights["kv.k_rotation"], rotation)
-    for layer, (k_scale, v_scale) in enumerate(scales):
+    for layer, (k_scale, v_scale) in enumerate(measured["kv_calibrated"]):
         p = f"model.layers.{layer}.self_attn"
         assert weights[f"{p}.k_scale"].tolist() == [pytest.approx(k_scale)]
         assert weights[f"{p}.v_scale"].tolist() == [pytest.approx(v_scale)]
-        assert weights[f"{p}.k_offset"].flatten().tolist() == pytest.approx(offsets[layer])
+        for name, field in zip(KEY_FORMS, ("k_offsets", "k_firsts", "k_smooth"), strict=True):
+            values = weights[f"{p}.{name}"].flatten().tolist()
+            assert values == pytest.approx(measured[field][layer])
     # kv_cache.rotate_keys: false stores keys as they are: vLLM's max |K| / 200
     raw = {**kv, "rotate_keys": False}
     manifest = load_manifest(write_manifest(tmp_path / "raw.yaml", model, kv_cache=raw))
     storage = target_layout(manifest).storage
     assert not storage.rotate_keys and storage.k_offsets is None
-    scales, offsets = kv_calibration(manifest, storage)
-    assert offsets is None
-    for layer, (k_scale, _) in enumerate(scales):
+    measured = kv_calibration(manifest, storage)
+    assert measured["k_offsets"] is None and measured["k_smooth"] is None
+    for layer, (k_scale, _) in enumerate(measured["kv_calibrated"]):
         want_k = cache.layers[layer].keys.abs().max().item() / 200
         assert k_scale == pytest.approx(want_k, rel=2e-3), layer
     # kv_cache.calibrate: false keeps vLLM's default without calculate_kv_scales: 1.0

@@ -45,10 +45,6 @@ class GemmaConfig(LlamaConfig):
     }
 
     @property
-    def softmax_ignores_key_offsets(self) -> bool:
-        return self.attn_softcap is None  # tanh(s / cap) does not shift with s
-
-    @property
     def local_rope_params(self) -> dict[str, Any] | None:
         return dict(self.local_rope) if self.local_rope else None
 

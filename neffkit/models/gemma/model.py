@@ -33,6 +33,15 @@ class GemmaGraph(LlamaGraph):
             )
         return step
 
+    def at_positions(self, step: Step, positions: torch.Tensor) -> Step:
+        moved = super().at_positions(step, positions)
+        if ROPE_LOCAL_INV_FREQ in step.w:  # as _step: the sliding layers' own rotation
+            moved.local_rope = rope_cos_sin(
+                positions, step.w[ROPE_LOCAL_INV_FREQ], self.local_attention_factor,
+                step.cos.dtype,
+            )  # fmt: skip
+        return moved
+
     def rope(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         sliding = self.cfg.sliding_windows[layer] is not None
         return step.local_rope if sliding and step.local_rope is not None else (step.cos, step.sin)

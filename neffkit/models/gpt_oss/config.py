@@ -20,10 +20,6 @@ class GptOssConfig(MoeConfig):
     # HF's GptOss class reads no hidden_act: its experts' activation is the clamped SwiGLU
     RULES: ClassVar[FieldRules] = {}
 
-    @property
-    def softmax_ignores_key_offsets(self) -> bool:
-        return False  # the sink logit joins every softmax unshifted
-
     @classmethod
     def from_hf(cls, raw: dict[str, Any], path: Path) -> GptOssConfig:
         fields = {**common_fields(raw, path), "hidden_act": "silu"}
