@@ -124,14 +124,17 @@ def packed_context_mask(
 FEW_QUERIES = 8
 
 
-def _few_queries(q, keys, values, mask, scale, softcap) -> torch.Tensor:
+def _few_queries(q, keys, values, mask, scale, softcap, bias) -> torch.Tensor:
     """paged_attention for 1 < T <= FEW_QUERIES, the queries of a KV head in one matmul."""
     rows, tokens, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     q = q.reshape(rows, tokens, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(rows, kv_heads, group * tokens, dim)  # [B, KV, G*T, D]
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * scale  # [B, KV, G*T, C]
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1))  # [B, KV, G*T, C]
+    if bias is not None:
+        scores = scores + bias.reshape(scores.shape)
+    scores = scores * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     context = mask.shape[-1]
@@ -151,21 +154,26 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,  # [H]: GPT-OSS's learned logit per head
     softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap)
+    bias: torch.Tensor | None = None,  # [B, KV, G, T, C]: added to q.k before the scale
 ) -> torch.Tensor:  # [B, T, H * Dv]
     """Grouped-query attention: query head h reads KV head h // (H // KV), like HF repeat_kv.
 
     With `sinks`, each head's softmax also counts exp(sink) in its denominator (a column that
-    takes probability mass and is then dropped), as GPT-OSS's attention does.
+    takes probability mass and is then dropped), as GPT-OSS's attention does. `bias` is the
+    part of q.k the keys do not hold (an fp8 cache's key offsets: kernels/kv.offset_scores).
     """
     rows, tokens, heads, dim = q.shape
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     if 1 < tokens <= FEW_QUERIES and sinks is None:
-        return _few_queries(q, keys, values, mask, scale, softcap)
+        return _few_queries(q, keys, values, mask, scale, softcap, bias)
     q = q.reshape(rows, tokens, kv_heads, group, dim).permute(0, 2, 3, 1, 4)  # [B, KV, G, T, D]
     k = keys.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
     v = values.permute(0, 2, 1, 3).unsqueeze(2)  # [B, KV, 1, C, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, KV, G, T, C]
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [B, KV, G, T, C]
+    if bias is not None:
+        scores = scores + bias
+    scores = scores * scale
     if softcap is not None:  # as HF: after the scale, before the mask
         scores = torch.tanh(scores / softcap) * softcap
     scores = torch.where(mask[:, None, None], scores.float(), MASK_VALUE)

@@ -81,18 +81,44 @@ def stored_queries(
     return (q / smooth.to(q.dtype).repeat_interleave(group, 0)) @ rotation.to(q.dtype)
 
 
-def with_key_offsets(
+def offset_scores(
     q: torch.Tensor,  # [B, T, H, D]: the query as RoPE left it
-    q_stored: torch.Tensor,  # [B, T, H, D]: stored_queries(q)
-    keys: torch.Tensor,  # [B, C, KV, D]: the stored keys, read back and scaled
     offsets: torch.Tensor,  # [1, C, KV, D]: key_offsets at each context position
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and keys of width 2D whose products are q . k exactly: q_stored . stored +
-    q . offset. Adding the offset term back keeps the scores (not only their softmax), so sinks
-    and soft caps see the same values; it costs a second q.k, where rotating the offsets into
-    the stored form would cost a D x D product per context position."""
-    offsets = offsets.to(keys.dtype).expand(keys.shape[0], -1, -1, -1)
-    return torch.cat((q_stored, q), -1), torch.cat((keys, offsets), -1)
+) -> torch.Tensor:  # [B, KV, G, T, C]
+    """q . offset(c) for every query and context key, what paged_attention adds to q_stored .
+    stored so the scores are q . k exactly (sinks and soft caps then see the same values). One
+    matmul per KV head against offsets shared by every row: neither widening the keys by the
+    offsets (a copy of the context per row) nor rotating them into the stored form (a D x D
+    product per context position)."""
+    rows, tokens, heads, dim = q.shape
+    kv_heads, context = offsets.shape[2], offsets.shape[1]
+    group = heads // kv_heads
+    q = q.reshape(rows, tokens, kv_heads, group, dim).permute(2, 0, 3, 1, 4)
+    per_head = offsets[0].to(q.dtype).permute(1, 2, 0)  # [KV, D, C]
+    scores = torch.bmm(q.reshape(kv_heads, rows * group * tokens, dim), per_head)
+    return scores.view(kv_heads, rows, group, tokens, context).permute(1, 0, 2, 3, 4)
+
+
+def rope_offset_scores(
+    q: torch.Tensor,  # [B, T, H, D]: the query as RoPE left it
+    coefs: torch.Tensor,  # [KV, 2D]: what the offset's cos and sin terms multiply
+    first: torch.Tensor,  # [KV, D]: the offset at position 0
+    table: torch.Tensor,  # [C, D]: the first halves of cos and sin at each context position
+    positions: torch.Tensor,  # [C]
+) -> torch.Tensor:  # [B, KV, G, T, C]
+    """offset_scores where the offset is a mean put through RoPE, rotary(m, cos, sin) = a * cos
+    + b * sin: q . offset(c) = (q * a) . cos_c + (q * b) . sin_c, one matmul against the
+    context's cos/sin table that every layer and head shares, no offsets built per layer. RoPE's
+    tables repeat their first half (rope_cos_sin), so each term's halves are summed first."""
+    rows, tokens, heads, dim = q.shape
+    kv_heads = coefs.shape[0]
+    q = q.reshape(rows, tokens, kv_heads, heads // kv_heads, dim)
+    weighted = torch.cat((q, q), -1) * coefs.to(q.dtype)[:, None]  # [B, T, KV, G, 2D]
+    folded = weighted.unflatten(-1, (2, 2, dim // 2)).sum(-2).flatten(-2)  # [B, T, KV, G, D]
+    scores = folded @ table.to(q.dtype).T  # [B, T, KV, G, C]
+    at_first = (q * first.to(q.dtype)[:, None]).sum(-1, keepdim=True)
+    scores = torch.where(positions == 0, at_first, scores)
+    return scores.permute(0, 2, 3, 1, 4)
 
 
 def from_cache(

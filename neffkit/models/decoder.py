@@ -23,7 +23,7 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
-from neffkit.kernels.kv import from_cache, gather_context, to_cache, with_key_offsets, write_kv
+from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
 from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
@@ -284,13 +284,14 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         else:
             keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)
             values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
+            bias = None
             if step.context is not None:  # rotated keys: each context key's offset added back
-                q, keys = with_key_offsets(q_rope, q, keys, self.key_offsets(layer, step.context))
+                bias = self.offset_bias(q_rope, layer, step)
             if self.projection.buffer_queries:
                 q = materialized(q)
             mask = step.masks[self.span(layer)]
             out = attn.paged_attention(
-                q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap
+                q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap, bias
             )
         partial = self.project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel
         return self.reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))

@@ -9,14 +9,35 @@ import dataclasses
 
 import torch
 
-from neffkit.kernels.kv import stored_keys, stored_queries
+from neffkit.kernels.kv import offset_scores, rope_offset_scores, stored_keys, stored_queries
 from neffkit.kernels.rope import rope_cos_sin
 from neffkit.models.shards import K_ROTATION, ROPE_INV_FREQ
 from neffkit.models.step import Step
 
 
 class KeyOffsets:
-    """Mixed into DecoderGraph: it supplies `positional`, `rope_attention_factor`, `shape`."""
+    """Mixed into DecoderGraph: it supplies `positional`, `rope`, `rotary`,
+    `rope_attention_factor` and `shape`."""
+
+    # `positional` is `rotary` with the layer's `rope` tables (not Llama 4's NoPE layers and L2
+    # norms): the context's offset scores then come from the shared cos/sin table
+    offsets_follow_rope = True
+
+    def offset_bias(self, q: torch.Tensor, layer: int, step: Step) -> torch.Tensor:
+        """q . offset(c) for every context key c [B, KV, G, T, C]: what paged_attention adds
+        to the stored keys' scores (`q`: the query as RoPE left it)."""
+        context = step.context
+        if not self.offsets_follow_rope:
+            return offset_scores(q, self.key_offsets(layer, context))
+        p = f"model.layers.{layer}.self_attn"
+        mean, first = step.w[f"{p}.k_offset"], step.w[f"{p}.k_first"]
+        mean = mean.to(q.dtype)
+        ones, zeros = torch.ones_like(mean), torch.zeros_like(mean)
+        coefs = torch.cat((self.rotary(mean, ones, zeros), self.rotary(mean, zeros, ones)), -1)
+        cos, sin = self.rope(layer, context)  # [1, C, 1, D]
+        half = cos.shape[-1] // 2
+        table = torch.cat((cos[0, :, 0, :half], sin[0, :, 0, :half]), -1)  # [C, D]
+        return rope_offset_scores(q, coefs, first, table, context.positions[0])
 
     def stored_forms(
         self, q: torch.Tensor, k: torch.Tensor, layer: int, step: Step

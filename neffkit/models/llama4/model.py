@@ -36,6 +36,8 @@ class Llama4Graph(MoeGraph):
     def span(self, layer: int) -> Span:
         return None, self.cfg.attention_chunk_size if self.cfg.chunked_layers[layer] else None
 
+    offsets_follow_rope = False  # NoPE layers and L2 norms: offsets built per layer
+
     def positional(self, q, k, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE then L2 norms on the RoPE layers; on NoPE layers, temperature-tuned queries."""
         cfg = self.cfg
