@@ -37,7 +37,8 @@ from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.compile.verify_inputs import representative_inputs
 from neffkit.contract import abi
 from neffkit.kernels.kv import key_rotation, stored_keys
-from neffkit.models.forms import Storage
+from neffkit.models.forms import KEY_FORMS, Storage
+from neffkit.models.key_offsets import offsets_at
 from neffkit.models.parallel import Parallelism
 from neffkit.models.weights import iter_rank_weights
 
@@ -93,7 +94,7 @@ def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, tuple | No
         amax_k, amax_v = keys.abs().max().item(), values.abs().max().item()
         scales.append((_scale(amax_k, K_RANGE), _scale(amax_v, V_RANGE)))
     out: dict[str, tuple | None] = {"kv_calibrated": tuple(scales)}
-    for i, field in enumerate(("k_offsets", "k_firsts", "k_smooth")):
+    for i, field in enumerate(KEY_FORMS.values()):  # key_forms' order
         per_layer = (_rounded(forms[layer][i]) for layer in range(cfg.num_layers))
         out[field] = tuple(per_layer) if rotation is not None else None
     return out
@@ -103,13 +104,11 @@ def key_forms(layer: int, q, k, positional, step) -> tuple[torch.Tensor, ...]:
     """One layer's rotated-key forms from its queries and keys before their positional
     encoding ([1, T, heads, D], positions 0..T-1): the mean key, the key at position 0, the
     channel weights [KV, D] (rounded as recorded), and the offsets at every position [T, KV, D]
-    (Decoder.key_offsets, from the rounded values)."""
+    (offsets_at, as the graph builds them, from the rounded values)."""
     q_rope, k_rope = (x[0].float() for x in positional(q, k, layer, step))  # [T, heads, D]
     mean = _round(k[0].float().mean(0))
     first = _round(k_rope[0])
-    spread = mean.to(k.dtype).expand_as(k)
-    offsets = positional(spread, spread, layer, step)[1][0].float()
-    offsets[0] = first
+    offsets = offsets_at(positional, layer, step, mean, first)[0].float()  # [T, KV, D]
     tokens, kv_heads, dim = k_rope.shape
     sigma_k = (k_rope - offsets).pow(2).mean(0).sqrt().clamp(min=1e-6)  # [KV, D]
     sigma_q = q_rope.reshape(tokens, kv_heads, -1, dim).pow(2).mean((0, 2)).sqrt()
@@ -123,8 +122,12 @@ def _round(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rounded(x: torch.Tensor) -> Values:
+    return tuple(_four_digits(v) for v in x.flatten().tolist())
+
+
+def _four_digits(value: float) -> float:
     """Four significant digits, so a rebuild writes the same bytes."""
-    return tuple(float(f"{v:.4g}") for v in x.flatten().tolist())
+    return float(f"{value:.4g}")
 
 
 def eager_prefill(
@@ -180,7 +183,7 @@ def eager_prefill(
 
 
 def _scale(amax: float, value_range: float) -> float:
-    return float(f"{max(amax, 1e-6) / value_range:.4g}")
+    return _four_digits(max(amax, 1e-6) / value_range)
 
 
 def calibration_tokens(manifest: Manifest) -> list[int]:

@@ -18,6 +18,7 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
 from neffkit.errors import BuildError, ManifestError
 from neffkit.models.forms import (
+    KEY_FORMS,
     PLAIN,
     ProjectionPolicy,
     Storage,
@@ -50,9 +51,7 @@ def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
         kv_scales=from_checkpoint or calibrate,
         kv_calibrated=() if calibrate else None,  # measured before the weights are written
         rotate_keys=rotate,
-        k_offsets=planned,
-        k_firsts=planned,
-        k_smooth=planned,
+        **dict.fromkeys(KEY_FORMS.values(), planned),
         lanes=lanes,
         fp8_head=manifest.lm_head_dtype == "float8_e4m3fn",
     )

@@ -122,7 +122,7 @@ class Storage:
     # the mean key before RoPE (k_offsets), the key at position 0 (k_firsts) and each
     # channel's weight (k_smooth); () while the layout is planned, None without rotation
     rotate_keys: bool = False
-    k_offsets: tuple[tuple[float, ...], ...] | None = None
+    k_offsets: tuple[tuple[float, ...], ...] | None = None  # KEY_FORMS below names each input
     k_firsts: tuple[tuple[float, ...], ...] | None = None
     k_smooth: tuple[tuple[float, ...], ...] | None = None
     # projection weights stored blocked [out/lanes, in, lanes] (models/projection.py); 0: plain
@@ -138,3 +138,8 @@ class Storage:
     def table_is_head(self, tied: bool) -> bool:
         """Does the LM head project onto the embedding table itself (so store it blocked)?"""
         return tied and not self.fp8_head
+
+
+# rotated keys' per-layer graph inputs ([KV, D] each, `model.layers.N.self_attn.<name>`) and the
+# Storage field each comes from: the mean key before RoPE, the key at position 0, the weights
+KEY_FORMS = {"k_offset": "k_offsets", "k_first": "k_firsts", "k_smooth": "k_smooth"}

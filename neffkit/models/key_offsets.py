@@ -70,7 +70,14 @@ class KeyOffsets:
         mean does not fit and whose rounding would move every score of a sink-heavy layer)."""
         p = f"model.layers.{layer}.self_attn"
         mean, first = step.w[f"{p}.k_offset"], step.w[f"{p}.k_first"]
-        mean = mean.to(step.cos.dtype).expand(*step.positions.shape, *mean.shape)
-        _, offsets = self.positional(mean, mean, layer, step)
-        first = first.to(offsets.dtype)
-        return torch.where((step.positions == 0)[..., None, None], first, offsets)
+        return offsets_at(self.positional, layer, step, mean, first)
+
+
+def offsets_at(positional, layer: int, step: Step, mean: torch.Tensor, first: torch.Tensor):
+    """The offsets [B, T, KV, D] at the step's positions from a layer's mean key before its
+    positional encoding and its first key [KV, D], through `positional` (the layer's own; the
+    calibration's before it watches the layer)."""
+    mean = mean.to(step.cos.dtype).expand(*step.positions.shape, *mean.shape)
+    _, offsets = positional(mean, mean, layer, step)
+    first = first.to(offsets.dtype)
+    return torch.where((step.positions == 0)[..., None, None], first, offsets)

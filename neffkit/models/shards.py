@@ -25,6 +25,7 @@ import torch
 
 from neffkit.errors import ModelError
 from neffkit.models.config import ModelConfig
+from neffkit.models.forms import KEY_FORMS
 from neffkit.models.parallel import Parallelism
 from neffkit.models.rope_scaling import rope_frequencies
 
@@ -33,8 +34,6 @@ ROPE_LOCAL_INV_FREQ = "rope.local_inv_freq"  # the sliding layers' own (Gemma 3)
 FP8_SCALE = ".scale"  # `<weight>.scale`: the float32 block scales beside an fp8 weight input
 # the rotation an fp8 cache's keys and queries take (kv_cache.rotate_keys: kernels/kv.py)
 K_ROTATION = "kv.k_rotation"
-# per layer [KV, D] beside it: the mean key before RoPE, the key at position 0, the weights
-KEY_FORMS = ("k_offset", "k_first", "k_smooth")
 FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ, ROPE_LOCAL_INV_FREQ, K_ROTATION})
 # DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales and key forms
 FLOAT32_SUFFIXES = (

@@ -25,18 +25,11 @@ from neffkit.kernels.quant import (
     scale_grid,
 )
 from neffkit.models.config import ModelConfig
-from neffkit.models.forms import TIED_TABLE, Storage, blocked_shape, blocks
+from neffkit.models.forms import KEY_FORMS, TIED_TABLE, Storage, blocked_shape, blocks
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import to_blocked
 from neffkit.models.registry import shards_class
-from neffkit.models.shards import (
-    FP8_SCALE,
-    K_ROTATION,
-    KEY_FORMS,
-    Named,
-    keeps_float32,
-    kv_scale_name,
-)
+from neffkit.models.shards import FP8_SCALE, K_ROTATION, Named, keeps_float32, kv_scale_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +73,7 @@ def calibrated_tensors(cfg: ModelConfig, storage: Storage) -> dict[str, torch.Te
     if not storage.rotate_keys:
         return out
     heads = (cfg.num_kv_heads, cfg.head_dim)
-    for name, per_layer in zip(KEY_FORMS, ("k_offsets", "k_firsts", "k_smooth"), strict=True):
+    for name, per_layer in KEY_FORMS.items():
         values = getattr(storage, per_layer) or (None,) * cfg.num_layers
         for layer, value in enumerate(values):
             out[f"model.layers.{layer}.self_attn.{name}"] = _values(value, heads)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from neffkit.models.forms import KEY_FORMS
 from neffkit.platform import cpu_kernels
 from tests.conftest import (
     COMMON,
@@ -449,9 +450,6 @@ def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
     assert _run(result.bundle, prompts) == want
 
 
-KEY_FORMS = ("k_offset", "k_first", "k_smooth")
-
-
 def _schema() -> dict:
     import json
 
@@ -635,7 +633,7 @@ def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model
         p = f"model.layers.{layer}.self_attn"
         assert weights[f"{p}.k_scale"].tolist() == [pytest.approx(k_scale)]
         assert weights[f"{p}.v_scale"].tolist() == [pytest.approx(v_scale)]
-        for name, field in zip(KEY_FORMS, ("k_offsets", "k_firsts", "k_smooth"), strict=True):
+        for name, field in KEY_FORMS.items():
             values = weights[f"{p}.{name}"].flatten().tolist()
             assert values == pytest.approx(measured[field][layer])
     # kv_cache.rotate_keys: false stores keys as they are: vLLM's max |K| / 200

@@ -26,21 +26,19 @@ class GemmaGraph(LlamaGraph):
 
     def _step(self, m, w, rank, caches, dtype) -> Step:
         step = super()._step(m, w, rank, caches, dtype)
-        if ROPE_LOCAL_INV_FREQ in w:  # the sliding layers' own rotation (Gemma 3)
-            positions = m[abi.POSITIONS]
-            step.local_rope = rope_cos_sin(
-                positions, w[ROPE_LOCAL_INV_FREQ], self.local_attention_factor, dtype
-            )
+        step.local_rope = self.local_rope(m[abi.POSITIONS], w, dtype)
         return step
 
     def at_positions(self, step: Step, positions: torch.Tensor) -> Step:
         moved = super().at_positions(step, positions)
-        if ROPE_LOCAL_INV_FREQ in step.w:  # as _step: the sliding layers' own rotation
-            moved.local_rope = rope_cos_sin(
-                positions, step.w[ROPE_LOCAL_INV_FREQ], self.local_attention_factor,
-                step.cos.dtype,
-            )  # fmt: skip
+        moved.local_rope = self.local_rope(positions, step.w, step.cos.dtype)
         return moved
+
+    def local_rope(self, positions, w, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sliding layers' own rotation at `positions` (Gemma 3; None: Gemma 2's one)."""
+        if ROPE_LOCAL_INV_FREQ not in w:
+            return None
+        return rope_cos_sin(positions, w[ROPE_LOCAL_INV_FREQ], self.local_attention_factor, dtype)
 
     def rope(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         sliding = self.cfg.sliding_windows[layer] is not None
