@@ -85,8 +85,10 @@ peers-venv:
 		.venv-peers/bin/pip install -q onnxruntime-genai onnx onnx_ir 'optimum-intel[openvino]' \
 			openvino-genai)
 
+# `make peers PEERS_RESULT=peers_intel` keeps a second host's figures beside the first's
+PEERS_RESULT ?= peers
 peers: setup-test peers-venv
-	$(PY) bench/peers.py
+	$(PY) bench/peers.py --result $(PEERS_RESULT)
 
 # llama.cpp beside neffkit on the demo's checkpoint (builds llama.cpp from source: needs cmake)
 llamacpp: setup-test $(DEMO_STAMP)

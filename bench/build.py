@@ -2,7 +2,9 @@
 CI-matrix shards + assembly, and a Ray two-node cluster (its overhead, on one machine); with
 `--large`, build memory and per-rank shard sizes on a 1.24B-parameter checkpoint.
 
-Each cold build gets an empty cache directory; the warm rebuild reuses the --jobs 2 cache. Runs the
+Each cold build gets empty caches: its own artifact cache, and its own Inductor cache and kernel
+library with its autotune measurements (bench/common.py `cold_env`), so that no cold build finds
+what an earlier one compiled or measured; the warm rebuild reuses the --jobs 2 build's. Runs the
 real CLI in subprocesses, one after another, in one invocation. `--large` makes a random
 Llama-3.2-1B-shaped bf16 checkpoint (tools/make_large_model.py), builds it cold for cpu (the main
 process's peak RSS per stage against its largest tensor), rebuilds it with --verify, and lowers it
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -26,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, write_result  # noqa: E402
+from common import REPO, cold_env, write_result  # noqa: E402
 
 
 def timed_build(
-    manifest: Path, out: Path, cache: Path | None, jobs: int, *extra: str
+    manifest: Path, out: Path, cache: Path | None, jobs: int, *extra: str, env: dict[str, str]
 ) -> tuple[float, dict]:
     cmd = [
         sys.executable,
@@ -47,7 +50,7 @@ def timed_build(
         *extra,
     ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=True, env=env)
     return time.perf_counter() - t0, json.loads(proc.stdout)
 
 
@@ -75,15 +78,16 @@ def large() -> None:
         root = Path(tmp)
         cpu = root / "cpu.yaml"
         cpu.write_text(LARGE_MANIFEST.format(suffix="", model=LARGE, extra=""))
-        cold, r1 = timed_build(cpu, root / "b1", root / "cache", jobs=2)
-        verify, r2 = timed_build(cpu, root / "b2", root / "cache", 2, "--verify")
+        env = cold_env(root / "caches")
+        cold, r1 = timed_build(cpu, root / "b1", root / "cache", 2, env=env)
+        verify, r2 = timed_build(cpu, root / "b2", root / "cache", 2, "--verify", env=env)
         verified = json.loads((root / "b2" / "bundle.json").read_text())["graphs"]
         shutil.rmtree(root / "b1")
         shutil.rmtree(root / "b2")
         tp8 = root / "tp8.yaml"
         extra = "target: neuron\nneuron: {target: trn2}\nparallel: {tp: 8}"
         tp8.write_text(LARGE_MANIFEST.format(suffix="-tp8", model=LARGE, extra=extra))
-        lowered, r3 = timed_build(tp8, root / "b3", None, 2, "--lower-only")
+        lowered, r3 = timed_build(tp8, root / "b3", None, 2, "--lower-only", env=env)
         shards = sorted((root / "b3" / "weights").glob("rank*.safetensors"))
         shard_bytes = [p.stat().st_size for p in shards]
     total = (LARGE / "model.safetensors").stat().st_size
@@ -113,16 +117,19 @@ def sharded_build(manifest: Path, root: Path) -> dict[str, float | int]:
     """Two CI-matrix shards (`--shard k/2 -j 1`, run at once) into one fresh cache, then the
     assembling build: what a 2-job matrix costs on this one machine."""
     cache = root / "shard-cache"
+    env = cold_env(root / "shard-caches")  # one host: the two shards share its caches
     cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "--cache", str(cache),
            "-j", "1", "--json"]  # fmt: skip
     t0 = time.perf_counter()
     procs = [
-        subprocess.Popen([*cmd, "--shard", f"{k}/2"], stdout=subprocess.PIPE, cwd=REPO, text=True)
+        subprocess.Popen(
+            [*cmd, "--shard", f"{k}/2"], stdout=subprocess.PIPE, cwd=REPO, text=True, env=env
+        )
         for k in (1, 2)
     ]
     compiled = [json.loads(p.communicate()[0])["counters"]["compiled"] for p in procs]
     wall = time.perf_counter() - t0
-    assembly, report = timed_build(manifest, root / "assembled", cache, jobs=2)
+    assembly, report = timed_build(manifest, root / "assembled", cache, 2, env=env)
     return {
         "shards_wall_s": round(wall, 2),
         "shards_compiled": compiled,
@@ -137,16 +144,23 @@ def cluster_build(manifest: Path, root: Path) -> dict[str, Any]:
     on one host it can only show Ray's overhead against the local process pool."""
     from ray.cluster_utils import Cluster
 
+    env = cold_env(root / "cluster-caches")
+    saved = dict(os.environ)
+    os.environ.update(env)  # the nodes' workers, which compile, inherit it from this process
     started = time.perf_counter()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
+    try:
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         up = time.perf_counter() - started
         cold, report = timed_build(
-            manifest, root / "clustered", None, 2, "--cluster", cluster.address
+            manifest, root / "clustered", None, 2, "--cluster", cluster.address, env=env
         )
     finally:
         cluster.shutdown()
@@ -167,9 +181,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        cold1, r1 = timed_build(args.manifest, root / "b1", root / "cache1", jobs=1)
-        cold2, r2 = timed_build(args.manifest, root / "b2", root / "cache2", jobs=2)
-        warm, r3 = timed_build(args.manifest, root / "b3", root / "cache2", jobs=2)
+        env1, env2 = cold_env(root / "caches1"), cold_env(root / "caches2")
+        cold1, r1 = timed_build(args.manifest, root / "b1", root / "cache1", 1, env=env1)
+        cold2, r2 = timed_build(args.manifest, root / "b2", root / "cache2", 2, env=env2)
+        warm, r3 = timed_build(args.manifest, root / "b3", root / "cache2", 2, env=env2)
         shards = sharded_build(args.manifest, root)
         cluster = cluster_build(args.manifest, root)
     graphs = r1["counters"]["graphs"]

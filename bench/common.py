@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,16 @@ def ensure_bundle(manifest: Path, bundle: Path) -> Path:
     cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", str(bundle)]
     subprocess.run(cmd, check=True, cwd=REPO)
     return bundle
+
+
+def cold_env(root: Path) -> dict[str, str]:
+    """The environment of a build that finds no cache at all. `--no-cache` (or a fresh `--cache`)
+    empties only neffkit's artifact cache; Inductor's compiled-graph cache and the kernel library
+    with its autotune measurements (`NEFFKIT_KERNEL_CACHE`) live outside it, so without this a
+    second "cold" build of the same model on one host is partly warm."""
+    root.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "NEFFKIT_KERNEL_CACHE": str(root / "kernels")}  # fmt: skip
 
 
 def decode_step_times(engine: Any, prompts: list[list[int]], steps: int) -> list[float]:

@@ -7,13 +7,15 @@ exporters convert one. The peers run in `.venv-peers` (optimum-intel pins its ow
 `make peers-venv`) through bench/peers_worker.py; neffkit runs here on bench/batch.py's manifest
 with packed prefill (`prefill_batch: [1, 8]`).
 
-Reported: build time; batch 1: per-token decode (median step, prefill excluded); batch 8: eight
+Reported: build time (cold: every cache empty, Inductor's and the kernel autotuning's included);
+batch 1: per-token decode (median step, prefill excluded); batch 8: eight
 4-token prompts, 48 new tokens each, end to end (prefill included), aggregate tokens/s (OpenVINO:
 its ContinuousBatchingPipeline; ONNX Runtime GenAI: one batched generator; neffkit:
 `LLM.generate`). Each peer's greedy tokens are checked against HF transformers on the same ids.
-Rounds alternate systems; medians. Writes bench/results/peers.json.
+Rounds alternate systems; medians. Writes bench/results/peers.json; `--result peers_intel` keeps a
+second host's run beside it (docs/performance.md shows both).
 
-    .venv/bin/python bench/peers.py [--rounds 3]
+    .venv/bin/python bench/peers.py [--rounds 3] [--result peers]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import MANIFEST, checkpoint  # noqa: E402
-from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, cold_env, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "peers"
 PEERS_PY = REPO / ".venv-peers" / "bin" / "python"
@@ -87,10 +89,11 @@ def bundle(dtype: str) -> Path:
 def neffkit_build_seconds(dtype: str) -> float:
     manifest = neffkit_manifest(dtype)
     with tempfile.TemporaryDirectory() as tmp:
+        env = cold_env(Path(tmp) / "caches")  # cold as on a fresh CI runner, every run
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", f"{tmp}/b",
                "--no-cache"]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
+        subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, env=env)
         return time.perf_counter() - t0
 
 
@@ -116,6 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2, help="runs per round inside each system")
+    ap.add_argument("--result", default="peers", help="name of the bench/results/*.json written")
     args = ap.parse_args()
     if not PEERS_PY.exists():
         raise SystemExit(f"{PEERS_PY}: missing; run `make peers-venv` first")
@@ -202,7 +206,7 @@ def main() -> None:
         "notes": notes,
     }
     print(json.dumps(result, indent=2))
-    print(f"wrote {write_result('peers', result)}")
+    print(f"wrote {write_result(args.result, result)}")
 
 
 if __name__ == "__main__":

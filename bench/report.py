@@ -39,6 +39,11 @@ def _machine(d: dict[str, Any]) -> str:
     return f"{m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
 
 
+def _cpu(d: dict[str, Any]) -> str:
+    m = d.get("machine", {})
+    return f"{m.get('cpu', '?')}, {m.get('threads', '?')} threads"
+
+
 def decode(d: dict[str, Any]) -> str:
     rows = [
         [
@@ -149,9 +154,9 @@ def startup(d: dict[str, Any]) -> str:
 
 def roofline(d: dict[str, Any]) -> str:
     return (
-        "**Roofline** (`bench/roofline.py`): batch-1 decode of a "
+        f"**Roofline on {_cpu(d)}** (`bench/roofline.py`): batch-1 decode of a "
         f"{d['parameters'] / 1e6:.0f}M-parameter Llama (fp32, random weights) reads "
-        f"{d['bytes_per_token'] / 1e6:.0f} MB per token; at this machine's measured read "
+        f"{d['bytes_per_token'] / 1e6:.0f} MB per token; at that machine's measured read "
         f"bandwidth of {d['read_bandwidth_gb_s']:.1f} GB/s that bounds a token at "
         f"{d['bound_ms']:.2f} ms. neffkit takes {d['measured_ms']:.2f} ms: "
         f"**{d['fraction_of_roofline']:.0%} of the roofline** (target ≥ 85%)."
@@ -169,7 +174,8 @@ def matrix(d: dict[str, Any]) -> str:
 
 def build(d: dict[str, Any]) -> str:
     return (
-        f"**Build** (`bench/build.py`): the demo manifest's {d['graphs']} graphs cold in "
+        f"**Build on {_cpu(d)}** (`bench/build.py`; cold: every cache empty, Inductor's and "
+        f"the kernel autotuning's too): the demo manifest's {d['graphs']} graphs cold in "
         f"{d['cold_jobs1_s']:.1f} s with `-j 1` and {d['cold_jobs2_s']:.1f} s with `-j 2` "
         f"({d['speedup_jobs2']:.2f}×); a warm rebuild takes {d['warm_rebuild_s']:.1f} s "
         f"({d['warm_fraction_of_cold_jobs2']:.1%} of cold, {d['warm_compiled']} compiled"
@@ -184,7 +190,7 @@ def build(d: dict[str, Any]) -> str:
             else ""
         )
         + (
-            f" Through a two-node Ray cluster on this machine (one CPU a node; started in "
+            f" Through a two-node Ray cluster on that machine (one CPU a node; started in "
             f"{d['cluster_start_s']:.1f} s, not counted) the cold build takes "
             f"{d['cluster_cold_s']:.1f} s, {d['cluster_over_cold_jobs2']:.2f}× the local pool "
             "(one machine has no more cores to offer: what this shows is that Ray's overhead is "
@@ -227,9 +233,10 @@ def peers(d: dict[str, Any]) -> str:
                        for k, v in d["build_s"].items())  # fmt: skip
     notes = " ".join(d.get("notes", []))
     return (
-        "**Against the ahead-of-time CPU peers** (`bench/peers.py`, same 125M checkpoint, same "
-        f"run, {d['rounds']} alternating rounds): batch 1 is the median decode step; batch 8 is "
-        f"{d['prompts']} prompts × {d['new_tokens']} new tokens end to end (prefill included; "
+        f"**Against the ahead-of-time CPU peers on {_cpu(d)}** (`bench/peers.py`, same 125M "
+        f"checkpoint, same run, {d['rounds']} alternating rounds): batch 1 is the median decode "
+        f"step; batch 8 is {d['prompts']} prompts × {d['new_tokens']} new tokens end to end "
+        "(prefill included; "
         "OpenVINO through its ContinuousBatchingPipeline, neffkit with packed prefill, "
         "`prefill_batch: [1, 8]`). Greedy tokens against HF transformers "
         f"(fp32 reference; bf16 rounding flips some). Builds: {builds}."
@@ -623,10 +630,12 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("overhead", overhead),
     ("startup", startup),
     ("roofline", roofline),
+    ("roofline_intel", roofline),
     ("matrix", matrix),
     ("build", build),
     ("build_large", build_large),
     ("peers", peers),
+    ("peers_intel", peers),
     ("llamacpp", llamacpp),
     ("fp8", fp8),
     ("tp", tp),

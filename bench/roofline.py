@@ -6,7 +6,7 @@ multi-threaded reduction over a buffer far larger than the caches), builds a ran
 134M-parameter Llama (fp32, 12 layers, hidden 768, vocab 32000), times neffkit's decode step, and
 reports the achieved fraction of the bandwidth-bound time.
 
-    python bench/roofline.py [--context 64] [--steps 64]
+    python bench/roofline.py [--context 64] [--steps 64] [--result roofline]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=64, help="tokens already in the cache")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--result", default="roofline", help="name of the bench/results/*.json written")
     args = ap.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model = make_model(WORK / "roofline-134m")
@@ -106,7 +107,7 @@ def main() -> None:
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s → bound {1e3 * bound:.2f} ms/token; "
         f"neffkit {1e3 * measured:.2f} ms/token = {100 * bound / measured:.0f}% of the roofline"
     )
-    print(f"written {write_result('roofline', result)}")
+    print(f"written {write_result(args.result, result)}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ from neffkit.cli.app import cli, console
     help="Artifact cache: a directory or an fsspec URL such as s3://bucket/prefix "
     "(default: $NEFFKIT_CACHE or ~/.cache/neffkit).",
 )
-@click.option("--no-cache", is_flag=True, help="Compile everything; read and write no cache.")
+@click.option(
+    "--no-cache", is_flag=True, help="Compile everything; read and write no artifact cache."
+)
 @click.option(
     "--cache-readonly",
     is_flag=True,
