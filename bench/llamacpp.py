@@ -17,10 +17,11 @@ Reported, rounds alternating the systems, medians:
   (32-token prompts, 64 tokens out, greedy, ignore_eos);
 - greedy tokens of both against HF transformers (float32) on chat prompts, up to EOS.
 
-Writes bench/results/llamacpp.json. Everything is fetched and built under bench/work/llamacpp
+Writes bench/results/llamacpp.json (`--result llamacpp_intel`: a second host's figures kept
+beside the first's). Everything is fetched and built under bench/work/llamacpp
 once (the llama.cpp build takes ~15 min on 2 cores).
 
-    make llamacpp    # or: .venv/bin/python bench/llamacpp.py [--rounds 3] [--skip-serve]
+    make llamacpp  # or: .venv/bin/python bench/llamacpp.py [--rounds 3] [--skip-serve] [--result N]
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +181,22 @@ def llama_b8_tokens_per_s(binary: Path, model: Path) -> float:
     return row["pl"] * row["tg"] / row["t"]  # output tokens, as neffkit's figure counts
 
 
+def guarded(failures: dict[str, str], name: str, figure: Callable[[], Any]) -> Any:
+    """A llama.cpp figure, or None once llama.cpp has died by a signal on it on this host (a
+    crash is a result too: it is recorded, and the other figures are still measured)."""
+    if name in failures:
+        return None
+    try:
+        return figure()
+    except subprocess.CalledProcessError as exc:
+        if exc.returncode >= 0:
+            raise
+        failures[name] = f"{Path(exc.cmd[0]).name} died by {signal.Signals(-exc.returncode).name}"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:  # llama-server died mid-request
+        failures[name] = f"llama-server: {type(exc).__name__}: {exc}"
+    return None
+
+
 def neffkit_b1_ms(llm: Any) -> float:
     return 1000 * median(decode_step_times(llm.core, PROMPTS[:1], B1_TOKENS))
 
@@ -203,6 +222,8 @@ class LlamaServer:
     def __enter__(self) -> LlamaServer:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(600):
+            if self.proc.poll() is not None:  # died starting (a signal: negative)
+                raise subprocess.CalledProcessError(self.proc.returncode, self.cmd)
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
@@ -281,8 +302,13 @@ def agreement(got: list[list[int]], want: list[list[int]], eos: set[int]) -> dic
             "reference_tokens": sum(len(w) for w in want)}  # fmt: skip
 
 
+def llama_greedy(server: Path, model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    with LlamaServer(server, model, parallel=1) as srv:
+        return [srv.greedy(p, GREEDY_TOKENS) for p in prompts]
+
+
 def greedy_against_hf(
-    llms: dict[str, Any], server: Path, ggufs: dict[str, Path]
+    llms: dict[str, Any], server: Path, ggufs: dict[str, Path], failures: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
     from neffkit.runtime.sampling_params import SamplingParams
 
@@ -296,21 +322,27 @@ def greedy_against_hf(
     for kind, llm in llms.items():
         got = [list(s.output_ids) for s in llm.generate(prompts, params)]
         out[f"neffkit_{kind}"] = agreement(got, reference, eos)
-        with LlamaServer(server, ggufs[kind], parallel=1) as srv:
-            got = [srv.greedy(p, GREEDY_TOKENS) for p in prompts]
-        out[f"llamacpp_{KINDS[kind]}"] = agreement(got, reference, eos)
+        got = guarded(failures, f"{KINDS[kind]} greedy",
+                      lambda kind=kind: llama_greedy(server, ggufs[kind], prompts))  # fmt: skip
+        if got is not None:
+            out[f"llamacpp_{KINDS[kind]}"] = agreement(got, reference, eos)
     return out
 
 
 # ------------------------------------------------------------------ the run
-def one_round(bins: dict[str, Path], model: Path, llm: Any) -> dict[tuple[str, str], float]:
+def one_round(
+    bins: dict[str, Path], kind: str, model: Path, llm: Any, failures: dict[str, str]
+) -> dict[tuple[str, str], float | None]:
     """Each figure once, llama.cpp and neffkit alternating."""
+    bench, batched = bins["llama-bench"], bins["llama-batched-bench"]
     return {
-        ("llamacpp", "b1"): llama_b1_ms(bins["llama-bench"], model),
+        ("llamacpp", "b1"): guarded(failures, f"{KINDS[kind]} b1",
+                                    lambda: llama_b1_ms(bench, model)),
         ("neffkit", "b1"): neffkit_b1_ms(llm),
-        ("llamacpp", "b8"): llama_b8_tokens_per_s(bins["llama-batched-bench"], model),
+        ("llamacpp", "b8"): guarded(failures, f"{KINDS[kind]} b8",
+                                    lambda: llama_b8_tokens_per_s(batched, model)),
         ("neffkit", "b8"): neffkit_b8_tokens_per_s(llm),
-    }
+    }  # fmt: skip
 
 
 def serving(
@@ -331,11 +363,20 @@ def serving(
     return {s: {k: round(median(v), 1) for k, v in d.items()} for s, d in samples.items()}
 
 
+def _median(samples: dict[tuple[str, str, str], list[float]], *key: str) -> float | None:
+    return median(samples[key]) if key in samples else None  # none: llama.cpp died on each
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--result", default="llamacpp", help="name of the bench/results/*.json written")
     args = ap.parse_args()
     import torch
 
@@ -350,23 +391,25 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     llms = {kind: LLM(load(path)) for kind, path in bundles.items()}
     samples: dict[tuple[str, str, str], list[float]] = {}
+    failures: dict[str, str] = {}
     for r in range(args.rounds):  # alternate: the machine's noise hits both alike
         for kind in KINDS:
-            for key, value in one_round(bins, ggufs[kind], llms[kind]).items():
-                samples.setdefault((kind, *key), []).append(value)
+            for key, value in one_round(bins, kind, ggufs[kind], llms[kind], failures).items():
+                if value is not None:
+                    samples.setdefault((kind, *key), []).append(value)
         print(f"round {r + 1}: " + ", ".join(f"{'/'.join(k)} {v[-1]:.2f}"
                                              for k, v in samples.items()), flush=True)  # fmt: skip
     rows = {}
     for kind, outtype in KINDS.items():
-        ours_b1, theirs_b1 = (median(samples[kind, s, "b1"]) for s in ("neffkit", "llamacpp"))
-        ours_b8, theirs_b8 = (median(samples[kind, s, "b8"]) for s in ("neffkit", "llamacpp"))
+        ours_b1, theirs_b1 = (_median(samples, kind, s, "b1") for s in ("neffkit", "llamacpp"))
+        ours_b8, theirs_b8 = (_median(samples, kind, s, "b8") for s in ("neffkit", "llamacpp"))
         rows[kind] = {
             "llamacpp_type": outtype,
-            "neffkit_b1_ms": round(ours_b1, 2), "llamacpp_b1_ms": round(theirs_b1, 2),
-            "b1_speed_relative": round(theirs_b1 / ours_b1, 3),
-            "neffkit_b8_tokens_per_s": round(ours_b8, 1),
-            "llamacpp_b8_tokens_per_s": round(theirs_b8, 1),
-            "b8_speed_relative": round(ours_b8 / theirs_b8, 3),
+            "neffkit_b1_ms": _round(ours_b1, 2), "llamacpp_b1_ms": _round(theirs_b1, 2),
+            "b1_speed_relative": theirs_b1 and _round(theirs_b1 / ours_b1, 3),
+            "neffkit_b8_tokens_per_s": _round(ours_b8, 1),
+            "llamacpp_b8_tokens_per_s": _round(theirs_b8, 1),
+            "b8_speed_relative": theirs_b8 and _round(ours_b8 / theirs_b8, 3),
         }  # fmt: skip
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (models/smollm2-135m-instruct)",
@@ -374,9 +417,10 @@ def main() -> None:
         "threads": THREADS, "rounds": args.rounds,
         "b8_work": f"{len(PROMPTS)} prompts x (4 tokens + {NEW_TOKENS} new)",
         "rows": rows,
-        "greedy_vs_hf": greedy_against_hf(llms, bins["llama-server"], ggufs),
+        "greedy_vs_hf": greedy_against_hf(llms, bins["llama-server"], ggufs, failures),
+        "llamacpp_failures": failures,
     }  # fmt: skip
-    write_result("llamacpp", result)  # the offline figures, whatever serving does
+    write_result(args.result, result)  # the offline figures, whatever serving does
     if not args.skip_serve:
         del llms  # the servers load their own copies
         result["serving"] = {
@@ -384,7 +428,7 @@ def main() -> None:
             for kind in ("float32", "bfloat16")
         }
     print(json.dumps(result, indent=2))
-    print(f"written {write_result('llamacpp', result)}")
+    print(f"written {write_result(args.result, result)}")
 
 
 if __name__ == "__main__":

@@ -271,21 +271,32 @@ def _peer_ratios(systems: dict[str, Any]) -> str:
 
 def llamacpp(d: dict[str, Any]) -> str:
     names = {"float32": "fp32 / f32", "bfloat16": "bf16 / bf16", "fp8": "fp8 (128x128) / Q8_0"}
+
+    def cell(value: float | None, form: str) -> str:  # None: llama.cpp crashed there
+        return "crashed" if value is None else format(value, form)
+
     rows = [
-        [names.get(k, k), f"{r['neffkit_b1_ms']:.2f}", f"{r['llamacpp_b1_ms']:.2f}",
-         f"{r['b1_speed_relative']:.2f}×", f"{r['neffkit_b8_tokens_per_s']:.0f}",
-         f"{r['llamacpp_b8_tokens_per_s']:.0f}", f"{r['b8_speed_relative']:.2f}×"]
+        [names.get(k, k), f"{r['neffkit_b1_ms']:.2f}", cell(r["llamacpp_b1_ms"], ".2f"),
+         cell(r["b1_speed_relative"], ".2f") + "×" * (r["b1_speed_relative"] is not None),
+         f"{r['neffkit_b8_tokens_per_s']:.0f}", cell(r["llamacpp_b8_tokens_per_s"], ".0f"),
+         cell(r["b8_speed_relative"], ".2f") + "×" * (r["b8_speed_relative"] is not None)]
         for k, r in d["rows"].items()
     ]  # fmt: skip
     text = (
-        f"**Against llama.cpp** (`bench/llamacpp.py`, {d['model'].split(' (')[0]}, the same "
-        f"weights converted by llama.cpp's own converter; {d['llama_cpp']}; {d['threads']} "
-        f"threads each, {d['rounds']} alternating rounds, medians). Batch 1: ms per token "
-        "(`llama-bench -p 0 -n 64`; neffkit's median decode step). Batch 8: "
+        f"**Against llama.cpp on {_cpu(d)}** (`bench/llamacpp.py`, "
+        f"{d['model'].split(' (')[0]}, the same weights converted by llama.cpp's own "
+        f"converter; {d['llama_cpp']}; {d['threads']} threads each, {d['rounds']} alternating "
+        "rounds, medians). Batch 1: ms per token (`llama-bench -p 0 -n 64`; neffkit's median "
+        "decode step). Batch 8: "
         f"{d['b8_work']}, end to end, output tokens/s (`llama-batched-bench`; neffkit "
         "`LLM.generate` with packed prefill). neffkit's fp8 bundle has block-fp8 projections "
         "and LM head (`lm_head: {dtype: float8_e4m3fn}`), as Q8_0 quantizes the output tensor "
-        "too. Relative: neffkit's speed over llama.cpp's (> 1× is faster).\n\n"
+        "too. Relative: neffkit's speed over llama.cpp's (> 1× is faster)."
+        + "".join(
+            f" llama.cpp {k}: {v} (so no figure)."
+            for k, v in d.get("llamacpp_failures", {}).items()
+        )
+        + "\n\n"
         + _table(
             [
                 "neffkit / llama.cpp weights",
@@ -637,6 +648,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("peers", peers),
     ("peers_intel", peers),
     ("llamacpp", llamacpp),
+    ("llamacpp_intel", llamacpp),
     ("fp8", fp8),
     ("tp", tp),
     ("batch", batch),
