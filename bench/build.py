@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cold_env, write_result  # noqa: E402
@@ -145,16 +146,11 @@ def cluster_build(manifest: Path, root: Path) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     env = cold_env(root / "cluster-caches")
-    saved = dict(os.environ)
-    os.environ.update(env)  # the nodes' workers, which compile, inherit it from this process
     started = time.perf_counter()
-    try:
+    with patch.dict(os.environ, env):  # the nodes' workers, which compile, inherit it
         cluster = Cluster(
             initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
         )
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()

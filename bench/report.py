@@ -272,14 +272,13 @@ def _peer_ratios(systems: dict[str, Any]) -> str:
 def llamacpp(d: dict[str, Any]) -> str:
     names = {"float32": "fp32 / f32", "bfloat16": "bf16 / bf16", "fp8": "fp8 (128x128) / Q8_0"}
 
-    def cell(value: float | None, form: str) -> str:  # None: llama.cpp crashed there
-        return "crashed" if value is None else format(value, form)
+    def cell(value: float | None, form: str, unit: str = "") -> str:  # None: llama.cpp crashed
+        return "crashed" if value is None else format(value, form) + unit
 
     rows = [
         [names.get(k, k), f"{r['neffkit_b1_ms']:.2f}", cell(r["llamacpp_b1_ms"], ".2f"),
-         cell(r["b1_speed_relative"], ".2f") + "×" * (r["b1_speed_relative"] is not None),
-         f"{r['neffkit_b8_tokens_per_s']:.0f}", cell(r["llamacpp_b8_tokens_per_s"], ".0f"),
-         cell(r["b8_speed_relative"], ".2f") + "×" * (r["b8_speed_relative"] is not None)]
+         cell(r["b1_speed_relative"], ".2f", "×"), f"{r['neffkit_b8_tokens_per_s']:.0f}",
+         cell(r["llamacpp_b8_tokens_per_s"], ".0f"), cell(r["b8_speed_relative"], ".2f", "×")]
         for k, r in d["rows"].items()
     ]  # fmt: skip
     text = (
