@@ -147,19 +147,20 @@ def cluster_build(manifest: Path, root: Path) -> dict[str, Any]:
 
     env = cold_env(root / "cluster-caches")
     started = time.perf_counter()
-    with patch.dict(os.environ, env):  # the nodes' workers, which compile, inherit it
+    # both nodes' workers, which compile, inherit it from this process as each node starts
+    with patch.dict(os.environ, env):
         cluster = Cluster(
             initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
         )
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        up = time.perf_counter() - started
-        cold, report = timed_build(
-            manifest, root / "clustered", None, 2, "--cluster", cluster.address, env=env
-        )
-    finally:
-        cluster.shutdown()
+        try:
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            up = time.perf_counter() - started
+            cold, report = timed_build(
+                manifest, root / "clustered", None, 2, "--cluster", cluster.address, env=env
+            )
+        finally:
+            cluster.shutdown()
     return {
         "cluster_start_s": round(up, 2),
         "cluster_cold_s": round(cold, 2),
