@@ -24,9 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "batch"
-SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-             num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
-             max_position_embeddings=1024, tie_word_embeddings=False)  # fmt: skip
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 BATCHES = (1, 4, 8)
 DTYPES = ("float32", "bfloat16")
 VARIANTS = {"inductor": "off", "kernel": "auto"}  # label → compiler.cpu_kernel

@@ -71,8 +71,17 @@ def bf16_bundle(model_dir: Path, name: str) -> Path:
 
 
 def neffkit_greedy(bundle: Path, prompts: list[list[int]]) -> list[list[int]]:
-    cmd = [sys.executable, "-m", "neffkit", "run", str(bundle), "--max-tokens", str(TOKENS),
-           "--ignore-eos", "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "run",
+        str(bundle),
+        "--max-tokens",
+        str(TOKENS),
+        "--ignore-eos",
+        "--json",
+    ]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout
@@ -87,8 +96,13 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], dtype: torch.dtype) -> 
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=TOKENS, min_new_tokens=TOKENS)  # fmt: skip
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=TOKENS,
+                min_new_tokens=TOKENS,
+            )
         outs.append(out[0, len(prompt) :].tolist())
     return outs
 

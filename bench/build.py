@@ -119,8 +119,18 @@ def sharded_build(manifest: Path, root: Path) -> dict[str, float | int]:
     assembling build: what a 2-job matrix costs on this one machine."""
     cache = root / "shard-cache"
     env = cold_env(root / "shard-caches")  # one host: the two shards share its caches
-    cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "--cache", str(cache),
-           "-j", "1", "--json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "build",
+        str(manifest),
+        "--cache",
+        str(cache),
+        "-j",
+        "1",
+        "--json",
+    ]
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(

@@ -97,20 +97,29 @@ def main() -> None:
                 s["p99"].append(ttft[-1])
     rows = []
     for (name, n, length), s in samples.items():
-        rows.append({
-            "variant": name, "prefill_batch": VARIANTS[name], "arrivals": n,
-            "prompt_len": length, "ttft_p50_ms": 1000 * median(s["p50"]),
-            "ttft_p99_ms": 1000 * median(s["p99"]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "variant": name,
+                "prefill_batch": VARIANTS[name],
+                "arrivals": n,
+                "prompt_len": length,
+                "ttft_p50_ms": 1000 * median(s["p50"]),
+                "ttft_p99_ms": 1000 * median(s["p99"]),
+            }
+        )
         print(
             f"{name:>13}  {n} arrivals x {length:>2} tokens: TTFT p50 "
             f"{rows[-1]['ttft_p50_ms']:7.1f} ms, p99 {rows[-1]['ttft_p99_ms']:7.1f} ms"
         )
     path = write_result(
         "burst",
-        {"model": "llama-125m (bench/batch.py)", "dtype": "float32", "rounds": args.rounds,
-         "rows": rows},
-    )  # fmt: skip
+        {
+            "model": "llama-125m (bench/batch.py)",
+            "dtype": "float32",
+            "rounds": args.rounds,
+            "rows": rows,
+        },
+    )
     print(f"written {path}")
 
 

@@ -32,8 +32,11 @@ def cold_env(root: Path) -> dict[str, str]:
     with its autotune measurements (`NEFFKIT_KERNEL_CACHE`) live outside it, so without this a
     second "cold" build of the same model on one host is partly warm."""
     root.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-            "NEFFKIT_KERNEL_CACHE": str(root / "kernels")}  # fmt: skip
+    return {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+        "NEFFKIT_KERNEL_CACHE": str(root / "kernels"),
+    }
 
 
 def decode_step_times(engine: Any, prompts: list[list[int]], steps: int) -> list[float]:

@@ -88,12 +88,13 @@ def kl_divergences() -> dict:
         "fp8 weights and LM head": (fp8_checkpoint(), "float32", {}, fp8_head),
         "fp8 KV, calibrated scales": (MODEL, "float32", {"dtype": "float8_e4m3fn"}, {}),
         "fp8 KV, calibrated scales, keys as they are": (
-            MODEL, "float32", {"dtype": "float8_e4m3fn", "rotate_keys": False}, {}
+            MODEL,
+            "float32",
+            {"dtype": "float8_e4m3fn", "rotate_keys": False},
+            {},
         ),
-        "fp8 KV, scale 1.0": (
-            MODEL, "float32", {"dtype": "float8_e4m3fn", "calibrate": False}, {}
-        ),
-    }  # fmt: skip
+        "fp8 KV, scale 1.0": (MODEL, "float32", {"dtype": "float8_e4m3fn", "calibrate": False}, {}),
+    }
     out = {}
     for name, (model, dtype, kv, head) in variants.items():
         path = WORK / f"kl-{len(out)}.yaml"

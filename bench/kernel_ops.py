@@ -64,10 +64,12 @@ def timed_ms(fn: Callable[[], object], repeats: int = 30) -> float:
 def layer_projections(kind: str, rounds: int) -> dict[str, dict[str, float]]:
     """One step's layer projections at 1 and 8 rows, per weight and per input."""
     layers = [
-        [[make_weight(out, MLP if i == 3 else HIDDEN, kind) for out in group]
-         for i, group in enumerate(GROUPS)]
+        [
+            [make_weight(out, MLP if i == 3 else HIDDEN, kind) for out in group]
+            for i, group in enumerate(GROUPS)
+        ]
         for _ in range(LAYERS)
-    ]  # fmt: skip
+    ]
     dtype = torch.float32 if kind == "float32" else torch.bfloat16
     out: dict[str, dict[str, float]] = {}
     for rows in (1, 8):

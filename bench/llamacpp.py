@@ -55,8 +55,11 @@ THREADS = 2
 PROMPTS = [[5 + i, 6, 7, 8] for i in range(8)]  # bench/peers.py's batch-8 work
 NEW_TOKENS = 48
 B1_TOKENS = 64
-CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
-         "Explain what a compiler does in two sentences."]  # fmt: skip
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a compiler does in two sentences.",
+]
 GREEDY_TOKENS = 48
 # neffkit kind -> (bundle dtype, llama.cpp GGUF type of the same precision)
 KINDS = {"float32": "f32", "bfloat16": "bf16", "fp8": "q8_0"}
@@ -79,8 +82,20 @@ def source() -> Path:
     src = WORK / "src"
     if not (src / "CMakeLists.txt").exists():
         WORK.mkdir(parents=True, exist_ok=True)
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
-             "-d", WORK])  # fmt: skip
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                SDIST,
+                "-d",
+                WORK,
+            ]
+        )
         archive = next(WORK.glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(archive) as tar:
             tar.extractall(WORK / "sdist", filter="data")
@@ -97,12 +112,29 @@ def binaries() -> dict[str, Path]:
         return found
     if shutil.which("cmake") is None:
         raise SystemExit("llama.cpp needs cmake: apt-get install cmake")
-    run(["cmake", "-S", source(), "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-         "-DGGML_CUDA=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=ON",
-         "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", f"-DLLAMA_BUILD_COMMIT={COMMIT}"],
-        stdout=subprocess.DEVNULL)  # fmt: skip
-    run(["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
-        stdout=subprocess.DEVNULL)  # fmt: skip
+    run(
+        [
+            "cmake",
+            "-S",
+            source(),
+            "-B",
+            build,
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON",
+            "-DGGML_CUDA=OFF",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            f"-DLLAMA_BUILD_COMMIT={COMMIT}",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    run(
+        ["cmake", "--build", build, "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
+        stdout=subprocess.DEVNULL,
+    )
     return found
 
 
@@ -114,8 +146,22 @@ def converter_python() -> Path:
     if not stamp.exists():
         run([sys.executable, "-m", "venv", venv])
         run([python, "-m", "pip", "install", "-q", "torch==2.13.0"])
-        run([python, "-m", "pip", "install", "-q", "transformers==4.57.6", "sentencepiece",
-             "protobuf<5", "numpy", "tqdm", "pyyaml", "requests"])  # fmt: skip
+        run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "transformers==4.57.6",
+                "sentencepiece",
+                "protobuf<5",
+                "numpy",
+                "tqdm",
+                "pyyaml",
+                "requests",
+            ]
+        )
         stamp.touch()
     return python
 
@@ -140,8 +186,18 @@ def gguf(outtype: str) -> Path:
     out = WORK / f"smollm2-135m-instruct-{outtype}.gguf"
     if not out.exists():
         tmp = out.with_suffix(".tmp")
-        run([converter_python(), source() / "convert_hf_to_gguf.py", converter_input(),
-             "--outtype", outtype, "--outfile", tmp], stdout=subprocess.DEVNULL)  # fmt: skip
+        run(
+            [
+                converter_python(),
+                source() / "convert_hf_to_gguf.py",
+                converter_input(),
+                "--outtype",
+                outtype,
+                "--outfile",
+                tmp,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         tmp.rename(out)
     return out
 
@@ -151,8 +207,17 @@ def fp8_checkpoint() -> Path:
     """SmolLM2 with block-fp8 projections (128x128, tools/make_fp8_model.py), made once."""
     model = WORK / "smollm2-fp8"
     if not (model / "config.json").exists():
-        run([sys.executable, REPO / "tools" / "make_fp8_model.py", MODEL, model,
-             "--block", "128", "128"])  # fmt: skip
+        run(
+            [
+                sys.executable,
+                REPO / "tools" / "make_fp8_model.py",
+                MODEL,
+                model,
+                "--block",
+                "128",
+                "128",
+            ]
+        )
     return model
 
 
@@ -168,15 +233,40 @@ def neffkit_bundle(kind: str) -> Path:
 
 # ------------------------------------------------------------------ the measurements
 def llama_b1_ms(binary: Path, model: Path) -> float:
-    out = run([binary, "-m", model, "-p", "0", "-n", B1_TOKENS, "-t", THREADS, "-r", "1",
-               "-o", "json"], capture_output=True, text=True).stdout  # fmt: skip
+    out = run(
+        [binary, "-m", model, "-p", "0", "-n", B1_TOKENS, "-t", THREADS, "-r", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out)[0]["avg_ns"] / B1_TOKENS / 1e6
 
 
 def llama_b8_tokens_per_s(binary: Path, model: Path) -> float:
-    out = run([binary, "-m", model, "-c", "1024", "-b", "512", "-ub", "512", "-npp", "4",
-               "-ntg", NEW_TOKENS, "-npl", len(PROMPTS), "-t", THREADS,
-               "--output-format", "jsonl"], capture_output=True, text=True).stdout  # fmt: skip
+    out = run(
+        [
+            binary,
+            "-m",
+            model,
+            "-c",
+            "1024",
+            "-b",
+            "512",
+            "-ub",
+            "512",
+            "-npp",
+            "4",
+            "-ntg",
+            NEW_TOKENS,
+            "-npl",
+            len(PROMPTS),
+            "-t",
+            THREADS,
+            "--output-format",
+            "jsonl",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout
     row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     return row["pl"] * row["tg"] / row["t"]  # output tokens, as neffkit's figure counts
 
@@ -216,8 +306,20 @@ class LlamaServer:
     def __init__(self, binary: Path, model: Path, parallel: int = 8) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [str(binary), "-m", str(model), "-np", str(parallel), "-c", str(256 * parallel),
-                    "-t", str(THREADS), "--port", str(self.port), "--no-webui"]  # fmt: skip
+        self.cmd = [
+            str(binary),
+            "-m",
+            str(model),
+            "-np",
+            str(parallel),
+            "-c",
+            str(256 * parallel),
+            "-t",
+            str(THREADS),
+            "--port",
+            str(self.port),
+            "--no-webui",
+        ]
 
     def __enter__(self) -> LlamaServer:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -238,8 +340,14 @@ class LlamaServer:
         self.proc.wait()
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        body = {"prompt": prompt, "n_predict": n, "samplers": ["top_k"], "top_k": 1,
-                "return_tokens": True, "cache_prompt": False}  # fmt: skip
+        body = {
+            "prompt": prompt,
+            "n_predict": n,
+            "samplers": ["top_k"],
+            "top_k": 1,
+            "return_tokens": True,
+            "cache_prompt": False,
+        }
         return httpx.post(f"{self.url}/completion", json=body, timeout=300).json()["tokens"]
 
 
@@ -264,7 +372,7 @@ def chat_prompts() -> list[list[int]]:
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
-        )  # fmt: skip
+        )
         for c in CHATS
     ]
 
@@ -295,11 +403,15 @@ def agreement(got: list[list[int]], want: list[list[int]], eos: set[int]) -> dic
     want = [_until_eos(w, eos) for w in want]
     prefix = 0
     for g, w in zip(got, want, strict=True):
-        prefix += next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b),
-                       min(len(g), len(w)))  # fmt: skip
-    return {"identical": sum(g == w for g, w in zip(got, want, strict=True)),
-            "prompts": len(want), "tokens_before_first_difference": prefix,
-            "reference_tokens": sum(len(w) for w in want)}  # fmt: skip
+        prefix += next(
+            (i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w))
+        )
+    return {
+        "identical": sum(g == w for g, w in zip(got, want, strict=True)),
+        "prompts": len(want),
+        "tokens_before_first_difference": prefix,
+        "reference_tokens": sum(len(w) for w in want),
+    }
 
 
 def llama_greedy(server: Path, model: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -322,8 +434,11 @@ def greedy_against_hf(
     for kind, llm in llms.items():
         got = [list(s.output_ids) for s in llm.generate(prompts, params)]
         out[f"neffkit_{kind}"] = agreement(got, reference, eos)
-        got = guarded(failures, f"{KINDS[kind]} greedy",
-                      lambda kind=kind: llama_greedy(server, ggufs[kind], prompts))  # fmt: skip
+        got = guarded(
+            failures,
+            f"{KINDS[kind]} greedy",
+            lambda kind=kind: llama_greedy(server, ggufs[kind], prompts),
+        )
         if got is not None:
             out[f"llamacpp_{KINDS[kind]}"] = agreement(got, reference, eos)
     return out
@@ -336,13 +451,15 @@ def one_round(
     """Each figure once, llama.cpp and neffkit alternating."""
     bench, batched = bins["llama-bench"], bins["llama-batched-bench"]
     return {
-        ("llamacpp", "b1"): guarded(failures, f"{KINDS[kind]} b1",
-                                    lambda: llama_b1_ms(bench, model)),
+        ("llamacpp", "b1"): guarded(
+            failures, f"{KINDS[kind]} b1", lambda: llama_b1_ms(bench, model)
+        ),
         ("neffkit", "b1"): neffkit_b1_ms(llm),
-        ("llamacpp", "b8"): guarded(failures, f"{KINDS[kind]} b8",
-                                    lambda: llama_b8_tokens_per_s(batched, model)),
+        ("llamacpp", "b8"): guarded(
+            failures, f"{KINDS[kind]} b8", lambda: llama_b8_tokens_per_s(batched, model)
+        ),
         ("neffkit", "b8"): neffkit_b8_tokens_per_s(llm),
-    }  # fmt: skip
+    }
 
 
 def serving(
@@ -397,29 +514,34 @@ def main() -> None:
             for key, value in one_round(bins, kind, ggufs[kind], llms[kind], failures).items():
                 if value is not None:
                     samples.setdefault((kind, *key), []).append(value)
-        print(f"round {r + 1}: " + ", ".join(f"{'/'.join(k)} {v[-1]:.2f}"
-                                             for k, v in samples.items()), flush=True)  # fmt: skip
+        print(
+            f"round {r + 1}: "
+            + ", ".join(f"{'/'.join(k)} {v[-1]:.2f}" for k, v in samples.items()),
+            flush=True,
+        )
     rows = {}
     for kind, outtype in KINDS.items():
         ours_b1, theirs_b1 = (_median(samples, kind, s, "b1") for s in ("neffkit", "llamacpp"))
         ours_b8, theirs_b8 = (_median(samples, kind, s, "b8") for s in ("neffkit", "llamacpp"))
         rows[kind] = {
             "llamacpp_type": outtype,
-            "neffkit_b1_ms": _round(ours_b1, 2), "llamacpp_b1_ms": _round(theirs_b1, 2),
+            "neffkit_b1_ms": _round(ours_b1, 2),
+            "llamacpp_b1_ms": _round(theirs_b1, 2),
             "b1_speed_relative": theirs_b1 and _round(theirs_b1 / ours_b1, 3),
             "neffkit_b8_tokens_per_s": _round(ours_b8, 1),
             "llamacpp_b8_tokens_per_s": _round(theirs_b8, 1),
             "b8_speed_relative": theirs_b8 and _round(ours_b8 / theirs_b8, 3),
-        }  # fmt: skip
+        }
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (models/smollm2-135m-instruct)",
         "llama_cpp": f"{SDIST} vendor/llama.cpp ({COMMIT}), GGML_NATIVE=ON",
-        "threads": THREADS, "rounds": args.rounds,
+        "threads": THREADS,
+        "rounds": args.rounds,
         "b8_work": f"{len(PROMPTS)} prompts x (4 tokens + {NEW_TOKENS} new)",
         "rows": rows,
         "greedy_vs_hf": greedy_against_hf(llms, bins["llama-server"], ggufs, failures),
         "llamacpp_failures": failures,
-    }  # fmt: skip
+    }
     write_result(args.result, result)  # the offline figures, whatever serving does
     if not args.skip_serve:
         del llms  # the servers load their own copies

@@ -41,8 +41,17 @@ def _free_port() -> int:
 
 
 def start_server(bundle: Path, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(port),
-           "--served-model-name", "demo"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "run",
+        str(bundle),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "demo",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -59,14 +68,30 @@ def start_server(bundle: Path, port: int) -> subprocess.Popen:
 
 def run_lm_eval(task: str, port: int, tokenizer: Path, out: Path) -> dict[str, Any]:
     """lm_eval through the server; returns its results and logged samples."""
-    model_args = ",".join([
-        "model=demo", f"base_url=http://127.0.0.1:{port}/v1/completions",
-        f"tokenizer={tokenizer}", "tokenizer_backend=huggingface", "num_concurrent=4",
-        "max_retries=1",
-    ])  # fmt: skip
-    cmd = [str(LM_EVAL), "--model", "local-completions", "--model_args", model_args,
-           "--tasks", task, "--include_path", str(TASKS_DIR), "--output_path", str(out),
-           "--log_samples"]  # fmt: skip
+    model_args = ",".join(
+        [
+            "model=demo",
+            f"base_url=http://127.0.0.1:{port}/v1/completions",
+            f"tokenizer={tokenizer}",
+            "tokenizer_backend=huggingface",
+            "num_concurrent=4",
+            "max_retries=1",
+        ]
+    )
+    cmd = [
+        str(LM_EVAL),
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        task,
+        "--include_path",
+        str(TASKS_DIR),
+        "--output_path",
+        str(out),
+        "--log_samples",
+    ]
     env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     subprocess.run(cmd, check=True, cwd=REPO, env=env)
     results = next(out.rglob("results_*.json"))
@@ -104,10 +129,15 @@ def hf_loglikelihoods(model_dir: Path, tokenizer: Path, docs: list[dict]) -> lis
 
 
 RUNS = {  # what --demo / the default evaluate: task, manifest, bundle, model, result name
-    "smollm2": ("neffkit_general_mc", "smollm2-eval.yaml", "smollm2-135m-instruct-eval",
-                "smollm2-135m-instruct", "lm_eval_smollm2"),
+    "smollm2": (
+        "neffkit_general_mc",
+        "smollm2-eval.yaml",
+        "smollm2-135m-instruct-eval",
+        "smollm2-135m-instruct",
+        "lm_eval_smollm2",
+    ),
     "demo": ("neffkit_demo_mc", "demo-serve.yaml", "demo-llama-serve", "demo-llama", "lm_eval"),
-}  # fmt: skip
+}
 
 
 def main() -> None:
@@ -139,10 +169,15 @@ def main() -> None:
     docs = [s["doc"] for s in samples]
     served = [[float(r[0][0]) for r in s["resps"]] for s in samples]
     oracle = hf_loglikelihoods(model, bundle / "tokenizer", docs)
-    diff = max(abs(a - b) for sr, hr in zip(served, oracle, strict=True)
-               for a, b in zip(sr, hr, strict=True))  # fmt: skip
-    hf_acc = sum(max(range(len(r)), key=r.__getitem__) == d["answer"]
-                 for r, d in zip(oracle, docs, strict=True)) / len(docs)  # fmt: skip
+    diff = max(
+        abs(a - b)
+        for sr, hr in zip(served, oracle, strict=True)
+        for a, b in zip(sr, hr, strict=True)
+    )
+    hf_acc = sum(
+        max(range(len(r)), key=r.__getitem__) == d["answer"]
+        for r, d in zip(oracle, docs, strict=True)
+    ) / len(docs)
     acc = got["results"]["results"][task]["acc,none"]
     result = {
         "model": model_name,

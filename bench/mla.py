@@ -23,11 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "mla"
-CONFIG = dict(vocab_size=1024, hidden_size=2048, intermediate_size=4096, num_hidden_layers=4,
-              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768,
-              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-              first_k_dense_replace=4, n_routed_experts=8, num_experts_per_tok=2,
-              moe_intermediate_size=512, max_position_embeddings=4096)  # fmt: skip
+CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=2048,
+    intermediate_size=4096,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    first_k_dense_replace=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=512,
+    max_position_embeddings=4096,
+)
 CONTEXT = 2048
 MANIFEST = """neffkit: 1
 name: mla-{form}
@@ -86,9 +99,14 @@ def main() -> None:
             for form, engine in engines.items():
                 times[form].append(step_ms(engine, prompt, args.steps))
         absorbed, expanded = median(times["absorbed"]), median(times["expanded"])
-        rows.append({"context_tokens": prompt, "absorbed_ms": round(absorbed, 3),
-                     "expanded_ms": round(expanded, 3),
-                     "expanded_over_absorbed": round(expanded / absorbed, 2)})  # fmt: skip
+        rows.append(
+            {
+                "context_tokens": prompt,
+                "absorbed_ms": round(absorbed, 3),
+                "expanded_ms": round(expanded, 3),
+                "expanded_over_absorbed": round(expanded / absorbed, 2),
+            }
+        )
     lay = json.loads((WORK / "bundle-absorbed" / "bundle.json").read_text())["layout"]
     result = {
         "model": {**CONFIG, "context_bucket": CONTEXT},

@@ -23,9 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "moe"
-SHAPE = dict(hidden_size=1024, intermediate_size=512, num_hidden_layers=4,
-             num_attention_heads=16, num_key_value_heads=4, vocab_size=1024,
-             max_position_embeddings=512, num_experts_per_tok=2)  # fmt: skip
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=1024,
+    max_position_embeddings=512,
+    num_experts_per_tok=2,
+)
 MANIFEST = """neffkit: 1
 name: moe-{experts}
 model: {model}

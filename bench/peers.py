@@ -64,8 +64,12 @@ def hf_greedy(prompt: list[int]) -> list[int]:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint(), dtype=torch.float32)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         min_new_tokens=NEW_TOKENS)  # fmt: skip
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        min_new_tokens=NEW_TOKENS,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -91,8 +95,16 @@ def neffkit_build_seconds(dtype: str) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         env = cold_env(Path(tmp) / "caches")  # cold as on a fresh CI runner, every run
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", f"{tmp}/b",
-               "--no-cache"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "build",
+            str(manifest),
+            "-o",
+            f"{tmp}/b",
+            "--no-cache",
+        ]
         subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, env=env)
         return time.perf_counter() - t0
 
@@ -184,8 +196,10 @@ def main() -> None:
             "greedy_equals_hf": tokens[system] == reference,
             "greedy_agreement": round(
                 sum(a == b for a, b in zip(tokens[system], reference, strict=False))
-                / len(reference), 3),
-        }  # fmt: skip
+                / len(reference),
+                3,
+            ),
+        }
     for precision in ("fp32", "bf16"):
         ours = rows[f"neffkit_{precision}"]
         for peer in ("openvino", "ort_genai"):

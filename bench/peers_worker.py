@@ -29,16 +29,39 @@ def _emit(data: dict) -> None:
 
 def export_ov(model: str, out: str) -> None:
     t0 = time.perf_counter()
-    cmd = [str(Path(sys.executable).parent / "optimum-cli"), "export", "openvino", "-m", model,
-           "--task", "text-generation-with-past", "--weight-format", "fp32", out]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "optimum-cli"),
+        "export",
+        "openvino",
+        "-m",
+        model,
+        "--task",
+        "text-generation-with-past",
+        "--weight-format",
+        "fp32",
+        out,
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     _emit({"build_s": time.perf_counter() - t0})
 
 
 def export_ort(model: str, out: str, precision: str) -> None:
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", model, "-o", out,
-           "-p", precision, "-e", "cpu", "-c", out + ".cache"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        model,
+        "-o",
+        out,
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        out + ".cache",
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     _emit({"build_s": time.perf_counter() - t0})
 
@@ -91,8 +114,9 @@ def run_ort(out: str, job: str, work: dict) -> None:
     for _ in range(work["repeats"]):
         params = og.GeneratorParams(model)
         length = len(prompts[0]) + new
-        params.set_search_options(max_length=length, min_length=length, do_sample=False,
-                                  batch_size=len(prompts))  # fmt: skip
+        params.set_search_options(
+            max_length=length, min_length=length, do_sample=False, batch_size=len(prompts)
+        )
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(np.array(prompts, dtype=np.int32))
@@ -107,8 +131,7 @@ def run_ort(out: str, job: str, work: dict) -> None:
     if job == "b1":
         _emit({"token_s": statistics.median(r[0] for r in results), "tokens": results[0][2]})
     else:
-        _emit({"tokens_per_s": statistics.median(r[1] for r in results),
-               "tokens": results[0][2]})  # fmt: skip
+        _emit({"tokens_per_s": statistics.median(r[1] for r in results), "tokens": results[0][2]})
 
 
 def main() -> None:

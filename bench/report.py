@@ -107,7 +107,7 @@ def serve(d: dict[str, Any]) -> str:
                 "ITL p99 ms",
             ],
             rows,
-        )  # fmt: skip
+        )
     )
 
 
@@ -219,18 +219,27 @@ def build_large(d: dict[str, Any]) -> str:
 
 
 def peers(d: dict[str, Any]) -> str:
-    names = {"neffkit_fp32": "neffkit fp32", "neffkit_bf16": "neffkit bf16",
-             "openvino_fp32": "OpenVINO GenAI f32", "openvino_bf16": "OpenVINO GenAI bf16",
-             "ort_genai_fp32": "ONNX Runtime GenAI fp32",
-             "ort_genai_bf16": "ONNX Runtime GenAI bf16", "openvino": "OpenVINO GenAI",
-             "neffkit_float32": "neffkit fp32", "neffkit_bfloat16": "neffkit bf16"}  # fmt: skip
+    names = {
+        "neffkit_fp32": "neffkit fp32",
+        "neffkit_bf16": "neffkit bf16",
+        "openvino_fp32": "OpenVINO GenAI f32",
+        "openvino_bf16": "OpenVINO GenAI bf16",
+        "ort_genai_fp32": "ONNX Runtime GenAI fp32",
+        "ort_genai_bf16": "ONNX Runtime GenAI bf16",
+        "openvino": "OpenVINO GenAI",
+        "neffkit_float32": "neffkit fp32",
+        "neffkit_bfloat16": "neffkit bf16",
+    }
     rows = [
-        [names.get(k, k), f"{r['b1_token_ms']:.1f}", f"{r['b8_tokens_per_s']:.0f}",
-         "yes" if r["greedy_equals_hf"] else f"no ({r['greedy_agreement']:.0%} of tokens)"]
+        [
+            names.get(k, k),
+            f"{r['b1_token_ms']:.1f}",
+            f"{r['b8_tokens_per_s']:.0f}",
+            "yes" if r["greedy_equals_hf"] else f"no ({r['greedy_agreement']:.0%} of tokens)",
+        ]
         for k, r in d["systems"].items()
-    ]  # fmt: skip
-    builds = ", ".join(f"{names.get(k, k)} {v:.0f} s"
-                       for k, v in d["build_s"].items())  # fmt: skip
+    ]
+    builds = ", ".join(f"{names.get(k, k)} {v:.0f} s" for k, v in d["build_s"].items())
     notes = " ".join(d.get("notes", []))
     return (
         f"**Against the ahead-of-time CPU peers on {_cpu(d)}** (`bench/peers.py`, same 125M "
@@ -276,11 +285,17 @@ def llamacpp(d: dict[str, Any]) -> str:
         return "crashed" if value is None else format(value, form) + unit
 
     rows = [
-        [names.get(k, k), f"{r['neffkit_b1_ms']:.2f}", cell(r["llamacpp_b1_ms"], ".2f"),
-         cell(r["b1_speed_relative"], ".2f", "×"), f"{r['neffkit_b8_tokens_per_s']:.0f}",
-         cell(r["llamacpp_b8_tokens_per_s"], ".0f"), cell(r["b8_speed_relative"], ".2f", "×")]
+        [
+            names.get(k, k),
+            f"{r['neffkit_b1_ms']:.2f}",
+            cell(r["llamacpp_b1_ms"], ".2f"),
+            cell(r["b1_speed_relative"], ".2f", "×"),
+            f"{r['neffkit_b8_tokens_per_s']:.0f}",
+            cell(r["llamacpp_b8_tokens_per_s"], ".0f"),
+            cell(r["b8_speed_relative"], ".2f", "×"),
+        ]
         for k, r in d["rows"].items()
-    ]  # fmt: skip
+    ]
     text = (
         f"**Against llama.cpp on {_cpu(d)}** (`bench/llamacpp.py`, "
         f"{d['model'].split(' (')[0]}, the same weights converted by llama.cpp's own "
@@ -307,14 +322,16 @@ def llamacpp(d: dict[str, Any]) -> str:
                 "b8 relative",
             ],
             rows,
-        )  # fmt: skip
+        )
     )
     if "serving" in d:
         srows = [
-            [names.get(k, k), *(f"{v[s][f'streams_{c}']:.0f}" for c in (1, 8)
-                                for s in ("neffkit", "llamacpp"))]
+            [
+                names.get(k, k),
+                *(f"{v[s][f'streams_{c}']:.0f}" for c in (1, 8) for s in ("neffkit", "llamacpp")),
+            ]
             for k, v in d["serving"].items()
-        ]  # fmt: skip
+        ]
         text += (
             "\n\nServing, output tokens/s (`neffkit run` against `llama-server -np 8`, "
             "bench/serve.py's client: 32-token prompts, 64 tokens out, greedy):\n\n"
@@ -327,7 +344,7 @@ def llamacpp(d: dict[str, Any]) -> str:
                     "8 streams llama.cpp",
                 ],
                 srows,
-            )  # fmt: skip
+            )
         )
     greedy = d.get("greedy_vs_hf", {})
     if greedy:
@@ -349,17 +366,22 @@ def fp8(d: dict[str, Any]) -> str:
     if "rows" not in d:
         return _fp8_kl(d["kl"]) if "kl" in d else ""
     rows = [
-        [k, f"{r['weight_bytes'] / 1e6:.0f} MB", f"{r['bytes_vs_fp32']:.2f}×",
-         f"{r['b1_step_ms']:.1f}", f"{r['step_vs_fp32']:.2f}×",
-         f"{r['greedy_agreement_with_fp32']:.0%}"]
+        [
+            k,
+            f"{r['weight_bytes'] / 1e6:.0f} MB",
+            f"{r['bytes_vs_fp32']:.2f}×",
+            f"{r['b1_step_ms']:.1f}",
+            f"{r['step_vs_fp32']:.2f}×",
+            f"{r['greedy_agreement_with_fp32']:.0%}",
+        ]
         for k, r in d["rows"].items()
-    ]  # fmt: skip
+    ]
     return (
         "**fp8 weights** (`bench/fp8.py`, the same 125M Llama quantized to block fp8 128×128; "
         "norms, embedding and LM head in bf16): bytes a rank streams and the batch-1 step.\n\n"
         + _table(
             ["weights", "shard", "vs fp32", "b1 step ms", "vs fp32", "greedy tokens = fp32"], rows
-        )  # fmt: skip
+        )
         + ("\n\n" + _fp8_kl(d["kl"]) if "kl" in d else "")
     )
 
@@ -371,10 +393,14 @@ def _unsigned(value: float) -> float:
 
 def _fp8_kl(kl: dict[str, Any]) -> str:
     rows = [
-        [k, f"{_unsigned(r['mean_kl']):.5f}", f"{_unsigned(r['kl_vs_bf16_weights']):.2f}×",
-         f"{r['top1_agreement']:.1%}"]
+        [
+            k,
+            f"{_unsigned(r['mean_kl']):.5f}",
+            f"{_unsigned(r['kl_vs_bf16_weights']):.2f}×",
+            f"{r['top1_agreement']:.1%}",
+        ]
         for k, r in kl["rows"].items()
-    ]  # fmt: skip
+    ]
     return (
         f"**What quantization costs on a real model** (`bench/fp8.py`, {kl['model']}, "
         f"{kl['tokens']} tokens of `{kl['text']}`): mean next-token KL divergence from "
@@ -418,11 +444,17 @@ def batch(d: dict[str, Any]) -> str:
         if not f:
             continue
         for dtype in ("float32", "bfloat16"):
-            rows.append([
-                label, dtype, f"{f[f'{dtype}_b1_ms']:.1f}", f"{f[f'{dtype}_b4_ms']:.1f}",
-                f"{f[f'{dtype}_b8_ms']:.1f}", f"{f[f'{dtype}_b8_over_b1']:.2f}×",
-                f"{f[f'{dtype}_b8_tokens_per_s_over_b1']:.2f}×",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    label,
+                    dtype,
+                    f"{f[f'{dtype}_b1_ms']:.1f}",
+                    f"{f[f'{dtype}_b4_ms']:.1f}",
+                    f"{f[f'{dtype}_b8_ms']:.1f}",
+                    f"{f[f'{dtype}_b8_over_b1']:.2f}×",
+                    f"{f[f'{dtype}_b8_tokens_per_s_over_b1']:.2f}×",
+                ]
+            )
     return (
         "**Decode batch scaling** (`bench/batch.py`, a 125M Llama: hidden 1024, 6 layers, vocab "
         f"32000; ms per step, {d.get('rounds', 3)} alternating rounds, both forms in the same "
@@ -440,7 +472,7 @@ def batch(d: dict[str, Any]) -> str:
         + ".\n\n"
         + _table(
             ["", "dtype", "batch 1", "batch 4", "batch 8", "b8 / b1", "tokens/s b8 / b1"], rows
-        )  # fmt: skip
+        )
         + _compute_floor(d)
     )
 
@@ -470,11 +502,15 @@ def burst(d: dict[str, Any]) -> str:
         if variant != "packed":
             continue
         one = by.get(("one_per_step", n, length))
-        rows.append([
-            f"{n} × {length} tokens", f"{one['ttft_p50_ms']:.0f}" if one else "",
-            f"{one['ttft_p99_ms']:.0f}" if one else "", f"{r['ttft_p50_ms']:.0f}",
-            f"{r['ttft_p99_ms']:.0f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                f"{n} × {length} tokens",
+                f"{one['ttft_p50_ms']:.0f}" if one else "",
+                f"{one['ttft_p99_ms']:.0f}" if one else "",
+                f"{r['ttft_p50_ms']:.0f}",
+                f"{r['ttft_p99_ms']:.0f}",
+            ]
+        )
     return (
         "**Time to first token under a burst** (`bench/burst.py`, the 125M Llama, float32, "
         f"engine-level, medians of {d['rounds']} alternating rounds): N prompts queued at the "
@@ -490,10 +526,14 @@ def burst(d: dict[str, Any]) -> str:
 
 def mla(d: dict[str, Any]) -> str:
     rows = [
-        [r["context_tokens"], f"{r['absorbed_ms']:.1f}", f"{r['expanded_ms']:.1f}",
-         f"{r['expanded_over_absorbed']:.1f}×"]
+        [
+            r["context_tokens"],
+            f"{r['absorbed_ms']:.1f}",
+            f"{r['expanded_ms']:.1f}",
+            f"{r['expanded_over_absorbed']:.1f}×",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
+    ]
     m = d["model"]
     return (
         f"**MLA decode** (`bench/mla.py`: DeepSeek-V3 shape, hidden {m['hidden_size']}, "
@@ -505,18 +545,22 @@ def mla(d: dict[str, Any]) -> str:
         "cached latent, does not fall with the prompt.\n\n"
         + _table(
             ["prompt tokens", "absorbed ms/step", "expanded ms/step", "expanded / absorbed"], rows
-        )  # fmt: skip
+        )
     )
 
 
 def serve_prefix(d: dict[str, Any]) -> str:
     rows = []
     for on, off in zip(d["prefix_caching_on"], d["prefix_caching_off"], strict=True):
-        rows.append([
-            on["concurrency"], f"{on['output_tokens_per_s']:.0f}",
-            f"{off['output_tokens_per_s']:.0f}", f"{on['ttft']['median_ms']:.1f}",
-            f"{off['ttft']['median_ms']:.1f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                on["concurrency"],
+                f"{on['output_tokens_per_s']:.0f}",
+                f"{off['output_tokens_per_s']:.0f}",
+                f"{on['ttft']['median_ms']:.1f}",
+                f"{off['ttft']['median_ms']:.1f}",
+            ]
+        )
     return (
         f"**Serving a shared prefix** (`bench/serve.py --shared-prefix {d['shared_prefix']}`, "
         f"bundle `{_bundle_name(d['bundle'])}`): each prompt one of {d['prefixes']} shared "
@@ -532,7 +576,7 @@ def serve_prefix(d: dict[str, Any]) -> str:
                 "TTFT median ms uncached",
             ],
             rows,
-        )  # fmt: skip
+        )
     )
 
 
@@ -551,8 +595,10 @@ def speculation(d: dict[str, Any]) -> str:
     def group(name: str) -> str:
         g = d[name]
         lengths = ", ".join(f"{a:.2f}" for a in g["mean_acceptance_length"])
-        return (f"{g['speedup_median']:.2f}x decode tokens/s (median of {g['prompts']} prompts; "
-                f"mean acceptance lengths {lengths})")  # fmt: skip
+        return (
+            f"{g['speedup_median']:.2f}x decode tokens/s (median of {g['prompts']} prompts; "
+            f"mean acceptance lengths {lengths})"
+        )
 
     draft = d.get("draft")
     title = "draft-model speculation" if draft else "n-gram speculation"
@@ -574,13 +620,22 @@ def speculation(d: dict[str, Any]) -> str:
 
 def structured(d: dict[str, Any]) -> str:
     rows = [
-        [r["batch"], *(f"{v:.2f}" for v in r["ms_per_step"].values()),
-         f"{r['unconstrained_rows_with_inputs_vs_plain']:.3f}x",
-         f"{r['json_schema_rows_vs_unconstrained']:.3f}x"]
+        [
+            r["batch"],
+            *(f"{v:.2f}" for v in r["ms_per_step"].values()),
+            f"{r['unconstrained_rows_with_inputs_vs_plain']:.3f}x",
+            f"{r['json_schema_rows_vs_unconstrained']:.3f}x",
+        ]
         for r in d["rows"]
-    ]  # fmt: skip
-    header = ["batch", "plain graphs ms", "with logit inputs ms", "JSON-schema rows ms",
-              "inputs / plain", "schema / unconstrained"]  # fmt: skip
+    ]
+    header = [
+        "batch",
+        "plain graphs ms",
+        "with logit inputs ms",
+        "JSON-schema rows ms",
+        "inputs / plain",
+        "schema / unconstrained",
+    ]
     return (
         f"**Structured outputs** (`bench/structured.py`, {d['model']}): what the token bitmask, "
         "penalty and bias inputs cost rows that use none of them, and what following a JSON "
@@ -590,8 +645,10 @@ def structured(d: dict[str, Any]) -> str:
 
 
 def threads(d: dict[str, Any]) -> str:
-    rows = [[r["setting"], f"{r['quiet_tok_s']:.0f}", f"{r['contended_tok_s']:.0f}",
-             f"{r['kept']:.0%}"] for r in d["rows"]]  # fmt: skip
+    rows = [
+        [r["setting"], f"{r['quiet_tok_s']:.0f}", f"{r['contended_tok_s']:.0f}", f"{r['kept']:.0%}"]
+        for r in d["rows"]
+    ]
     header = ["engine setting", "quiet tok/s", "beside a busy process tok/s", "kept"]
     return (
         f"**A shared host** (`bench/threads.py`, {d['model']}): {d['method']}. Under "
@@ -606,8 +663,9 @@ def bf16_agreement(d: dict[str, Any]) -> str:
         cells = [m["model"]]
         for key in ("neffkit_bf16_vs_hf_bf16", "neffkit_bf16_vs_hf_fp32", "hf_bf16_vs_hf_fp32"):
             a = m[key]
-            cells.append(f"{a['mean_agreement']:.0%} ({a['prompts_equal_to_the_end']}/"
-                         f"{m['prompts']})")  # fmt: skip
+            cells.append(
+                f"{a['mean_agreement']:.0%} ({a['prompts_equal_to_the_end']}/{m['prompts']})"
+            )
         rows.append(cells)
     return (
         "**bf16 agreement** (`bench/bf16_agreement.py`): greedy tokens of a bf16 bundle against "
@@ -616,7 +674,7 @@ def bf16_agreement(d: dict[str, Any]) -> str:
         + _table(
             ["model", "neffkit bf16 vs HF bf16", "neffkit bf16 vs HF fp32", "HF bf16 vs HF fp32"],
             rows,
-        )  # fmt: skip
+        )
     )
 
 

@@ -32,10 +32,17 @@ def make_model(out: Path) -> Path:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024,
-        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(out)
     return out
 

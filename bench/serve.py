@@ -47,8 +47,14 @@ def _free_port() -> int:
 async def one_request(
     http: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int
 ) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     sent = time.perf_counter()
     stamps: list[float] = []
     async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -167,8 +173,14 @@ def serve_levels(url: str, args: argparse.Namespace, vocab: int) -> list[dict[st
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     levels = []
     for c in args.concurrency:
-        prompts = workload(c, c * args.requests_per_client, args.input_len, vocab,
-                           args.shared_prefix, args.prefixes)  # fmt: skip
+        prompts = workload(
+            c,
+            c * args.requests_per_client,
+            args.input_len,
+            vocab,
+            args.shared_prefix,
+            args.prefixes,
+        )
         level = asyncio.run(run_level(url, model, c, prompts, args.output_len))
         levels.append(level)
         print(

@@ -64,8 +64,11 @@ def step_costs(loaded) -> dict[str, float]:
             runner.decode(batch)
             times[name].append(time.perf_counter() - t0)
     decode, verify_ms = (1000 * statistics.median(times[k]) for k in ("decode", "verify"))
-    return {"decode_step_ms": round(decode, 2), "verify_step_ms": round(verify_ms, 2),
-            "verify_over_decode": round(verify_ms / decode, 3)}  # fmt: skip
+    return {
+        "decode_step_ms": round(decode, 2),
+        "verify_step_ms": round(verify_ms, 2),
+        "verify_over_decode": round(verify_ms / decode, 3),
+    }
 
 
 def draft_step_ms(loaded) -> float:
@@ -112,8 +115,18 @@ def main() -> None:
     name = "draft" if with_draft else "spec"
     if with_draft and not DRAFT.is_dir():
         tool = REPO / "tools" / "draft_from_layers.py"
-        subprocess.run([sys.executable, str(tool), str(DRAFT.parent / "smollm2-135m-instruct"),
-                        "--layers", "6", "-o", str(DRAFT)], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(tool),
+                str(DRAFT.parent / "smollm2-135m-instruct"),
+                "--layers",
+                "6",
+                "-o",
+                str(DRAFT),
+            ],
+            check=True,
+        )
     bundle = ensure_bundle(
         REPO / "manifests" / f"smollm2-{name}.yaml",
         REPO / "bundles" / f"smollm2-135m-instruct-{name}",

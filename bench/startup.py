@@ -63,9 +63,12 @@ print(json.dumps({"first_token_at": time.time(), "token": int(out[0, -1])}))
 def run_child(code: str, *argv: str) -> dict:
     start = time.time()
     proc = subprocess.run(
-        [sys.executable, "-c", code, "child", *argv], capture_output=True, text=True, cwd=REPO,
+        [sys.executable, "-c", code, "child", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
         check=True,
-    )  # fmt: skip
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["seconds"] = result["first_token_at"] - start
     return result
@@ -111,10 +114,14 @@ def main() -> None:
     }
     for k, v in med.items():
         print(f"{k:>11}: {v:.2f} s to the first token")
-    print(f"neffkit: import torch {torch_s:.2f} s, weights {weights:.3f} s, everything else "
-          f"{rest:.3f} s, of which the bare interpreter {interpreter:.3f} s")  # fmt: skip
-    print(f"neffkit beyond reading the weights: {result['neffkit_beyond_weights_s']:.2f} s; "
-          f"HF+torch.compile is {result['hf_compile_vs_neffkit']:.1f}x slower")  # fmt: skip
+    print(
+        f"neffkit: import torch {torch_s:.2f} s, weights {weights:.3f} s, everything else "
+        f"{rest:.3f} s, of which the bare interpreter {interpreter:.3f} s"
+    )
+    print(
+        f"neffkit beyond reading the weights: {result['neffkit_beyond_weights_s']:.2f} s; "
+        f"HF+torch.compile is {result['hf_compile_vs_neffkit']:.1f}x slower"
+    )
     print(f"written {write_result('startup', result)}")
 
 

@@ -43,8 +43,11 @@ SAMPLING = {
     "without": "{max_top_k: 64, structured: false, max_penalty_tokens: 0, max_logit_bias: 0}",
 }
 # an answer that cannot end within the steps measured: the masks stay live throughout
-SCHEMA = {"type": "object", "properties": {"notes": {"type": "string", "minLength": 1000}},
-          "required": ["notes"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"notes": {"type": "string", "minLength": 1000}},
+    "required": ["notes"],
+}
 
 
 def checkpoint() -> Path:
@@ -78,8 +81,12 @@ def step_times(loaded, batch: int, steps: int, constrained: bool) -> list[float]
 
     spec = StructuredSpec("json", json.dumps(SCHEMA), any_whitespace=False)
     # rows prefill one a step, so the first ones decode a few tokens before the last starts
-    params = SamplingParams(max_tokens=steps + batch + 4, temperature=0.0, ignore_eos=True,
-                            structured=spec if constrained else None)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=steps + batch + 4,
+        temperature=0.0,
+        ignore_eos=True,
+        structured=spec if constrained else None,
+    )
     core = EngineCore(loaded.runner, prefix_caching=False, grammars=loaded.grammars())
     rng = np.random.default_rng(batch)
     seqs = [core.add_request(rng.integers(100, VOCAB, 32).tolist(), params) for _ in range(batch)]
@@ -104,8 +111,11 @@ def main() -> None:
     from neffkit.runtime.loader import load
 
     loaded = {label: load(bundle(label)) for label in SAMPLING}
-    cases = {"plain graphs": ("without", False), "logit inputs, unconstrained": ("with", False),
-             "logit inputs, JSON schema": ("with", True)}  # fmt: skip
+    cases = {
+        "plain graphs": ("without", False),
+        "logit inputs, unconstrained": ("with", False),
+        "logit inputs, JSON schema": ("with", True),
+    }
     rows = []
     for batch in (1, 8):
         samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -123,23 +133,29 @@ def main() -> None:
             ratios["schema"].append(masked / inputs)
         ms = {name: round(1000 * median(v), 3) for name, v in samples.items()}
         inputs, schema = median(ratios["inputs"]), median(ratios["schema"])
-        rows.append({
-            "batch": batch, "ms_per_step": ms,
-            "unconstrained_rows_with_inputs_vs_plain": round(inputs, 4),
-            "json_schema_rows_vs_unconstrained": round(schema, 4),
-            "per_round": {k: [round(r, 4) for r in v] for k, v in ratios.items()},
-        })  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "ms_per_step": ms,
+                "unconstrained_rows_with_inputs_vs_plain": round(inputs, 4),
+                "json_schema_rows_vs_unconstrained": round(schema, 4),
+                "per_round": {k: [round(r, 4) for r in v] for k, v in ratios.items()},
+            }
+        )
         steps = ", ".join(f"{k} {v} ms" for k, v in ms.items())
         print(f"batch {batch}: {steps}; inputs {inputs:.3f}x plain, schema {schema:.3f}x")
-    write_result("structured", {
-        "model": f"random Llama, bench/batch.py's shape with a {VOCAB}-token vocabulary and "
-                 "SmolLM2-135M-Instruct's tokenizer (142M parameters), float32",
-        "method": f"engine steps after a 32-token prompt, {args.steps} steps x {args.rounds} "
-                  "rounds, cases alternating; ratios: the median of each round's ratio of "
-                  "median steps; JSON-schema rows: every row constrained "
-                  "(compact JSON, a string of at least 1000 characters: never complete)",
-        "rows": rows,
-    })  # fmt: skip
+    write_result(
+        "structured",
+        {
+            "model": f"random Llama, bench/batch.py's shape with a {VOCAB}-token vocabulary and "
+            "SmolLM2-135M-Instruct's tokenizer (142M parameters), float32",
+            "method": f"engine steps after a 32-token prompt, {args.steps} steps x {args.rounds} "
+            "rounds, cases alternating; ratios: the median of each round's ratio of "
+            "median steps; JSON-schema rows: every row constrained "
+            "(compact JSON, a string of at least 1000 characters: never complete)",
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

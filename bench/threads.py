@@ -73,10 +73,26 @@ def pinned_threads(bundle: Path) -> int:
     """The engine's threads under `taskset -c 0`, as `run --json` reports them."""
     env = {k: v for k, v in os.environ.items() if k != "NEFFKIT_ENGINE_THREADS"}
     out = subprocess.run(
-        ["taskset", "-c", "0", sys.executable, "-m", "neffkit", "run", str(bundle),
-         "--prompt-ids", "5,6,7", "--max-tokens", "2", "--json"],
-        env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            "taskset",
+            "-c",
+            "0",
+            sys.executable,
+            "-m",
+            "neffkit",
+            "run",
+            str(bundle),
+            "--prompt-ids",
+            "5,6,7",
+            "--max-tokens",
+            "2",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)["timings"]["threads"]
 
 
@@ -94,28 +110,41 @@ def main() -> None:
         for name, (flags, env) in chosen.items():
             result = serve_once(bundle, flags, env, args)
             runs[name].append(result)
-            print(f"{name}: quiet {result['quiet']:.1f} tok/s, "
-                  f"contended {result['contended']:.1f} tok/s", flush=True)  # fmt: skip
+            print(
+                f"{name}: quiet {result['quiet']:.1f} tok/s, "
+                f"contended {result['contended']:.1f} tok/s",
+                flush=True,
+            )
     rows = []
     for name, results in runs.items():
         quiet = median([r["quiet"] for r in results])
         contended = median([r["contended"] for r in results])
-        rows.append({"setting": name, "quiet_tok_s": round(quiet, 1),
-                     "contended_tok_s": round(contended, 1),
-                     "kept": round(contended / quiet, 3)})  # fmt: skip
+        rows.append(
+            {
+                "setting": name,
+                "quiet_tok_s": round(quiet, 1),
+                "contended_tok_s": round(contended, 1),
+                "kept": round(contended / quiet, 3),
+            }
+        )
     threads = pinned_threads(bundle)
     for row in rows:
-        print(f"{row['setting']:>26}: quiet {row['quiet_tok_s']} tok/s, with a busy process "
-              f"{row['contended_tok_s']} tok/s ({row['kept']:.0%} kept)")  # fmt: skip
+        print(
+            f"{row['setting']:>26}: quiet {row['quiet_tok_s']} tok/s, with a busy process "
+            f"{row['contended_tok_s']} tok/s ({row['kept']:.0%} kept)"
+        )
     print(f"taskset -c 0: {threads} engine thread(s)")
-    write_result("threads", {
-        "model": "random Llama, 125M parameters (bench/batch.py's checkpoint), float32",
-        "method": f"8 streams x {args.requests_per_client} requests x {args.output_len} tokens "
-                  "(bench/serve.py's client), quiet then beside one busy-loop process, settings "
-                  f"alternating, {args.rounds} rounds, medians",
-        "rows": rows,
-        "taskset_c0_engine_threads": threads,
-    })  # fmt: skip
+    write_result(
+        "threads",
+        {
+            "model": "random Llama, 125M parameters (bench/batch.py's checkpoint), float32",
+            "method": f"8 streams x {args.requests_per_client} requests x {args.output_len} tokens "
+            "(bench/serve.py's client), quiet then beside one busy-loop process, settings "
+            f"alternating, {args.rounds} rounds, medians",
+            "rows": rows,
+            "taskset_c0_engine_threads": threads,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -74,23 +74,44 @@ TWO_DECODE = {"prefill": [16], "decode": [1, 4], "context": [64]}
 # code a decode of 4 rows would run too (8 is not < 8); more prompts than rows take turns
 ONE_DECODE = {"prefill": [16], "decode": [1], "context": [64]}
 DEEPSEEK: dict[str, Any] = {
-    "num_key_value_heads": 4, "moe_intermediate_size": 32, "q_lora_rank": 32,
-    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
-    "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
-    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
-                        "mscale_all_dim": 1.0, "original_max_position_embeddings": 32,
-                        "rope_theta": 10000.0},
-}  # fmt: skip
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 32,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0,
+    },
+}
 MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     # prefill_batch [1, 4]: prompts given together prefill packed, one row each (a context
     # bucket switch: the lowered llama bundle's [32, 64], test_generate)
-    "llama": ("LlamaConfig", {}, {"prefill": [16], "decode": [1, 4], "context": [64],
-                                  "prefill_batch": [1, 4]}),
+    "llama": (
+        "LlamaConfig",
+        {},
+        {"prefill": [16], "decode": [1, 4], "context": [64], "prefill_batch": [1, 4]},
+    ),
     "llama_tied": ("LlamaConfig", {"tie_word_embeddings": True}, TWO_DECODE),
     # GELU (exact erf) and every bias: hidden_act and attention/mlp_bias change the function
-    "llama_gelu": ("LlamaConfig", {"hidden_act": "gelu", "attention_bias": True, "mlp_bias": True},
-                   SMALL),
+    "llama_gelu": (
+        "LlamaConfig",
+        {"hidden_act": "gelu", "attention_bias": True, "mlp_bias": True},
+        SMALL,
+    ),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, SMALL),
     "mistral": ("MistralConfig", {"sliding_window": 24}, SMALL),
     # MQA + qkv bias; a vocabulary tp=2 does not divide: the last vocab shard is padded
@@ -112,24 +133,61 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     # rope scaling: frequencies are a graph input, so llama3/linear reuse llama's graphs (cache
     # hits) and only yarn (its attention factor scales cos/sin) compiles its own. The scaled
     # frequencies act well inside the test prompts' positions (original length 32 < 49).
-    "llama_rope3": ("LlamaConfig", {"rope_parameters": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32, "rope_theta": 10000.0}}, SMALL),
-    "llama_linear": ("LlamaConfig", {"rope_parameters": {
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, SMALL),
-    "qwen2_yarn": ("Qwen2Config", {"num_key_value_heads": 1, "rope_parameters": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-        "rope_theta": 10000.0}}, SMALL),
+    "llama_rope3": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            }
+        },
+        SMALL,
+    ),
+    "llama_linear": (
+        "LlamaConfig",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        SMALL,
+    ),
+    "qwen2_yarn": (
+        "Qwen2Config",
+        {
+            "num_key_value_heads": 1,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            },
+        },
+        SMALL,
+    ),
     # GPT-OSS: sinks, sliding (window 8 < the test prompts) and full layers, biases, clamped
     # SwiGLU over interleaved gate/up, top-2 of 8 experts, yarn rope as the release has it
-    "gpt_oss": ("GptOssConfig", {
-        "intermediate_size": 32, "head_dim": 16, "num_local_experts": 8,
-        "num_experts_per_tok": 2, "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "truncate": False,
-                            "original_max_position_embeddings": 32, "rope_theta": 10000.0}},
-        ONE_DECODE),
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            },
+        },
+        ONE_DECODE,
+    ),
     # DeepSeek-V3: MLA (q-LoRA, latent cache, interleaved rope, yarn with mscale_all_dim),
     # a dense first layer, then sigmoid group-limited routing (2 of 4 groups), top-2 of 8
     # experts, a shared expert; decode b1 gathers its routed experts
@@ -137,40 +195,85 @@ MODELS: dict[str, tuple[str, dict[str, Any], dict[str, list[int]]]] = {
     "deepseek_noq": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None}, SMALL),
     # Gemma 3: a sliding (window 8) and a full layer with their own rope (default / linear),
     # q/k norms, four norms a layer, sqrt(hidden) embedding scale, query_pre_attn_scalar
-    "gemma3": ("Gemma3TextConfig", {
-        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                               "rope_theta": 1000000.0}}}, SMALL),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        },
+        SMALL,
+    ),
     # Phi-3: fused qkv_proj and gate_up_proj; longrope (short factors: context <= original 64)
-    "phi3": ("Phi3Config", {"pad_token_id": 0, "original_max_position_embeddings": 64,
-        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                            "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                            "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}},
-        SMALL),
+    "phi3": (
+        "Phi3Config",
+        {
+            "pad_token_id": 0,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            },
+        },
+        SMALL,
+    ),
     # Granite: embedding, attention, residual and logit multipliers
-    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.05,
-                                  "residual_multiplier": 0.22, "logits_scaling": 8.0}, SMALL),
+    "granite": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.05,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+        },
+        SMALL,
+    ),
     # OLMo: weightless LayerNorms and clip_qkv; OLMo 2: norms after, q/k norms over all heads
     "olmo": ("OlmoConfig", {"clip_qkv": 0.5, "pad_token_id": 0}, SMALL),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}, SMALL),
     # Cohere: parallel attention and MLP, LayerNorms, interleaved rope, per-head q/k norms
-    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.5, "pad_token_id": 0},
-               SMALL),
+    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.5, "pad_token_id": 0}, SMALL),
     # Gemma 2: soft-capped attention scores and logits (caps small enough to bite)
-    "gemma2": ("Gemma2Config", {
-        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
-        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}, SMALL),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+        SMALL,
+    ),
     # Llama 4: a chunked (8 tokens < the test prompts) RoPE layer with L2 q/k norms and a dense
     # MLP, then a NoPE full layer (temperature-tuned from position 3: floor_scale 4) with top-1
     # sigmoid-routed experts scaling their inputs and a shared expert (buckets: ONE_DECODE)
-    "llama4": ("Llama4TextConfig", {
-        "intermediate_size": 32, "intermediate_size_mlp": 128, "head_dim": 16,
-        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
-        "no_rope_layers": [1, 0], "attention_chunk_size": 8, "floor_scale": 4,
-        "attn_scale": 0.1, "pad_token_id": None}, ONE_DECODE),
-}  # fmt: skip
+    "llama4": (
+        "Llama4TextConfig",
+        {
+            "intermediate_size": 32,
+            "intermediate_size_mlp": 128,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2,
+            "no_rope_layers": [1, 0],
+            "attention_chunk_size": 8,
+            "floor_scale": 4,
+            "attn_scale": 0.1,
+            "pad_token_id": None,
+        },
+        ONE_DECODE,
+    ),
+}
 # kind → manifest fields beyond buckets. llama_tied runs the runtime tests whose rows move
 # between sequences and buckets: there, decode reads its tokens from the device state
 # (decode_state: device; the other cpu bundles send them from the host, the cpu default), and
@@ -515,9 +618,12 @@ def environment_digest() -> str:
 
 
 def cached_bundle(
-    session_dir: Path, name: str, manifest_path: Path, flags: tuple[str, ...],
+    session_dir: Path,
+    name: str,
+    manifest_path: Path,
+    flags: tuple[str, ...],
     build: Callable[[Path], dict[str, Any]],
-) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+) -> tuple[Path, dict[str, Any]]:
     """The bundle NAME of this manifest and flags from the test cache, else built there by
     `build(out)` (which returns the build report), once per machine and published by rename."""
     root = cached_dir(
@@ -562,9 +668,12 @@ def bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[[
     def get(kind: str) -> Path:
         if kind not in built:
             result = build_session_bundle(
-                session_dir, hf_model_dir(kind), kind, buckets=MODELS[kind][2],
+                session_dir,
+                hf_model_dir(kind),
+                kind,
+                buckets=MODELS[kind][2],
                 **EXTRA.get(kind, {}),
-            )  # fmt: skip
+            )
             built[kind] = result.bundle
         return built[kind]
 
@@ -746,9 +855,14 @@ def lowered(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[
             name = f"{kind}_neuron_tp{tp}"
             parallel = {"tp": tp, "ep": EP.get(kind, 1) if tp > 1 else 1}
             built[(kind, tp)] = lowered_build(
-                session_dir, hf_model_dir(kind), name, "--lower-only", "--verify",
-                buckets=LOWERED[(kind, tp)], parallel=parallel,
-            )  # fmt: skip
+                session_dir,
+                hf_model_dir(kind),
+                name,
+                "--lower-only",
+                "--verify",
+                buckets=LOWERED[(kind, tp)],
+                parallel=parallel,
+            )
         return built[(kind, tp)]
 
     return get

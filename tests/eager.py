@@ -72,19 +72,25 @@ def eager_greedy(
     tables = 1 + np.arange(rows * per_row).reshape(rows, per_row)
     tokens = _round_up(sum(map(len, prompts)), 16)
     graphs = EagerGraphs(
-        layout, weights, GraphSpec("prefill", "prefill", rows, tokens, context),
+        layout,
+        weights,
+        GraphSpec("prefill", "prefill", rows, tokens, context),
         GraphSpec("decode", "decode", rows, 1, context),
-    )  # fmt: skip
+    )
     seq_slots = tables[:, 0]
     out = [[int(t)] for t in graphs.run(graphs.prefill, _packed(prompts, tables, tokens, bs))]
     for _ in range(max_new - 1):
         pos = np.array([[len(p) + len(o) - 1] for p, o in zip(prompts, out, strict=True)])
         slots = np.take_along_axis(tables, pos // bs, axis=1) * bs + pos % bs
         meta = {
-            abi.INPUT_IDS: np.array([[o[-1]] for o in out]), abi.POSITIONS: pos,
-            abi.SLOT_MAPPING: slots, abi.BLOCK_TABLES: tables, abi.CONTEXT_LENS: pos[:, 0] + 1,
-            abi.SEQ_SLOTS: seq_slots, **greedy_sampling(rows),
-        }  # fmt: skip
+            abi.INPUT_IDS: np.array([[o[-1]] for o in out]),
+            abi.POSITIONS: pos,
+            abi.SLOT_MAPPING: slots,
+            abi.BLOCK_TABLES: tables,
+            abi.CONTEXT_LENS: pos[:, 0] + 1,
+            abi.SEQ_SLOTS: seq_slots,
+            **greedy_sampling(rows),
+        }
         for o, t in zip(out, graphs.run(graphs.decode, meta), strict=True):
             o.append(int(t))
     return out
@@ -106,7 +112,13 @@ def _packed(
         last[row] = at + n - 1
         at += n
     return {
-        abi.INPUT_IDS: ids, abi.POSITIONS: pos, abi.SLOT_MAPPING: slots, abi.SEQ_IDS: seq_ids,
-        abi.BLOCK_TABLES: tables, abi.CONTEXT_LENS: np.array(list(map(len, prompts))),
-        abi.LAST_TOKEN_INDEX: last, abi.SEQ_SLOTS: tables[:, 0], **greedy_sampling(len(prompts)),
-    }  # fmt: skip
+        abi.INPUT_IDS: ids,
+        abi.POSITIONS: pos,
+        abi.SLOT_MAPPING: slots,
+        abi.SEQ_IDS: seq_ids,
+        abi.BLOCK_TABLES: tables,
+        abi.CONTEXT_LENS: np.array(list(map(len, prompts))),
+        abi.LAST_TOKEN_INDEX: last,
+        abi.SEQ_SLOTS: tables[:, 0],
+        **greedy_sampling(len(prompts)),
+    }

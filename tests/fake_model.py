@@ -159,9 +159,16 @@ def fake_runner(
     period: int | None = None,
 ) -> tuple[ModelRunner, PagedSumModel]:
     layout = SchedulerConfig(
-        block_size, num_blocks, prefill, decode, context, eos, VOCAB, prefill_batch=prefill_batch,
+        block_size,
+        num_blocks,
+        prefill,
+        decode,
+        context,
+        eos,
+        VOCAB,
+        prefill_batch=prefill_batch,
         speculation=speculation,
-    )  # fmt: skip
+    )
     model = PagedSumModel(layout, period=period)
     graphs = [
         model.graph("prefill", r, t, c)

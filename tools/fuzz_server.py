@@ -27,13 +27,39 @@ from pathlib import Path
 from typing import Any
 
 FIELDS = (
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos",
-    "logprobs", "echo", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "min_tokens", "response_format", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice",
-    "parallel_tool_calls", "user",
-)  # fmt: skip
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "n",
+    "ignore_eos",
+    "logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "user",
+)
 SCHEMAS = [
     {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]},
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2},
@@ -41,9 +67,18 @@ SCHEMAS = [
     {"type": "string", "pattern": "[a-"},  # invalid regex inside a schema
     True,
 ]
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"u": {"enum": ["c", "f"]}}, "required": ["u"],
-    "additionalProperties": False}}}  # fmt: skip
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {"u": {"enum": ["c", "f"]}},
+            "required": ["u"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def junk(rng: random.Random, depth: int = 0) -> Any:
@@ -68,13 +103,24 @@ def junk(rng: random.Random, depth: int = 0) -> Any:
 def plausible(rng: random.Random, field: str, vocab: int) -> Any:
     """A value of the right type, sometimes out of range."""
     if field == "prompt":
-        return rng.choice([
-            "def main(", "", [rng.randrange(vocab) for _ in range(rng.randint(1, 6))],
-            [1, vocab], [-1, 2], [[3, 4, 5]], ["a", "b"],
-        ])  # fmt: skip
+        return rng.choice(
+            [
+                "def main(",
+                "",
+                [rng.randrange(vocab) for _ in range(rng.randint(1, 6))],
+                [1, vocab],
+                [-1, 2],
+                [[3, 4, 5]],
+                ["a", "b"],
+            ]
+        )
     if field == "messages":
-        return [{"role": "user", "content": rng.choice(["hi", "", None, [{"type": "text",
-                 "text": "hi"}]])}]  # fmt: skip
+        return [
+            {
+                "role": "user",
+                "content": rng.choice(["hi", "", None, [{"type": "text", "text": "hi"}]]),
+            }
+        ]
     return {
         "model": lambda: rng.choice(["tiny", "other"]),
         "max_tokens": lambda: rng.randint(-1, 6),
@@ -174,8 +220,9 @@ def send(client: Any, url: str, path: str, raw: bytes) -> tuple[int | str, bool,
     import httpx
 
     try:
-        with client.stream("POST", url + path, content=raw,
-                           headers={"content-type": "application/json"}) as resp:  # fmt: skip
+        with client.stream(
+            "POST", url + path, content=raw, headers={"content-type": "application/json"}
+        ) as resp:
             resp.read()
             ok_body = resp.status_code < 400 or resp.status_code >= 500 or is_openai_error(resp)
             return resp.status_code, ok_body, resp.text
@@ -204,8 +251,14 @@ def fuzz(url: str, vocab: int, requests: int, seed: int) -> dict[str, Any]:
             bad_bodies += not ok_body
             failed = status == "dropped" or int(status) >= 500 or not ok_body
             if failed and len(failures) < 10:  # what to reproduce them with
-                failures.append({"path": path, "body": raw.decode(errors="replace")[:600],
-                                 "status": status, "response": text[:300]})  # fmt: skip
+                failures.append(
+                    {
+                        "path": path,
+                        "body": raw.decode(errors="replace")[:600],
+                        "status": status,
+                        "response": text[:300],
+                    }
+                )
         health = client.get(url + "/health").status_code
         after = greedy(client, url)
     server_errors = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
@@ -218,10 +271,13 @@ def fuzz(url: str, vocab: int, requests: int, seed: int) -> dict[str, Any]:
         "4xx_without_error_body": bad_bodies,
         "health_after": health,
         "greedy_unchanged": before == after,
-        "ok": server_errors == 0 and "dropped" not in statuses and bad_bodies == 0
-        and health == 200 and before == after,
+        "ok": server_errors == 0
+        and "dropped" not in statuses
+        and bad_bodies == 0
+        and health == 200
+        and before == after,
         "failures": failures,
-    }  # fmt: skip
+    }
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -250,8 +306,17 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "neffkit", "run", str(args.bundle), "--port", str(port),
-           "--served-model-name", "tiny"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "run",
+        str(args.bundle),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, server)

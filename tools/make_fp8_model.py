@@ -40,11 +40,17 @@ SCHEMES = {"tensor": (0, 0), "channel": (1, 0)}
 
 def _config(fmt: str, scheme: str, block: tuple[int, int], kv_scales: bool) -> dict:
     if fmt == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic",
-                "weight_block_size": list(block)}  # fmt: skip
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+        }
     if fmt == "fbgemm_fp8":
-        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
-                "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+        return {
+            "quant_method": "fbgemm_fp8",
+            "activation_scale_ub": 1200.0,
+            "modules_to_not_convert": ["lm_head"],
+        }
     weights = {
         "num_bits": 8,
         "type": "float",
@@ -53,19 +59,24 @@ def _config(fmt: str, scheme: str, block: tuple[int, int], kv_scales: bool) -> d
         "strategy": scheme,
         "block_structure": list(block) if scheme == "block" else None,
     }
-    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
-                   "strategy": "token"}  # fmt: skip
-    kv = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
-          "strategy": "tensor"}  # fmt: skip
+    activations = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "dynamic": True,
+        "strategy": "token",
+    }
+    kv = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                      "input_activations": activations}},
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+        },
         "ignore": ["lm_head"],
         "kv_cache_scheme": kv if kv_scales else None,
-    }  # fmt: skip
+    }
 
 
 def calibrate_kv_scales(src: Path, prompts: int = 4, length: int = 48) -> dict[str, torch.Tensor]:

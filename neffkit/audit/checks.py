@@ -151,10 +151,20 @@ def _aliasing(g: GraphFacts) -> Iterator[Finding]:
 
 
 _VIEWS = (
-    "aten.view", "aten.reshape", "aten._unsafe_view", "aten.slice", "aten.select",
-    "aten.expand", "aten.permute", "aten.unsqueeze", "aten.squeeze", "aten.alias",
-    "aten.as_strided", "aten.t.", "aten.transpose",
-)  # fmt: skip
+    "aten.view",
+    "aten.reshape",
+    "aten._unsafe_view",
+    "aten.slice",
+    "aten.select",
+    "aten.expand",
+    "aten.permute",
+    "aten.unsqueeze",
+    "aten.squeeze",
+    "aten.alias",
+    "aten.as_strided",
+    "aten.t.",
+    "aten.transpose",
+)
 
 
 def _view_of_input(nodes: list[Node], node: Node) -> bool:
@@ -225,8 +235,13 @@ def _flag_rules(g: GraphFacts) -> Iterator[Finding]:
         yield _finding("NK205", "warning", g, levels[-1] if levels else "(default -O)")
 
 
-HLO_SEVERITY = {"NK301": "error", "NK302": "error", "NK303": "error", "NK304": "error",
-                "NK305": "info"}  # fmt: skip
+HLO_SEVERITY = {
+    "NK301": "error",
+    "NK302": "error",
+    "NK303": "error",
+    "NK304": "error",
+    "NK305": "info",
+}
 
 
 def _hlo_rules(g: GraphFacts) -> Iterator[Finding]:

@@ -72,17 +72,24 @@ def convert_gguf(source: Path, out: Path, *, dtype: str = "float32") -> Converte
         raise NeffkitError(f"--dtype: expected float32, bfloat16 or float16, got {dtype!r}")
     sha = _sha256(source)
     if (previous := _previous(out, sha)) is not None and previous.get("dtype") == dtype:
-        return Converted(out, previous["architecture"], previous["tensors"],
-                         previous["parameters"], reused=True)  # fmt: skip
+        return Converted(
+            out, previous["architecture"], previous["tensors"], previous["parameters"], reused=True
+        )
     _require()
     stage = out.with_name(f".{out.name}.converting-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     try:
         result = _convert_into(source, stage, dtype)
-        record = {"format": RECORD_FORMAT, "source": source.name, "sha256": sha, "dtype": dtype,
-                  "architecture": result.architecture, "tensors": result.tensors,
-                  "parameters": result.parameters}  # fmt: skip
+        record = {
+            "format": RECORD_FORMAT,
+            "source": source.name,
+            "sha256": sha,
+            "dtype": dtype,
+            "architecture": result.architecture,
+            "tensors": result.tensors,
+            "parameters": result.parameters,
+        }
         (stage / RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -125,8 +132,9 @@ def _convert_into(source: Path, stage: Path, dtype: str) -> Converted:
     parsed["tensors"] = {}  # where the MoE processors put the experts they split or stack
     for tensor in reader.tensors:
         weights = gguf.dequantize(tensor.data, tensor.tensor_type)
-        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
-                                   parsed_parameters=parsed)  # fmt: skip
+        result = processor.process(
+            weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
+        )
         if result.name not in names:
             continue
         hf_name = names[result.name]

@@ -27,8 +27,17 @@ def audit_units(
     for u in units:
         o = u.options
         hlo = u.trace.lowered.text if u.trace.lowered else None
-        facts = GraphFacts(u.spec.name, u.spec.phase, u.trace.canonical_text, u.trace.io_alias,
-                           o.flags, o.flag_origins, m.target, neuron, hlo_text=hlo)  # fmt: skip
+        facts = GraphFacts(
+            u.spec.name,
+            u.spec.phase,
+            u.trace.canonical_text,
+            u.trace.io_alias,
+            o.flags,
+            o.flag_origins,
+            m.target,
+            neuron,
+            hlo_text=hlo,
+        )
         findings += audit_graph(facts, m.audit.waive)
     for f in findings:
         if f.severity != "info":

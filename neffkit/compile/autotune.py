@@ -91,11 +91,21 @@ def _timed_weights(layout: ModelLayout) -> list[TensorSpec]:
 def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTiming:
     """A measurement this host made before for these shapes, or a new one (kept)."""
     threads = cpus.usable_cpus()
-    key = json.dumps([
-        [(w.shape, w.dtype) for w in weights], rows, layout.dtype, layout.config.fp8_block,
-        threads, torch.__version__, host.cpu_description(), sorted(host.cpu_flags()),
-        cpu_kernels.ROWS_SOURCE.read_bytes().hex(), Path(__file__).read_bytes().hex(),
-    ], default=list)  # fmt: skip
+    key = json.dumps(
+        [
+            [(w.shape, w.dtype) for w in weights],
+            rows,
+            layout.dtype,
+            layout.config.fp8_block,
+            threads,
+            torch.__version__,
+            host.cpu_description(),
+            sorted(host.cpu_flags()),
+            cpu_kernels.ROWS_SOURCE.read_bytes().hex(),
+            Path(__file__).read_bytes().hex(),
+        ],
+        default=list,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     path = cpu_kernels.cache_dir() / "autotune" / f"{digest}.json"
     if path.exists():
@@ -151,8 +161,11 @@ def _weights(
     total = sum(spec_bytes(w) for w in weights)
     share = min(1.0, max_bytes / total)
     counts = Counter((w.shape, w.dtype) for w in weights if not w.name.endswith(".scale"))
-    scales = {(w.shape, w.dtype): s for w, s in zip(weights, weights[1:], strict=False)
-              if s.name == w.name + ".scale"}  # fmt: skip
+    scales = {
+        (w.shape, w.dtype): s
+        for w, s in zip(weights, weights[1:], strict=False)
+        if s.name == w.name + ".scale"
+    }
     gen = torch.Generator().manual_seed(0)
     flat: list[torch.Tensor] = []
     taken = 0
@@ -192,8 +205,10 @@ def _compiled(
 
     def projections(*args: torch.Tensor) -> list[torch.Tensor]:
         x_by_k = dict(zip(keys, args[: len(keys)], strict=True))
-        return [project(x_by_k[_in_features(w)], w, policy)
-                for w in _unflatten(list(args[len(keys) :]), k_block)]  # fmt: skip
+        return [
+            project(x_by_k[_in_features(w)], w, policy)
+            for w in _unflatten(list(args[len(keys) :]), k_block)
+        ]
 
     fn = torch.compile(projections, fullgraph=True, dynamic=False)
     args = [xs[k] for k in keys] + flat

@@ -94,8 +94,9 @@ def build(
             inner = build(draft_manifest(manifest), draft, *args, None, cache_readonly, cluster)
             _add_draft_report(result, inner)
             built = None if dry_run else draft
-            return _target_build(manifest, dest, result, *args, shard, cache_readonly, cluster,
-                                 built)  # fmt: skip
+            return _target_build(
+                manifest, dest, result, *args, shard, cache_readonly, cluster, built
+            )
     return _target_build(manifest, dest, result, *args, shard, cache_readonly, cluster, None)
 
 

@@ -143,9 +143,11 @@ def eager_prefill(
     k, positional, step)` sees each layer's q and k before their positional encoding."""
     cfg, bs, tokens = layout.config, layout.block_size, len(ids)
     layout = dataclasses.replace(
-        layout, num_blocks=tokens // bs + 1, prompt_logprobs=logits,
+        layout,
+        num_blocks=tokens // bs + 1,
+        prompt_logprobs=logits,
         projection=dataclasses.replace(layout.projection, max_rows=0),
-    )  # fmt: skip
+    )
     spec = GraphSpec("prefill", "prefill", 1, tokens, tokens)
     module, specs = decoder_module(layout, spec)
     weights = [t for _, t in iter_rank_weights(model_dir, cfg, layout.storage, layout.par, 0)]

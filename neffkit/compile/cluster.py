@@ -105,8 +105,13 @@ def ray_pool(
     threads, driver = build_threads(), host_id()
 
     # `keys` (which worker a job prefers, worker_pool's) does not apply: Ray places its tasks
-    def run(fn: Callable[..., Any], arg_list: list[tuple], names: list[str], progress: Progress,
-            keys: list[Any] | None = None) -> list:  # fmt: skip
+    def run(
+        fn: Callable[..., Any],
+        arg_list: list[tuple],
+        names: list[str],
+        progress: Progress,
+        keys: list[Any] | None = None,
+    ) -> list:
         refs = {remote.remote(fn, args, threads, driver): i for i, args in enumerate(arg_list)}
         results: list[Any] = [None] * len(arg_list)
         pending = list(refs)

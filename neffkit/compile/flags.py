@@ -179,6 +179,16 @@ def neuronx_cc_argv(
     tests/golden/neuronx_cc_reference.json, which the golden argv files are checked against).
     """
     return [
-        "neuronx-cc", "compile", hlo, "--framework", "XLA", "--target", neuron_target,
-        LNC_FLAG, str(lnc), "--output", neff, *flags,
-    ]  # fmt: skip
+        "neuronx-cc",
+        "compile",
+        hlo,
+        "--framework",
+        "XLA",
+        "--target",
+        neuron_target,
+        LNC_FLAG,
+        str(lnc),
+        "--output",
+        neff,
+        *flags,
+    ]

@@ -99,9 +99,16 @@ def check_graphs(
 
 
 def _check_spmd(name: str, per_rank: list[TraceResult]) -> None:
-    check_spmd(name, [RankTrace(r, t.graph_sha256, t.canonical_text, list(t.sources))
-                      for r, t in enumerate(per_rank)])  # fmt: skip
+    check_spmd(
+        name,
+        [
+            RankTrace(r, t.graph_sha256, t.canonical_text, list(t.sources))
+            for r, t in enumerate(per_rank)
+        ],
+    )
     lowered = [t.lowered for t in per_rank]
     if all(lowered):  # the artifact is built from the lowered form: it must match too
-        check_spmd(f"{name} (HLO)", [RankTrace(r, x.sha256, x.text, [])
-                                     for r, x in enumerate(lowered) if x])  # fmt: skip
+        check_spmd(
+            f"{name} (HLO)",
+            [RankTrace(r, x.sha256, x.text, []) for r, x in enumerate(lowered) if x],
+        )

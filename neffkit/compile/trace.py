@@ -140,10 +140,15 @@ def user_outputs(program: ExportedProgram, expected: list[TensorSpec]) -> list[T
     """The program's user outputs, named by the graph contract; a mismatch is a model bug."""
     node = next(n for n in program.graph.nodes if n.op == "output")
     kinds = [s.kind for s in program.graph_signature.output_specs]
-    values = [v.meta["val"] for v, k in zip(node.args[0], kinds, strict=True)
-              if k == OutputKind.USER_OUTPUT]  # fmt: skip
-    got = [TensorSpec(e.name, tuple(v.shape), str(v.dtype).split(".")[-1])
-           for e, v in zip(expected, values, strict=False)]  # fmt: skip
+    values = [
+        v.meta["val"]
+        for v, k in zip(node.args[0], kinds, strict=True)
+        if k == OutputKind.USER_OUTPUT
+    ]
+    got = [
+        TensorSpec(e.name, tuple(v.shape), str(v.dtype).split(".")[-1])
+        for e, v in zip(expected, values, strict=False)
+    ]
     if got != expected:
         raise BuildError(f"graph outputs {got} differ from the contract's {expected}")
     return got

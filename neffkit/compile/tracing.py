@@ -31,13 +31,20 @@ def trace_graphs(
     nothing changed traces nothing (`counters["traced"]` counts real traces)."""
     world = ctx.manifest.parallel.tp
     pairs = [(spec, r) for spec, _ in specs for r in range(world)]
-    keys = [trace_key(ctx.manifest, backend, s, r, projection_form(ctx.layout, s.rows * s.tokens))
-            for s, r in pairs] if cache else []  # fmt: skip
+    keys = (
+        [
+            trace_key(ctx.manifest, backend, s, r, projection_form(ctx.layout, s.rows * s.tokens))
+            for s, r in pairs
+        ]
+        if cache
+        else []
+    )
     flat: list[TraceResult | None] = [_hit(cache.lookup_trace(k)) for k in keys] if cache else []
     flat = flat or [None] * len(pairs)
     misses = [i for i, t in enumerate(flat) if t is None]
-    names = [pairs[i][0].name if world == 1 else f"{pairs[i][0].name}@rank{pairs[i][1]}"
-             for i in misses]  # fmt: skip
+    names = [
+        pairs[i][0].name if world == 1 else f"{pairs[i][0].name}@rank{pairs[i][1]}" for i in misses
+    ]
     if misses:
         ctx.progress.start("trace", names)
         args = [(ctx.layout, pairs[i][0], pairs[i][1], ctx.manifest.target) for i in misses]

@@ -54,8 +54,11 @@ class FormTiming:
     @property
     def chosen(self) -> str:
         """ "kernel", "kernel-all" or "inductor": the fastest (ties to the kernel)."""
-        forms = {"kernel": self.kernel_ms, "kernel-all": self.kernel_all_ms,
-                 "inductor": self.inductor_ms}  # fmt: skip
+        forms = {
+            "kernel": self.kernel_ms,
+            "kernel-all": self.kernel_all_ms,
+            "inductor": self.inductor_ms,
+        }
         return min(forms, key=forms.__getitem__)
 
 

@@ -173,8 +173,9 @@ def verify_spmd_graph(
     cfg, par = layout.config, layout.par
     ref_inputs = representative_inputs(reference, spec, full_weights)
     want, want_kv = eager_runner(reference, spec)([t.clone() for t in ref_inputs])
-    ref_by_name = dict(zip([s.name for s in graph_inputs(reference, spec)[1]], ref_inputs,
-                           strict=True))  # fmt: skip
+    ref_by_name = dict(
+        zip([s.name for s in graph_inputs(reference, spec)[1]], ref_inputs, strict=True)
+    )
     heads = [
         slice(0, None) if cfg.kv_kind == "mla" else slice(h0, h0 + layout.kv_heads)
         for h0 in (cfg.kv_head_start(par, r) for r in range(par.tp))
@@ -283,8 +284,9 @@ def verify_units(
     if tp > 1:  # the tp=1 eager model on the whole checkpoint (held in memory for verify)
         one = replace(manifest, parallel=replace(manifest.parallel, tp=1, ep=1))
         reference = model_layout(one, layout.device)
-        whole = dict(iter_rank_weights(one.model, one.model_config, reference.storage,
-                                       reference.par, 0))  # fmt: skip
+        whole = dict(
+            iter_rank_weights(one.model, one.model_config, reference.storage, reference.par, 0)
+        )
         full = [whole[w.name] for w in reference.weights]
     failed = []
     for i, u in enumerate(units):

@@ -146,9 +146,13 @@ def _speculation(manifest: Manifest) -> SpeculationRecord | None:
     if spec is None:
         return None
     return SpeculationRecord(
-        spec.method, spec.num_tokens, spec.max_batch, spec.prompt_lookup_min,
-        spec.prompt_lookup_max, DRAFT_DIR if spec.method in ("draft", "mtp") else "",
-    )  # fmt: skip
+        spec.method,
+        spec.num_tokens,
+        spec.max_batch,
+        spec.prompt_lookup_min,
+        spec.prompt_lookup_max,
+        DRAFT_DIR if spec.method in ("draft", "mtp") else "",
+    )
 
 
 def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:

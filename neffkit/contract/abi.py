@@ -174,12 +174,16 @@ def logit_inputs(shape: GraphShape) -> list[TensorSpec]:
         specs.append(TensorSpec(TOKEN_BITMASK, (*lead, shape.bitmask_words), "int32"))
     if shape.penalty_tokens:
         p = shape.penalty_tokens
-        specs += [TensorSpec(PENALTY_IDS, (b, p), "int64"),
-                  TensorSpec(PENALTY_COUNTS, (b, p), "float32")]  # fmt: skip
+        specs += [
+            TensorSpec(PENALTY_IDS, (b, p), "int64"),
+            TensorSpec(PENALTY_COUNTS, (b, p), "float32"),
+        ]
         specs += [TensorSpec(name, (b,), "float32") for name in PENALTY_NAMES]
     if shape.bias_tokens:
-        specs += [TensorSpec(BIAS_IDS, (b, shape.bias_tokens), "int64"),
-                  TensorSpec(BIAS_VALUES, (b, shape.bias_tokens), "float32")]  # fmt: skip
+        specs += [
+            TensorSpec(BIAS_IDS, (b, shape.bias_tokens), "int64"),
+            TensorSpec(BIAS_VALUES, (b, shape.bias_tokens), "float32"),
+        ]
     return specs
 
 

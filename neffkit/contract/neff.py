@@ -63,8 +63,23 @@ def parse_header(data: bytes, file_size: int | None = None) -> NeffHeader:
     if len(data) < HEADER_SIZE:
         raise NeffError(f"{len(data)} bytes is shorter than the {HEADER_SIZE}-byte NEFF header")
     fields = struct.unpack(_FORMAT, data[:HEADER_SIZE])
-    (pkg, hsize, dsize, major, minor, build, num_tpb, digest, uuid, name, req_tpb, _, feats,
-     lnc, _) = fields  # fmt: skip
+    (
+        pkg,
+        hsize,
+        dsize,
+        major,
+        minor,
+        build,
+        num_tpb,
+        digest,
+        uuid,
+        name,
+        req_tpb,
+        _,
+        feats,
+        lnc,
+        _,
+    ) = fields
     if hsize != HEADER_SIZE:
         raise NeffError(f"header_size is {hsize}, a NEFF header is {HEADER_SIZE} bytes")
     if file_size is not None and file_size != HEADER_SIZE + dsize:
@@ -115,10 +130,23 @@ def pack_header(
 ) -> bytes:
     """The documented layout, for tests and tools needing a header (neuronx-cc writes real ones)."""
     return struct.pack(
-        _FORMAT, pkg_version, HEADER_SIZE, data_size, neff_version[0], neff_version[1],
-        build_version.encode(), num_tpb, digest.ljust(32, b"\0"), uuid.ljust(16, b"\0"),
-        name.encode(), requested_tpb_count, b"", feature_bits, lnc_size, b"",
-    )  # fmt: skip
+        _FORMAT,
+        pkg_version,
+        HEADER_SIZE,
+        data_size,
+        neff_version[0],
+        neff_version[1],
+        build_version.encode(),
+        num_tpb,
+        digest.ljust(32, b"\0"),
+        uuid.ljust(16, b"\0"),
+        name.encode(),
+        requested_tpb_count,
+        b"",
+        feature_bits,
+        lnc_size,
+        b"",
+    )
 
 
 def compatibility_problems(

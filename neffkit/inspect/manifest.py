@@ -56,9 +56,13 @@ def inspect_manifest(path: str) -> dict[str, Any]:
         # what was looked at, so an empty findings list reads as "checked, clean", not "skipped"
         "checked": {
             "rules": [r for r in RULES if r.startswith("NK2")],
-            "buckets": {"prefill": list(b.prefill), "decode": list(b.decode),
-                        "context": list(b.context), "prefill_batch": list(b.prefill_batch)},
+            "buckets": {
+                "prefill": list(b.prefill),
+                "decode": list(b.decode),
+                "context": list(b.context),
+                "prefill_batch": list(b.prefill_batch),
+            },
             "flags": sorted({f for g in graphs for f in g["flags"]}),
             "waived": list(m.audit.waive),
         },
-    }  # fmt: skip
+    }

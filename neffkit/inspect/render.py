@@ -173,10 +173,12 @@ def render_manifest(report: dict[str, Any]) -> Any:
         ("buckets", ", ".join(f"{k} {v}" for k, v in checked["buckets"].items())),
         ("graphs", f"{len(report['graphs'])}: " + ", ".join(g["name"] for g in report["graphs"])),
         ("flags", " ".join(checked["flags"]) or "none"),
-        ("rules", ", ".join(checked["rules"]) + " (flags and buckets; a bundle adds the graph "
-                  "rules)"),
+        (
+            "rules",
+            ", ".join(checked["rules"]) + " (flags and buckets; a bundle adds the graph rules)",
+        ),
         *([("waived", ", ".join(checked["waived"]))] if checked["waived"] else []),
-    ]  # fmt: skip
+    ]
     for key, value in rows:
         head.add_row(key, value)
     if not report["findings"]:

@@ -202,7 +202,14 @@ def kernel_attention(
     rows, tokens, heads, dim = q.shape
     lo, hi, tables = bounds
     out = torch.ops.neffkit.paged_decode_attention(
-        q.reshape(rows * tokens, heads, dim), k_cache, v_cache, tables, lo, hi, sinks, scale,
+        q.reshape(rows * tokens, heads, dim),
+        k_cache,
+        v_cache,
+        tables,
+        lo,
+        hi,
+        sinks,
+        scale,
         softcap or 0.0,
-    )  # fmt: skip
+    )
     return out.view(rows, tokens, -1)

@@ -154,8 +154,14 @@ def read_flag(value: Any, path: str) -> bool:
 
 def read_sampling(value: Any) -> Sampling:
     raw = mapping(value, "sampling")
-    keys = ("max_top_k", "max_logprobs", "prompt_logprobs", "structured", "max_penalty_tokens",
-            "max_logit_bias")  # fmt: skip
+    keys = (
+        "max_top_k",
+        "max_logprobs",
+        "prompt_logprobs",
+        "structured",
+        "max_penalty_tokens",
+        "max_logit_bias",
+    )
     no_unknown(raw, keys, "sampling")
     penalty = raw.get("max_penalty_tokens")
     return Sampling(
@@ -203,8 +209,14 @@ def read_buckets(value: Any) -> Buckets:
 
 
 KV_CACHE_KEYS = (
-    "block_size", "num_blocks", "dtype", "memory_mb", "prefix_caching", "calibrate", "rotate_keys"
-)  # fmt: skip
+    "block_size",
+    "num_blocks",
+    "dtype",
+    "memory_mb",
+    "prefix_caching",
+    "calibrate",
+    "rotate_keys",
+)
 
 
 def read_kv_cache(

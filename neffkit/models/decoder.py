@@ -198,9 +198,17 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         branches = self.projection.sampler_branches
         masked, processed = process(logits, LogitInputs.of(m, abi.LOGIT_INPUTS), branches)
         sampled = sample(
-            masked, temperature, top_k, top_p, seed, last_pos, self.max_top_k, shape.logprobs,
-            processed, branches,
-        )  # fmt: skip
+            masked,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            last_pos,
+            self.max_top_k,
+            shape.logprobs,
+            processed,
+            branches,
+        )
         return sampled, prompt
 
     def _verify(self, h, m, w, rank, head) -> tuple[torch.Tensor, ...]:

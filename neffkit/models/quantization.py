@@ -54,9 +54,10 @@ def fp8_scheme(cfg: dict[str, Any], path: Path) -> tuple[tuple[int, ...], str]:
 
 def _block(value: Any, where: str) -> tuple[int, int]:
     if not (
-        isinstance(value, list) and len(value) == 2
+        isinstance(value, list)
+        and len(value) == 2
         and all(isinstance(b, int) and b > 0 for b in value)
-    ):  # fmt: skip
+    ):
         raise ModelError(f"{where}: {value!r} is not a block shape [out, in] of positive ints")
     return (int(value[0]), int(value[1]))
 

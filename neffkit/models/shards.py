@@ -37,9 +37,11 @@ K_ROTATION = "kv.k_rotation"
 FLOAT32_TENSORS = frozenset({ROPE_INV_FREQ, ROPE_LOCAL_INV_FREQ, K_ROTATION})
 # DeepSeek's e_score_correction_bias; the fp8 KV cache's per-layer scales and key forms
 FLOAT32_SUFFIXES = (
-    ".moe.router_score_bias", ".self_attn.k_scale", ".self_attn.v_scale",
+    ".moe.router_score_bias",
+    ".self_attn.k_scale",
+    ".self_attn.v_scale",
     *(f".self_attn.{name}" for name in KEY_FORMS),
-)  # fmt: skip
+)
 
 Named = Iterator[tuple[str, torch.Tensor]]
 

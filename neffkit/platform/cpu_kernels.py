@@ -70,16 +70,28 @@ def _command(cxx: str, out: Path) -> list[str]:
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
+        cxx,
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         # no build or venv path in the library (TORCH_CHECK records __FILE__): same bytes from
         # any checkout and venv
         f"-ffile-prefix-map={CSRC}=neffkit/platform/csrc",
         f"-ffile-prefix-map={Path(torch.__file__).parent}=torch",
         *(f"-I{p}" for p in include_paths()),
-        *map(str, SOURCES), "-o", str(out),
-        *(f"-L{p}" for p in library_paths()), "-ltorch", "-ltorch_cpu", "-lc10",
-    ]  # fmt: skip
+        *map(str, SOURCES),
+        "-o",
+        str(out),
+        *(f"-L{p}" for p in library_paths()),
+        "-ltorch",
+        "-ltorch_cpu",
+        "-lc10",
+    ]
 
 
 def library_key(cxx: str) -> str:

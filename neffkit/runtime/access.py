@@ -78,8 +78,10 @@ class AccessLog:
                 ms = (time.perf_counter() - start) * 1000
                 client = scope.get("client")
                 who = f"{client[0]}:{client[1]}" if client else "-"
-                ACCESS.info(f"{who} {scope['method']} {scope['path']} {status[0]} {ms:.1f}ms "
-                            f"request_id={request_id}")  # fmt: skip
+                ACCESS.info(
+                    f"{who} {scope['method']} {scope['path']} {status[0]} {ms:.1f}ms "
+                    f"request_id={request_id}"
+                )
 
 
 def add_http_errors(api: FastAPI) -> None:

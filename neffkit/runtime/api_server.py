@@ -192,8 +192,12 @@ class App:
             while len(finished) < len(choices.streams):
                 index, event = await choices.queue.get()
                 if event.finish_reason == "error":
-                    error = {"message": f"the engine failed: {event.text}",
-                             "type": "engine_error", "param": None, "code": 500}  # fmt: skip
+                    error = {
+                        "message": f"the engine failed: {event.text}",
+                        "type": "engine_error",
+                        "param": None,
+                        "code": 500,
+                    }
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     return
                 for body in shape.chunks(index, event):
@@ -378,8 +382,18 @@ def serve(
     client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, shut_down)
     try:
         client.start()
-        app = App(bundle, tokenizer, client, metrics, name, api_key, strict_requests, access_log,
-                  tool_parser, compact_json)  # fmt: skip
+        app = App(
+            bundle,
+            tokenizer,
+            client,
+            metrics,
+            name,
+            api_key,
+            strict_requests,
+            access_log,
+            tool_parser,
+            compact_json,
+        )
         if access_log:
             enable_access_log()
         api = create_app(app)

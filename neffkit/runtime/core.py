@@ -99,8 +99,9 @@ class EngineCore:
         seq = SequenceState(next(REQUEST_IDS), list(prompt_ids), params, seed & 0xFFFFFFFF)
         if params.structured is not None:  # compiled before it is queued: a bad one queues nothing
             if self.grammars is None:
-                raise RequestError("structured outputs need the bundle's tokenizer",
-                                   param=params.structured.field)  # fmt: skip
+                raise RequestError(
+                    "structured outputs need the bundle's tokenizer", param=params.structured.field
+                )
             seq.grammar = self.grammars.matcher(params.structured)
         self.scheduler.add(seq)  # checks what the bundle can serve
         if params.penalized:  # as wide as the bundle's pairs, which add checked it fits
@@ -188,11 +189,13 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
                     del live[rid], sent[rid]
         if outputs or changed:
             s = core.scheduler
-            spec = (s.spec.drafts, s.spec.draft_tokens, s.spec.accepted_tokens,
-                    tuple(s.spec.accepted_per_position))  # fmt: skip
-            stats = (
-                len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits, spec
-            )  # fmt: skip
+            spec = (
+                s.spec.drafts,
+                s.spec.draft_tokens,
+                s.spec.accepted_tokens,
+                tuple(s.spec.accepted_per_position),
+            )
+            stats = (len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits, spec)
             conn.send((STEP, (outputs, stats)))
 
 
@@ -238,7 +241,7 @@ def core_main(
                     speculation,
                     grammars=loaded.grammars(),
                     governor=governor(loaded),
-                ),  # fmt: skip
+                ),
                 conn,
             ),
             executor=executor,
@@ -278,7 +281,7 @@ def start_core(
             prefix_caching,
             speculation,
             threads,
-        ),  # fmt: skip
+        ),
         name="neffkit-engine-core",
         daemon=True,
     )

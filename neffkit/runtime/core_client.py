@@ -248,8 +248,16 @@ class EngineClient:
             stream.last_token_at = now
             self.metrics.generation_tokens.inc(len(new_ids))
             stream.output_ids += new_ids
-        event = Event(delta, new_ids, finish, len(stream.prompt_ids), len(stream.output_ids),
-                      logprobs, out.prompt_logprobs, out.cached_tokens)  # fmt: skip
+        event = Event(
+            delta,
+            new_ids,
+            finish,
+            len(stream.prompt_ids),
+            len(stream.output_ids),
+            logprobs,
+            out.prompt_logprobs,
+            out.cached_tokens,
+        )
         if finish is not None:
             if stopped:
                 self.abort(stream, "stop")  # the core has not finished it: free its blocks

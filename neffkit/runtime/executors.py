@@ -193,9 +193,13 @@ class NeuronExecutor:
         _check_static_order(graph, num_meta, self.names)
         spike, path = self.spike, bundle.path(graph.artifact or "")
         model = spike.SpikeModel.load_from_neff(
-            str(path), name=graph.name, core_id=0, cc_enabled=self.world_size > 1,
-            rank_id=self.rank, world_size=self.world_size,
-        )  # fmt: skip
+            str(path),
+            name=graph.name,
+            core_id=0,
+            cc_enabled=self.world_size > 1,
+            rank_id=self.rank,
+            world_size=self.world_size,
+        )
         aliased = len(graph.io_alias)
         in_names = by_position(model.input_tensors_info, "input", len(graph.inputs), path)
         out_names = by_position(

@@ -153,10 +153,12 @@ def _check_logit_processing(
         need = Penalties.bound(params, prompt_ids, budget)
         if need > config.penalty_tokens:
             name = (
-                "repetition_penalty" if params.repetition_penalty != 1.0
-                else "frequency_penalty" if params.frequency_penalty
+                "repetition_penalty"
+                if params.repetition_penalty != 1.0
+                else "frequency_penalty"
+                if params.frequency_penalty
                 else "presence_penalty"
-            )  # fmt: skip
+            )
             raise RequestError(
                 f"{name}: this request may see {need} distinct tokens; the bundle's penalties "
                 f"track {config.penalty_tokens} (sampling.max_penalty_tokens)",
@@ -165,8 +167,10 @@ def _check_logit_processing(
             )
     for t, _ in params.logit_bias:
         if t >= config.vocab_size:
-            raise RequestError(f"logit_bias: token id {t} is outside the vocabulary "
-                               f"[0, {config.vocab_size})", param="logit_bias")  # fmt: skip
+            raise RequestError(
+                f"logit_bias: token id {t} is outside the vocabulary [0, {config.vocab_size})",
+                param="logit_bias",
+            )
     pairs = len(params.logit_bias) + stop_count(params, config.eos_token_ids)
     if pairs > config.bias_tokens:
         field = "logit_bias" if params.logit_bias else "min_tokens"

@@ -138,8 +138,15 @@ def _speculation_report(llm: LLM) -> JsonObject | None:
         return None
     spec = llm.core.scheduler.spec
     draft = llm.core.draft
-    model = {"draft_calls": draft.calls, "draft_prefill_s": round(draft.prefill_s, 4),
-             "draft_propose_s": round(draft.propose_s, 4)} if draft is not None else {}  # fmt: skip
+    model = (
+        {
+            "draft_calls": draft.calls,
+            "draft_prefill_s": round(draft.prefill_s, 4),
+            "draft_propose_s": round(draft.propose_s, 4),
+        }
+        if draft is not None
+        else {}
+    )
     return {
         "drafts": spec.drafts,
         "draft_tokens": spec.draft_tokens,

@@ -71,8 +71,12 @@ class CompletionLogprobs:
             }
             top.setdefault(texts[0], _finite(lp.logprob))  # the chosen token is always listed
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": tokens,
+            "token_logprobs": chosen,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 def chat_logprobs(namer: TokenNamer, ids: list[int], values: list[TokenLogprobs]) -> JsonObject:

@@ -12,9 +12,26 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class Metrics:
@@ -31,17 +48,23 @@ class Metrics:
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between streamed tokens.")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Request arrival to last token.")
         self.running = Gauge(
-            "vllm:num_requests_running", "Sequences in the decode batch.", ["model_name"],
+            "vllm:num_requests_running",
+            "Sequences in the decode batch.",
+            ["model_name"],
             registry=r,
-        ).labels(**label)  # fmt: skip
+        ).labels(**label)
         self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting for KV blocks or prefill.",
-            ["model_name"], registry=r,
-        ).labels(**label)  # fmt: skip
+            "vllm:num_requests_waiting",
+            "Requests waiting for KV blocks or prefill.",
+            ["model_name"],
+            registry=r,
+        ).labels(**label)
         self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-            ["model_name"], registry=r,
-        ).labels(**label)  # fmt: skip
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0-1).",
+            ["model_name"],
+            registry=r,
+        ).labels(**label)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens admitted.", ["model_name"], registry=r
         ).labels(**label)
@@ -49,13 +72,17 @@ class Metrics:
             "vllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r
         ).labels(**label)
         self.cache_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.",
-            ["model_name"], registry=r,
-        ).labels(**label)  # fmt: skip
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in prompt tokens looked up.",
+            ["model_name"],
+            registry=r,
+        ).labels(**label)
         self.cache_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.",
-            ["model_name"], registry=r,
-        ).labels(**label)  # fmt: skip
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in prompt tokens found cached.",
+            ["model_name"],
+            registry=r,
+        ).labels(**label)
         spec = [
             ("num_drafts", "Rows that proposed draft tokens, per verify step."),
             ("num_draft_tokens", "Draft tokens proposed."),
@@ -66,14 +93,18 @@ class Metrics:
             for name, doc in spec
         ]
         self.spec_per_position = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
-            ["model_name", "position"], registry=r,
-        )  # fmt: skip
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position.",
+            ["model_name", "position"],
+            registry=r,
+        )
         self._seen: dict[str, int] = {}  # the last running total of each counter series
         self._success = Counter(
-            "vllm:request_success", "Finished requests by reason.",
-            ["model_name", "finished_reason"], registry=r,
-        )  # fmt: skip
+            "vllm:request_success",
+            "Finished requests by reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self._label = label
 
     def observe_stats(

@@ -40,15 +40,46 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
 }
 # Every field each endpoint reads (or refuses by name above); any other is unknown to the server:
 # logged as ignored, or refused under --strict-requests (access.py).
-_COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                  "stop_token_ids", "ignore_eos", "stream", "stream_options",
-                  "include_stop_str_in_output", "n", "logprobs", "top_logprobs", "echo",
-                  "return_token_ids", "return_tokens_as_token_ids", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-                  "response_format", "structured_outputs", *GUIDED, *UNSUPPORTED)  # fmt: skip
+_COMMON_FIELDS = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "include_stop_str_in_output",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "return_token_ids",
+    "return_tokens_as_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "structured_outputs",
+    *GUIDED,
+    *UNSUPPORTED,
+)
 COMPLETION_FIELDS = frozenset((*_COMMON_FIELDS, "prompt"))
-CHAT_FIELDS = frozenset((*_COMMON_FIELDS, "messages", "max_completion_tokens", "tools",
-                         "tool_choice", "parallel_tool_calls"))  # fmt: skip
+CHAT_FIELDS = frozenset(
+    (
+        *_COMMON_FIELDS,
+        "messages",
+        "max_completion_tokens",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    )
+)
 
 
 # ---------------------------------------------------------------- OpenAI request bodies
@@ -105,8 +136,9 @@ def _float(body: dict[str, Any], name: str, default: float) -> float:
 
 def check_unsupported(body: dict[str, Any], also: dict[str, tuple[object, ...]]) -> None:
     for name, no_ops in {**UNSUPPORTED, **also}.items():
-        if name in body and not any(body[name] == v and type(body[name]) is type(v)
-                                    or body[name] is v for v in no_ops):  # fmt: skip
+        if name in body and not any(
+            body[name] == v and type(body[name]) is type(v) or body[name] is v for v in no_ops
+        ):
             raise RequestError(
                 f"{name} is not supported by this server; omit it (got {json.dumps(body[name])})",
                 param=name,
@@ -175,8 +207,9 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     options = _get(body, "stream_options", (dict,), {})
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
-        raise RequestError("stream_options.include_usage must be true or false",
-                           param="stream_options")  # fmt: skip
+        raise RequestError(
+            "stream_options.include_usage must be true or false", param="stream_options"
+        )
     return stream, bool(include_usage)
 
 
@@ -220,9 +253,17 @@ def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
     echo = _get(body, "echo", (bool,), False)
     logprobs = (top, top if echo else None)
     params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS, logprobs, parse_constraint(body))
-    return ApiRequest(prompts, None, params, _stop(body), *_stream_flags(body),
-                      _include_stop(body), _n(body, len(prompts)), echo,
-                      *_id_flags(body))  # fmt: skip
+    return ApiRequest(
+        prompts,
+        None,
+        params,
+        _stop(body),
+        *_stream_flags(body),
+        _include_stop(body),
+        _n(body, len(prompts)),
+        echo,
+        *_id_flags(body),
+    )
 
 
 def _id_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -275,13 +316,26 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
     if forced is not None:
         forced = replace(forced, any_whitespace=any_whitespace(body))
     if forced is not None and constraint is not None:
-        raise RequestError(f"tool_choice {body['tool_choice']!r} and {constraint.field} both "
-                           "constrain the output; give one", param="tool_choice")  # fmt: skip
+        raise RequestError(
+            f"tool_choice {body['tool_choice']!r} and {constraint.field} both "
+            "constrain the output; give one",
+            param="tool_choice",
+        )
     # chat: up to the context limit, as vLLM
     params = _sampling(body, field, None, logprobs, forced or constraint)
-    return ApiRequest([], flat, params, _stop(body), *_stream_flags(body),
-                      _include_stop(body), _n(body, 1), False, *_id_flags(body),
-                      tuple(body.get("tools") or ()), tools)  # fmt: skip
+    return ApiRequest(
+        [],
+        flat,
+        params,
+        _stop(body),
+        *_stream_flags(body),
+        _include_stop(body),
+        _n(body, 1),
+        False,
+        *_id_flags(body),
+        tuple(body.get("tools") or ()),
+        tools,
+    )
 
 
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
@@ -292,8 +346,7 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
     if calls is None:
         return out
     if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise RequestError(f"messages[{i}].tool_calls must be a list of objects",
-                           param="messages")  # fmt: skip
+        raise RequestError(f"messages[{i}].tool_calls must be a list of objects", param="messages")
     parsed = []
     for c in calls:
         fn = dict(c.get("function") or {})

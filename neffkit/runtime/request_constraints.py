@@ -58,15 +58,19 @@ def _response_format(value: Any) -> StructuredSpec | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise RequestError(f"{field}.json_schema must be an object with a schema",
-                               param=field)  # fmt: skip
+            raise RequestError(f"{field}.json_schema must be an object with a schema", param=field)
         return _one("json", spec["schema"], field)
-    raise RequestError(f"{field}.type {kind!r} is not supported; use text, json_object or "
-                       "json_schema", param=field)  # fmt: skip
+    raise RequestError(
+        f"{field}.type {kind!r} is not supported; use text, json_object or json_schema", param=field
+    )
 
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}  # fmt: skip
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -76,8 +80,10 @@ def _structured_outputs(value: Any) -> StructuredSpec | None:
         raise RequestError(f"{field} must be an object", param=field)
     unknown = sorted(set(value) - set(STRUCTURED_KEYS) - {"disable_any_whitespace"})
     if unknown:
-        raise RequestError(f"{field}.{unknown[0]} is not supported; one of "
-                           f"{', '.join(STRUCTURED_KEYS)}", param=field)  # fmt: skip
+        raise RequestError(
+            f"{field}.{unknown[0]} is not supported; one of {', '.join(STRUCTURED_KEYS)}",
+            param=field,
+        )
     given = [k for k in STRUCTURED_KEYS if value.get(k) not in (None, False)]
     if len(given) > 1:
         raise RequestError(f"{field}: give one of {', '.join(given)}", param=field)
@@ -90,8 +96,10 @@ def any_whitespace(body: dict[str, Any]) -> bool | None:
     value = body.get("structured_outputs")
     compact = value.get("disable_any_whitespace") if isinstance(value, dict) else None
     if compact is not None and not isinstance(compact, bool):
-        raise RequestError("structured_outputs.disable_any_whitespace must be true or false",
-                           param="structured_outputs")  # fmt: skip
+        raise RequestError(
+            "structured_outputs.disable_any_whitespace must be true or false",
+            param="structured_outputs",
+        )
     return None if compact is None else not compact
 
 
@@ -109,8 +117,9 @@ def parse_constraint(body: dict[str, Any]) -> StructuredSpec | None:
             found.append(_one(kind, body[name], name))
     if len(found) > 1:
         fields = ", ".join(s.field for s in found)
-        raise RequestError(f"only one output constraint per request; got {fields}",
-                           param=found[1].field)  # fmt: skip
+        raise RequestError(
+            f"only one output constraint per request; got {fields}", param=found[1].field
+        )
     return replace(found[0], any_whitespace=any_whitespace(body)) if found else None
 
 
@@ -125,8 +134,9 @@ def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise RequestError(f"logit_bias: key {key!r} is not a token id",
-                               param="logit_bias") from None  # fmt: skip
+            raise RequestError(
+                f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+            ) from None
         if isinstance(bias, bool) or not isinstance(bias, int | float):
             raise RequestError(f"logit_bias[{key!r}] must be a number", param="logit_bias")
         pairs.append((token, max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))))
@@ -159,12 +169,14 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
             or tool.get("type") != "function"
             or not isinstance(fn.get("name"), str)
         ):
-            raise RequestError(f"tools[{i}] must be {{type: function, function: {{name, ...}}}}",
-                               param="tools")  # fmt: skip
+            raise RequestError(
+                f"tools[{i}] must be {{type: function, function: {{name, ...}}}}", param="tools"
+            )
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object",
-                               param="tools")  # fmt: skip
+            raise RequestError(
+                f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
+            )
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be true or false", param="parallel_tool_calls")
@@ -173,10 +185,13 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
         return None if choice == "none" else ToolRequest(tuple(tools), choice, None, parallel)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(name, str) or choice.get("type") != "function":
-        raise RequestError('tool_choice must be "none", "auto", "required" or '
-                           '{"type": "function", "function": {"name": ...}}',
-                           param="tool_choice")  # fmt: skip
+        raise RequestError(
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
     if name not in [t["function"]["name"] for t in tools]:
-        raise RequestError(f"tool_choice names {name!r}, which is not among the tools",
-                           param="tool_choice")  # fmt: skip
+        raise RequestError(
+            f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+        )
     return ToolRequest(tuple(tools), "named", name, parallel)

@@ -66,8 +66,12 @@ class CompletionChunks(ChoiceShapes):
         self, model: str, tokenizer: Tokenizer | None, parsed: ApiRequest, prompts: list[list[int]]
     ) -> None:
         super().__init__(tokenizer, parsed, prompts)
-        self.base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                     "created": int(time.time()), "model": model}  # fmt: skip
+        self.base = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
         self._started: dict[int, CompletionLogprobs] = {}
 
     def _prompt_text(self, index: int) -> str:
@@ -89,8 +93,12 @@ class CompletionChunks(ChoiceShapes):
                 ids = prompt + ids
                 values = [None, *(e.prompt_logprobs or [None] * (len(prompt) - 1)), *values]
         logprobs = self._started[index].add(ids, values) if self.logprobs else None
-        choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": e.finish_reason}  # fmt: skip
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": e.finish_reason,
+        }
         return choice | self.token_ids(index, e)
 
     def first(self, index: int) -> JsonObject:
@@ -123,8 +131,11 @@ class ChatChunks(ChoiceShapes):
         tool_parser: str | None = None,
     ) -> None:
         super().__init__(tokenizer, parsed, prompts)
-        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                     "model": model}  # fmt: skip
+        self.base = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": model,
+        }
         self.tool_parser = tool_parser  # the server's --tool-call-parser (tool_choice auto)
         self._tool_streams: dict[int, ToolStream] = {}
 
@@ -134,8 +145,9 @@ class ChatChunks(ChoiceShapes):
         namer = self.namer(index, self.prompt_of(index))
         return chat_logprobs(namer, list(e.token_ids), list(e.logprobs or []))
 
-    def _delta(self, index: int, delta: JsonObject, finish: str | None,
-               logprobs: JsonObject | None = None) -> JsonObject:  # fmt: skip
+    def _delta(
+        self, index: int, delta: JsonObject, finish: str | None, logprobs: JsonObject | None = None
+    ) -> JsonObject:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self.base, "object": "chat.completion.chunk", "choices": [choice]}
 
@@ -187,6 +199,13 @@ class ChatChunks(ChoiceShapes):
         choices = []
         for i, e in enumerate(events):
             message, finish = self._message(e)
-            choices.append({"index": i, "message": message, "logprobs": self._logprobs(i, e),
-                            "finish_reason": finish} | self.token_ids(i, e))  # fmt: skip
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._logprobs(i, e),
+                    "finish_reason": finish,
+                }
+                | self.token_ids(i, e)
+            )
         return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage}

@@ -230,8 +230,10 @@ class ModelRunner:
             write_row(meta, i, seq, self.config.eos_token_ids)
             at += n
         # a chunk that is not its prompt's last samples nothing that is kept: no mask needed
-        matchers = [c.seq.grammar if c.start + c.length == len(c.seq.prompt_ids) else None
-                    for c in batch.chunks]  # fmt: skip
+        matchers = [
+            c.seq.grammar if c.start + c.length == len(c.seq.prompt_ids) else None
+            for c in batch.chunks
+        ]
         if any(m is not None for m in matchers):
             fill_bitmasks(meta, matchers, self.grammars)
         if abi.TARGET_IDS in meta:  # each position's next prompt token (0 past the end)

@@ -118,18 +118,25 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {value}", param=name)
         if not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
             value = self.repetition_penalty
-            raise RequestError(f"repetition_penalty must be > 0 and finite, got {value}",
-                               param="repetition_penalty")  # fmt: skip
+            raise RequestError(
+                f"repetition_penalty must be > 0 and finite, got {value}",
+                param="repetition_penalty",
+            )
         if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens!r}",
-                               param="min_tokens")  # fmt: skip
+            raise RequestError(
+                f"min_tokens must be >= 0, got {self.min_tokens!r}", param="min_tokens"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                               f"({self.max_tokens})", param="min_tokens")  # fmt: skip
+            raise RequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
         for token, bias in self.logit_bias:
             if not is_int(token) or token < 0 or not math.isfinite(bias):
-                raise RequestError(f"logit_bias: {token!r}: {bias!r} is not a token id and a "
-                                   "finite bias", param="logit_bias")  # fmt: skip
+                raise RequestError(
+                    f"logit_bias: {token!r}: {bias!r} is not a token id and a finite bias",
+                    param="logit_bias",
+                )
         spec = self.structured
         if spec is not None and spec.kind not in GRAMMAR_KINDS:
             raise RequestError(f"unknown constraint kind {spec.kind!r}", param=spec.field)

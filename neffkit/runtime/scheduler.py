@@ -288,8 +288,12 @@ class Scheduler:
         batch = verify_batch_size(spec, self.config.decode_buckets, len(rows))
         if batch is None:
             return None
-        ks = [draft_count(spec, s.params.max_tokens - len(s.output_ids) - 1, s.drafting)
-              if s.may_draft else 0 for s in rows]  # fmt: skip
+        ks = [
+            draft_count(spec, s.params.max_tokens - len(s.output_ids) - 1, s.drafting)
+            if s.may_draft
+            else 0
+            for s in rows
+        ]
         drafts = proposer(rows, ks) if any(ks) else []
         if not any(drafts):
             return None

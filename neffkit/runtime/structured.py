@@ -56,8 +56,9 @@ def grammar_text(spec: StructuredSpec) -> str:
             )
         return llg.grammar_from({"regex": "regex", "grammar": "grammar"}[spec.kind], spec.source)
     except (ValueError, TypeError) as exc:  # llguidance raises ValueError for bad sources
-        raise RequestError(f"{spec.field}: cannot compile the {spec.kind}: {exc}",
-                           param=spec.field) from None  # fmt: skip
+        raise RequestError(
+            f"{spec.field}: cannot compile the {spec.kind}: {exc}", param=spec.field
+        ) from None
 
 
 class Grammars:
@@ -101,8 +102,9 @@ class Grammars:
             text = grammar_text(spec)
             template = llg.LLMatcher(self.tokenizer, text, log_level=0)
             if template.is_error():
-                raise RequestError(f"{spec.field}: invalid {spec.kind}: {template.get_error()}",
-                                   param=spec.field)  # fmt: skip
+                raise RequestError(
+                    f"{spec.field}: invalid {spec.kind}: {template.get_error()}", param=spec.field
+                )
             self._cache[key] = template
             if len(self._cache) > CACHED_GRAMMARS:
                 self._cache.popitem(last=False)

@@ -75,8 +75,10 @@ class Tokenizer:
         texts = self._tok.decode_batch(
             [[*context, c] for c in candidates], skip_special_tokens=True
         )
-        return [t[len(before) :] if t.startswith(before) else self.decode([c])
-                for t, c in zip(texts, candidates, strict=True)]  # fmt: skip
+        return [
+            t[len(before) :] if t.startswith(before) else self.decode([c])
+            for t, c in zip(texts, candidates, strict=True)
+        ]
 
     def render_chat(
         self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
@@ -104,8 +106,9 @@ class Tokenizer:
                 eos_token=_token_text(self.config.get("eos_token")),
             )
         except jinja2.TemplateError as exc:
-            raise RequestError(f"the chat template refused the messages: {exc}",
-                               param="messages") from None  # fmt: skip
+            raise RequestError(
+                f"the chat template refused the messages: {exc}", param="messages"
+            ) from None
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()

@@ -41,11 +41,16 @@ def tool_constraint(req: ToolRequest) -> StructuredSpec | None:
         return StructuredSpec("json", json.dumps(_parameters(tool)), "tool_choice")
     if req.choice == "required":
         items = [
-            {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                            "parameters": _parameters(t)},
-             "required": ["name", "parameters"], "additionalProperties": False}
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
             for t in req.tools
-        ]  # fmt: skip
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if not req.parallel:
             schema["maxItems"] = 1
@@ -56,8 +61,11 @@ def tool_constraint(req: ToolRequest) -> StructuredSpec | None:
 def call(name: str, arguments: Any) -> dict[str, Any]:
     """One tool call of a response message (arguments as JSON text, OpenAI's form)."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": args}}  # fmt: skip
+    return {
+        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
 
 
 def _hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -95,8 +103,9 @@ def _llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return None, calls
 
 
-def parse_calls(req: ToolRequest, parser: str | None, text: str
-                ) -> tuple[str | None, list[dict[str, Any]]]:  # fmt: skip
+def parse_calls(
+    req: ToolRequest, parser: str | None, text: str
+) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole output as (content, tool calls)."""
     if req.choice == "named":
         assert req.name is not None
@@ -124,8 +133,12 @@ def finish_reason(req: ToolRequest, calls: list[dict[str, Any]], reason: str | N
 def call_deltas(index: int, c: dict[str, Any]) -> list[dict[str, Any]]:
     """A call as two streamed deltas: id, type and name first, then the arguments."""
     fn = c["function"]
-    head = {"index": index, "id": c["id"], "type": "function",
-            "function": {"name": fn["name"], "arguments": ""}}  # fmt: skip
+    head = {
+        "index": index,
+        "id": c["id"],
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": ""},
+    }
     args = {"index": index, "function": {"arguments": fn["arguments"]}}
     return [{"tool_calls": [head]}, {"tool_calls": [args]}]
 

@@ -94,5 +94,6 @@ def test_inspect_verify_says_what_it_verified(bundle, tmp_path):
         "bundle.json's: ok"
     ), proc.stdout
     report = json.loads(run_cli("inspect", str(path), "--verify", "--json", check=True).stdout)
-    assert report["verification"] == [{"bundle": str(path), "files": len(files), "bytes": size,
-                                       "hash": "sha256", "result": "ok"}]  # fmt: skip
+    assert report["verification"] == [
+        {"bundle": str(path), "files": len(files), "bytes": size, "hash": "sha256", "result": "ok"}
+    ]

@@ -44,11 +44,15 @@ def test_auto_takes_the_form_that_measured_faster_and_keeps_the_measurement(
     assert all(min(t.kernel_ms, t.inductor_ms, t.kernel_all_ms) > 0 for t in timings)
     for t in timings:  # the graphs write what measured fastest, and record the figures
         fastest = min(t.kernel_ms, t.inductor_ms, t.kernel_all_ms)
-        assert {"kernel": t.kernel_ms, "inductor": t.inductor_ms,
-                "kernel-all": t.kernel_all_ms}[t.chosen] == fastest  # fmt: skip
+        assert {"kernel": t.kernel_ms, "inductor": t.inductor_ms, "kernel-all": t.kernel_all_ms}[
+            t.chosen
+        ] == fastest
         inductor = "blocked-rows" if t.rows <= 8 else "blocked-bmm"
-        forms = {"kernel": f"kernel-rows+{inductor}", "kernel-all": "kernel-rows",
-                 "inductor": inductor}  # fmt: skip
+        forms = {
+            "kernel": f"kernel-rows+{inductor}",
+            "kernel-all": "kernel-rows",
+            "inductor": inductor,
+        }
         assert projection_form(tuned, t.rows) == forms[t.chosen]
     assert projection_form(tuned, 32) == "blocked-bmm"  # a row count not measured
     assert uses_kernel(tuned) == any(t.chosen != "inductor" for t in timings)
@@ -81,14 +85,30 @@ def test_prefill_row_counts_time_the_layers_without_the_lm_head(hf_model_dir, tm
 def test_graph_records_carry_the_measurement_and_omit_it_otherwise():
     from neffkit.contract.records import GraphBuckets, KernelTiming
 
-    base = dict(name="decode_b1", phase="decode", buckets=GraphBuckets(1, 1, 64), artifact=None,
-                ir="ir/x.txt.zst", graph_sha256="0", cache_key=None, options={},
-                option_origins={}, flags=(), flag_origins={}, io_alias=(), inputs=(),
-                outputs=(), ranks="all")  # fmt: skip
+    base = dict(
+        name="decode_b1",
+        phase="decode",
+        buckets=GraphBuckets(1, 1, 64),
+        artifact=None,
+        ir="ir/x.txt.zst",
+        graph_sha256="0",
+        cache_key=None,
+        options={},
+        option_origins={},
+        flags=(),
+        flag_origins={},
+        io_alias=(),
+        inputs=(),
+        outputs=(),
+        ranks="all",
+    )
     timed = GraphRecord(**base, kernel_timing=KernelTiming(1.5, 2.0, "kernel", 1.7))
     data = timed.to_json()
     assert data["kernel_timing"] == {
-        "kernel_ms": 1.5, "inductor_ms": 2.0, "chosen": "kernel", "kernel_all_ms": 1.7
-    }  # fmt: skip
+        "kernel_ms": 1.5,
+        "inductor_ms": 2.0,
+        "chosen": "kernel",
+        "kernel_all_ms": 1.7,
+    }
     assert GraphRecord.from_json(data) == timed
     assert "kernel_timing" not in GraphRecord(**base).to_json()

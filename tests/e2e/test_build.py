@@ -178,7 +178,7 @@ def test_ci_shards_fill_one_s3_cache_and_the_assembly_compiles_nothing(
             text=True,
             cwd=REPO,
             env=env,
-        )  # fmt: skip
+        )
         for k in (1, 2)
     ]
     reports = []
@@ -250,7 +250,7 @@ def _inspect_from_s3(fs: Any, env: dict[str, str], bundle_dir: Path, pack: Path)
             cwd=REPO,
             env=env,
             timeout=300,
-        )  # fmt: skip
+        )
         for target in (str(bundle_dir), "s3://neffkit-ci/bundles/qwen3.tar.zst")
     ]
     assert all(p.returncode == 0 for p in inspected), inspected[1].stderr
@@ -262,8 +262,12 @@ def _inspect_from_s3(fs: Any, env: dict[str, str], bundle_dir: Path, pack: Path)
     assert from_dir == from_url
     missing = subprocess.run(
         [sys.executable, "-m", "neffkit", "inspect", "s3://neffkit-ci/bundles/none.tar.zst"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert missing.returncode == 2 and "none.tar.zst: no such pack" in missing.stderr
     assert "Traceback" not in missing.stderr
 

@@ -36,8 +36,19 @@ def ray_cluster() -> Iterator[tuple[Any, Any]]:
 
 
 def _build(manifest: Path, out: Path, address: str, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", str(out),
-           "--cluster", address, "--json", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "build",
+        str(manifest),
+        "-o",
+        str(out),
+        "--cluster",
+        address,
+        "--json",
+        *extra,
+    ]
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
     )
@@ -68,8 +79,18 @@ def test_cluster_build_equals_local_and_survives_a_lost_node(
 
     # the second node removed while the compile tasks run (one on each node's CPU)
     log = tmp_path / "lost.log"
-    cmd = [sys.executable, "-m", "neffkit", "build", str(manifest), "-o", str(tmp_path / "lost"),
-           "--cluster", cluster.address, "--no-cache"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit",
+        "build",
+        str(manifest),
+        "-o",
+        str(tmp_path / "lost"),
+        "--cluster",
+        cluster.address,
+        "--no-cache",
+    ]
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     deadline = time.time() + 600

@@ -95,10 +95,24 @@ def test_bundle_ships_the_kernel_and_the_runtime_needs_no_compiler(bundle, tmp_p
     assert set(forms.values()) == {"kernel-rows"}  # prefill's tokens too
     env = {**os.environ, "CXX": "/nonexistent/g++", "NEFFKIT_KERNEL_CACHE": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "neffkit", "run", str(path), "--prompt-ids", "1,2,3",
-         "--max-tokens", "4", "--json"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "run",
+            str(path),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(json.loads(proc.stdout)["outputs"][0]["token_ids"]) == 4
     assert list(tmp_path.iterdir()) == []  # nothing compiled
@@ -174,8 +188,10 @@ def test_weights_of_one_input_in_one_call_equal_each_alone(op, kind, rows):
         ws = [to_blocked(q, 16) for q, _ in quantized]
         scales = [lane_scales(g, tuple(q.shape), (32, 32), 16) for q, g in quantized]
         for x_rows in (x, x.bfloat16()):
-            alone = [torch.ops.neffkit.blocked_rows_fp8(x_rows, [w], [s], 32)
-                     for w, s in zip(ws, scales, strict=True)]  # fmt: skip
+            alone = [
+                torch.ops.neffkit.blocked_rows_fp8(x_rows, [w], [s], 32)
+                for w, s in zip(ws, scales, strict=True)
+            ]
             together = torch.ops.neffkit.blocked_rows_fp8(x_rows, ws, scales, 32)
             assert torch.equal(together, torch.cat(alone, -1))
         return

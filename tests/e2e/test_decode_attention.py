@@ -92,9 +92,12 @@ def test_packed_prefill_equals_the_graphs_form(op, window):
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, tokens, 6, 32, generator=gen)
     got = kernel_attention(
-        q, k_cache, v_cache,
-        packed_visible_keys(positions, seq_ids, context_lens, tables, window), 0.3,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        packed_visible_keys(positions, seq_ids, context_lens, tables, window),
+        0.3,
+    )
     context = tables.shape[1] * BLOCK
     mask = packed_context_mask(positions, seq_ids, context_lens, context, window)
     side_by_side = tables.reshape(1, -1)
@@ -120,9 +123,11 @@ def test_decode_and_packed_prefill_graphs_attend_through_the_kernel(bundle):
     data = bundle_json(bundle("llama"))
     forms = {(g["phase"], g["buckets"]["rows"]): g.get("attention") for g in data["graphs"]}
     assert forms == {
-        ("decode", 1): "kernel", ("decode", 4): "kernel",
-        ("prefill", 1): None, ("prefill", 4): "kernel",
-    }  # fmt: skip
+        ("decode", 1): "kernel",
+        ("decode", 4): "kernel",
+        ("prefill", 1): None,
+        ("prefill", 4): "kernel",
+    }
     assert data["kernels"] == ["kernels/libneffkit_cpu.so"]
     mla = bundle_json(bundle("deepseek"))
     assert all("attention" not in g for g in mla["graphs"]) and not mla["kernels"]

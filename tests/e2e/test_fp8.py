@@ -70,10 +70,18 @@ def _make(
     def quantized(root: Path) -> None:
         src = cached_dir(f"models/fp8_source-{digest}", source)
         subprocess.run(
-            [sys.executable, str(tool), str(src), str(root / "fp8"), *tool_args,
-             "--dequantized", str(root / "deq")],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                str(tool),
+                str(src),
+                str(root / "fp8"),
+                *tool_args,
+                "--dequantized",
+                str(root / "deq"),
+            ],
+            check=True,
+            capture_output=True,
+        )
 
     root = cached_dir(f"models/fp8_{name}-{digest}", quantized)
     return root / "fp8", root / "deq"
@@ -87,8 +95,15 @@ def fp8_model(session_dir: Path) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def channel_model(session_dir: Path) -> tuple[Path, Path]:
     """compressed-tensors fp8, per-channel scales, calibrated per-layer k_scale / v_scale."""
-    return _make(session_dir, "channel", "--format", "compressed-tensors", "--scheme", "channel",
-                 "--kv-scales")  # fmt: skip
+    return _make(
+        session_dir,
+        "channel",
+        "--format",
+        "compressed-tensors",
+        "--scheme",
+        "channel",
+        "--kv-scales",
+    )
 
 
 # tp=2 of block scales in `make test-all`; per-channel scales at tp=2 run in `make test`
@@ -173,9 +188,13 @@ def test_an_fp8_lm_head_equals_hf_with_the_head_quantized(tied_fp8_model, sessio
     fp8, exact = tied_fp8_model
     kernel = cpu_kernels.supported()
     result = build_session_bundle(
-        session_dir, fp8, "fp8_head", buckets=BUCKETS, lm_head={"dtype": "float8_e4m3fn"},
+        session_dir,
+        fp8,
+        "fp8_head",
+        buckets=BUCKETS,
+        lm_head={"dtype": "float8_e4m3fn"},
         compiler={"cpu_kernel": "on" if kernel else "auto"},
-    )  # fmt: skip
+    )
     prompts = [SHORT, LONG, *MIXED]
     oracle = _fp8_head_oracle(exact, 16)
     assert _run(result.bundle, prompts) == [hf_greedy(oracle, p, MAX_NEW) for p in prompts]
@@ -241,9 +260,12 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
 
     kind = "llama_tied"
     result = build_session_bundle(
-        session_dir, hf_model_dir(kind), f"{kind}_kvfp8", buckets=ONE_DECODE,
+        session_dir,
+        hf_model_dir(kind),
+        f"{kind}_kvfp8",
+        buckets=ONE_DECODE,
         kv_cache={"block_size": 16, "dtype": "float8_e4m3fn"},
-    )  # fmt: skip
+    )
     record = bundle_json(result.bundle)
     assert record["layout"]["kv_dtype"] == "float8_e4m3fn"
     # no scales in the checkpoint: calibrated by the build, recorded one per layer
@@ -329,24 +351,42 @@ def test_scale_layouts_store_fp8_and_dequantize_to_the_exact_weights(
 @pytest.mark.parametrize(
     ("config", "field"),
     [
-        ({"format": "float-quantized", "config_groups": {"g": {"weights": {
-            "type": "float", "num_bits": 8, "strategy": "group"}}}},
-         "config_groups.g.weights.strategy 'group'"),
-        ({"format": "float-quantized", "config_groups": {"g": {"weights": {
-            "type": "int", "num_bits": 8, "strategy": "channel"}}}},
-         "config_groups.g.weights: 'int' with 8 bits"),
+        (
+            {
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {"weights": {"type": "float", "num_bits": 8, "strategy": "group"}}
+                },
+            },
+            "config_groups.g.weights.strategy 'group'",
+        ),
+        (
+            {
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {"weights": {"type": "int", "num_bits": 8, "strategy": "channel"}}
+                },
+            },
+            "config_groups.g.weights: 'int' with 8 bits",
+        ),
         ({"format": "pack-quantized", "config_groups": {}}, "format 'pack-quantized'"),
     ],
-)  # fmt: skip
+)
 def test_compressed_tensors_schemes_neffkit_cannot_read_are_refused(tmp_path, config, field):
     import json
 
     from neffkit.errors import ModelError
     from neffkit.models.registry import read_model_config
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-           "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-           "quantization_config": {"quant_method": "compressed-tensors", **config}}  # fmt: skip
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "quantization_config": {"quant_method": "compressed-tensors", **config},
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match=re.escape(field)):
         read_model_config(tmp_path)
@@ -371,9 +411,14 @@ def test_fp8_kv_cache_reads_the_checkpoints_k_and_v_scales(channel_model, sessio
     )
     record = bundle_json(result.bundle)
     assert record["fp8"] == {
-        "max": 448.0, "weights": "channel", "weight_block": [1, 0], "weight_rescale": 1.0,
-        "scale_rescale": 1.0, "kv_cache": True, "kv_scales": "checkpoint",
-    }  # fmt: skip
+        "max": 448.0,
+        "weights": "channel",
+        "weight_block": [1, 0],
+        "weight_rescale": 1.0,
+        "scale_rescale": 1.0,
+        "kv_cache": True,
+        "kv_scales": "checkpoint",
+    }
     for graph in record["graphs"]:
         names = {i["name"]: i for i in graph["inputs"]}
         for layer in range(COMMON["num_hidden_layers"]):
@@ -474,8 +519,18 @@ def _xla_tokens(bundle: Path, prompts: list[list[int]]) -> list[list[int]]:
     from tests.conftest import run_cli
 
     args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
-    proc = run_cli("run", str(bundle), "--executor", "xla-cpu", *args, "--max-tokens",
-                   str(MAX_NEW), "--ignore-eos", "--json", check=True)  # fmt: skip
+    proc = run_cli(
+        "run",
+        str(bundle),
+        "--executor",
+        "xla-cpu",
+        *args,
+        "--max-tokens",
+        str(MAX_NEW),
+        "--ignore-eos",
+        "--json",
+        check=True,
+    )
     return [o["token_ids"] for o in json.loads(proc.stdout)["outputs"]]
 
 
@@ -504,11 +559,21 @@ def test_trn2_and_trn3_builds_differ_by_the_240_rescale_and_the_flag(
     b3 = _lowered(session_dir, fp8, "fp8_trn3", "trn3")
     b2 = _lowered(session_dir, fp8, "fp8_trn2", "trn2")
     r3, r2 = bundle_json(b3), bundle_json(b2)
-    assert r3["fp8"] == {"max": 448.0, "weights": "block", "weight_block": [16, 16],
-                         "weight_rescale": 1.0, "scale_rescale": 1.0, "kv_cache": False,
-                         "kv_scales": ""}  # fmt: skip
-    assert r2["fp8"] == {**r3["fp8"], "max": 240.0, "weight_rescale": 240 / 448,
-                         "scale_rescale": 448 / 240}  # fmt: skip
+    assert r3["fp8"] == {
+        "max": 448.0,
+        "weights": "block",
+        "weight_block": [16, 16],
+        "weight_rescale": 1.0,
+        "scale_rescale": 1.0,
+        "kv_cache": False,
+        "kv_scales": "",
+    }
+    assert r2["fp8"] == {
+        **r3["fp8"],
+        "max": 240.0,
+        "weight_rescale": 240 / 448,
+        "scale_rescale": 448 / 240,
+    }
     flag = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
     for g3, g2 in zip(r3["graphs"], r2["graphs"], strict=True):
         h2t = "--internal-hlo2tensorizer-options=--modular-flow-mac-threshold=10"
@@ -538,8 +603,9 @@ def test_trn2_and_trn3_builds_differ_by_the_240_rescale_and_the_flag(
     model.save_pretrained(tmp_path / "trn2_exact")
     prompts = [SHORT, LONG]
     assert _xla_tokens(b3, prompts) == [hf_greedy(exact, p, MAX_NEW) for p in prompts]
-    assert _xla_tokens(b2, prompts) == [hf_greedy(tmp_path / "trn2_exact", p, MAX_NEW)
-                                        for p in prompts]  # fmt: skip
+    assert _xla_tokens(b2, prompts) == [
+        hf_greedy(tmp_path / "trn2_exact", p, MAX_NEW) for p in prompts
+    ]
 
 
 @pytest.mark.full  # as above: a neuron fp8 build
@@ -551,8 +617,13 @@ def test_trn2_fp8_kv_cache_clamps_to_240_and_passes_the_audit(fp8_model, session
     from tests.conftest import bundle_json, run_json
 
     fp8, _ = fp8_model
-    out = _lowered(session_dir, fp8, "fp8_trn2_kv", "trn2",
-                   kv_cache={"block_size": 16, "dtype": "float8_e4m3fn"})  # fmt: skip
+    out = _lowered(
+        session_dir,
+        fp8,
+        "fp8_trn2_kv",
+        "trn2",
+        kv_cache={"block_size": 16, "dtype": "float8_e4m3fn"},
+    )
     record = bundle_json(out)
     assert record["fp8"]["kv_cache"] and record["fp8"]["max"] == 240.0
     for g in record["graphs"]:
@@ -610,8 +681,11 @@ def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model
     for layer, (k_scale, v_scale) in enumerate(measured["kv_calibrated"]):
         _, k_pre, q_post, k_post, cos, sin = seen[layer]  # [1, heads, T, D]
         mean = k_pre.mean(2, keepdim=True)
-        got = {f: torch.tensor(measured[f][layer]).reshape(kv_heads, dim) for f in measured
-               if f.startswith("k_")}  # fmt: skip
+        got = {
+            f: torch.tensor(measured[f][layer]).reshape(kv_heads, dim)
+            for f in measured
+            if f.startswith("k_")
+        }
         assert got["k_offsets"] == pytest.approx(mean[0, :, 0], rel=2e-3, abs=1e-5)
         assert got["k_firsts"] == pytest.approx(k_post[0, :, 0], rel=2e-3, abs=1e-5)
         offset = rope(mean.expand_as(k_pre), mean.expand_as(k_pre), cos, sin)[1]

@@ -97,9 +97,14 @@ def test_mla_latent_cache_bytes_per_token(bundle):
     per-head K/V would take (2 x 4 heads x (16 + 8 + 16) x 4)."""
     path = bundle("deepseek")
     kv = run_json("inspect", str(path), "--json")["kv_cache"]
-    assert kv == {"kind": "mla", "dtype": "float32", "tensors_per_layer": 1,
-                  "values_per_token_per_layer": 40,
-                  "bytes_per_token": 320, "mha_equivalent_bytes_per_token": 1280}  # fmt: skip
+    assert kv == {
+        "kind": "mla",
+        "dtype": "float32",
+        "tensors_per_layer": 1,
+        "values_per_token_per_layer": 40,
+        "bytes_per_token": 320,
+        "mha_equivalent_bytes_per_token": 1280,
+    }
     text = run_cli("inspect", str(path), check=True).stdout
     assert "mla float32: 40 values per token per layer, 320 bytes per token" in text
 
@@ -129,6 +134,7 @@ def test_chat_renders_the_bundles_chat_template(bundle, hf_model_dir):
     ids = tok.encode_chat([{"role": "user", "content": "hello there"}])
     assert tok.render_chat([{"role": "user", "content": "x"}]).startswith("### user: x")
     chat = run_json("run", str(bundle("llama")), "--chat", "hello there", "--max-tokens", "8")
-    direct = run_json("run", str(bundle("llama")), "--prompt-ids", ",".join(map(str, ids)),
-                      "--max-tokens", "8")  # fmt: skip
+    direct = run_json(
+        "run", str(bundle("llama")), "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "8"
+    )
     assert chat["outputs"][0]["token_ids"] == direct["outputs"][0]["token_ids"]

@@ -29,8 +29,7 @@ from tests.e2e.test_speculation import _assert_equal_outputs, _generate, _random
 # catch up on many positions (several 1 + K chunks)
 SPEC = {"method": "mtp", "num_tokens": 3, "max_batch": 1}
 BUCKETS = {"prefill": [16], "decode": [1, 4], "context": [64]}
-MTP_SOURCES = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head",
-               "embed_tokens")  # fmt: skip
+MTP_SOURCES = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
 
 
 def _add_mtp_layer(source: Path, out: Path) -> None:
@@ -60,8 +59,11 @@ def _add_mtp_layer(source: Path, out: Path) -> None:
     tensors[f"{p}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
     tensors[f"{p}shared_head.head.weight"] = torch.randn(vocab, hidden, generator=gen) * 0.2
     tensors[f"{p}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
 
 
 def mtp_model_dir(hf_model_dir) -> Path:
@@ -77,9 +79,13 @@ def mtp_model_dir(hf_model_dir) -> Path:
 @prebuild("deepseek_mtp")
 def build_mtp_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
-        session_dir, mtp_model_dir(hf_model_dir), "deepseek_mtp", buckets=BUCKETS,
-        speculation=SPEC, sampling={**LEAN_SAMPLING, "max_logprobs": 2},
-    ).bundle  # fmt: skip
+        session_dir,
+        mtp_model_dir(hf_model_dir),
+        "deepseek_mtp",
+        buckets=BUCKETS,
+        speculation=SPEC,
+        sampling={**LEAN_SAMPLING, "max_logprobs": 2},
+    ).bundle
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +164,9 @@ class EagerMtp:
         x = torch.cat((self.enorm(e), self.hnorm(previous)), dim=-1) @ self.eh_proj.t()
         cos_sin = self.model.model.rotary_emb(x[None], positions[None])
         mask = torch.full((t, t), torch.finfo(x.dtype).min).triu(1)[None, None]
-        g = self.block(x[None], attention_mask=mask, position_ids=positions[None],
-                       position_embeddings=cos_sin)[0]  # fmt: skip
+        g = self.block(
+            x[None], attention_mask=mask, position_ids=positions[None], position_embeddings=cos_sin
+        )[0]
         return g, (self.head_norm(g) @ self.head.t()).argmax(-1).tolist()
 
     def drafts(self, tokens: list[int], k: int) -> list[int]:
@@ -232,9 +239,13 @@ def test_mtp_outputs_equal_plain_decoding(mtp_bundle, together, monkeypatch):
 @pytest.mark.full  # MTP on cpu and the verify graphs on XLA:CPU stay in `make test`
 def test_mtp_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, mtp_model, hf_greedy):
     bundle = lowered_build(
-        session_dir, mtp_model, "deepseek_mtp_neuron", "--lower-only",
-        buckets={"prefill": [16], "decode": [1], "context": [64]}, speculation=SPEC,
-    )  # fmt: skip
+        session_dir,
+        mtp_model,
+        "deepseek_mtp_neuron",
+        "--lower-only",
+        buckets={"prefill": [16], "decode": [1], "context": [64]},
+        speculation=SPEC,
+    )
     for root in (bundle, bundle / "draft"):
         findings = json.loads(run_cli("inspect", str(root), "--json").stdout)["findings"]
         assert [f for f in findings if f["severity"] == "error"] == []

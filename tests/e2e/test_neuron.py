@@ -127,7 +127,7 @@ def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
             ("mixtral", 2),
         ],
         LOWERED_IN_TEST,
-    ),  # fmt: skip
+    ),
 )
 def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind, tp) -> None:
     """tp=2 (and tp=2 ep=2): the one HLO module runs as SPMD over two host devices in one
@@ -135,9 +135,17 @@ def test_run_on_xla_cpu_matches_hf_greedy(lowered, hf_model_dir, hf_greedy, kind
     prompts = [[5, 17, 300, 42, 7], list(range(3, 23))]  # the second spans two prefill chunks
     args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
     proc = run_cli(
-        "run", str(lowered(kind, tp)), "--executor", "xla-cpu", *args,
-        "--max-tokens", "12", "--ignore-eos", "--json", check=True,
-    )  # fmt: skip
+        "run",
+        str(lowered(kind, tp)),
+        "--executor",
+        "xla-cpu",
+        *args,
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+        check=True,
+    )
     outputs = json.loads(proc.stdout)["outputs"]
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out["token_ids"] == hf_greedy(hf_model_dir(kind), prompt, 12)
@@ -154,8 +162,12 @@ def test_neuron_build_without_compiler_points_to_lower_only(session_dir, hf_mode
     env = {k: v for k, v in os.environ.items() if k != "NEFFKIT_NEURONX_CC"}
     proc = subprocess.run(
         [sys.executable, "-m", "neffkit", "build", str(path), "-o", str(session_dir / "nocc")],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "neuronx-cc" in proc.stderr and "--lower-only" in proc.stderr
     assert not (session_dir / "nocc").exists()
@@ -186,9 +198,12 @@ def test_lower_only_is_refused_for_cpu_targets(session_dir, hf_model_dir) -> Non
 def _compile(bundle: Path, out: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "neffkit", "compile", str(bundle), "-o", str(out), "-j", "2"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
         env={**os.environ, "NEFFKIT_NEURONX_CC": str(STAND_IN), **env},
-    )  # fmt: skip
+    )
 
 
 def test_compile_finishes_a_lowered_bundle(lowered, tmp_path: Path) -> None:
@@ -201,9 +216,18 @@ def test_compile_finishes_a_lowered_bundle(lowered, tmp_path: Path) -> None:
         stem = g["name"]
         argv = g["compiler"]["argv"]
         assert argv[:11] == [
-            "neuronx-cc", "compile", f"ir/{stem}.hlo.pb", "--framework", "XLA",
-            "--target", "trn2", "--logical-nc-config", "2", "--output", f"graphs/{stem}.neff",
-        ]  # fmt: skip
+            "neuronx-cc",
+            "compile",
+            f"ir/{stem}.hlo.pb",
+            "--framework",
+            "XLA",
+            "--target",
+            "trn2",
+            "--logical-nc-config",
+            "2",
+            "--output",
+            f"graphs/{stem}.neff",
+        ]
         assert argv[11:] == g["flags"]
         assert "stand-in" in g["compiler"]["version"]
         assert "stand-in neuronx-cc: compile" in (out / g["compiler"]["log"]).read_text()
@@ -279,10 +303,17 @@ def test_build_with_compiler_compiles_and_caches(
 
 def test_neff_header_round_trip_and_checks() -> None:
     data = b"x" * 100
-    raw = pack_header(
-        data_size=len(data), name="decode_b1_c64", lnc_size=2, neff_version=(2, 3),
-        feature_bits=0b101, digest=bytes(range(32)),
-    ) + data  # fmt: skip
+    raw = (
+        pack_header(
+            data_size=len(data),
+            name="decode_b1_c64",
+            lnc_size=2,
+            neff_version=(2, 3),
+            feature_bits=0b101,
+            digest=bytes(range(32)),
+        )
+        + data
+    )
     assert len(raw) == HEADER_SIZE + 100
     h = parse_header(raw, len(raw))
     assert (h.name, h.lnc_size, h.neff_version, h.feature_bits) == ("decode_b1_c64", 2, "2.3", 5)
@@ -318,12 +349,30 @@ def test_neuron_executor_runs_a_compiled_bundle_through_spike(
     prompts = [[5, 17, 300, 42, 7], list(range(3, 23))]
     args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
     proc = subprocess.run(
-        [sys.executable, "-m", "neffkit", "run", str(out), "--executor", "neuron", *args,
-         "--max-tokens", "12", "--ignore-eos", "--json"],
-        capture_output=True, text=True, cwd=REPO, timeout=300,
-        env={**os.environ, "PYTHONPATH": f"{SPIKE_STAND_IN}{os.pathsep}{REPO}",
-             "SPIKE_STAND_IN_LOG": str(log)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "run",
+            str(out),
+            "--executor",
+            "neuron",
+            *args,
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": f"{SPIKE_STAND_IN}{os.pathsep}{REPO}",
+            "SPIKE_STAND_IN_LOG": str(log),
+        },
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     outputs = json.loads(proc.stdout)["outputs"]
     for prompt, got in zip(prompts, outputs, strict=True):
@@ -349,7 +398,10 @@ def test_neuron_executor_runs_a_compiled_bundle_through_spike(
             if c["name"].startswith("decode_"):
                 assert "input_ids" not in inputs[c["name"]]
                 steady += c["name"] == previous and names == {
-                    "positions", "slot_mapping", "context_lens"}  # fmt: skip
+                    "positions",
+                    "slot_mapping",
+                    "context_lens",
+                }
             previous, written = c["name"], set()
     assert steady >= 5
     runs = sum(c["call"] == "execute" for c in calls)
@@ -395,10 +447,27 @@ def test_neff_tensors_are_matched_by_position_or_refused() -> None:
 
 def _run_ids(bundle: Path, env: dict[str, str]) -> list[list[int]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "neffkit", "run", str(bundle), "--executor", "xla-cpu",
-         "--prompt-ids", "5,17,300,42,7", "--max-tokens", "8", "--ignore-eos", "--json"],
-        capture_output=True, text=True, cwd=REPO, timeout=300, env={**os.environ, **env},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "run",
+            str(bundle),
+            "--executor",
+            "xla-cpu",
+            "--prompt-ids",
+            "5,17,300,42,7",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, **env},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return [o["token_ids"] for o in json.loads(proc.stdout)["outputs"]]
 
@@ -412,14 +481,33 @@ def test_build_pack_round_trips_through_run_and_inspect(lowered, session_dir, tm
     lowered("llama", 1)
     path = session_dir / "llama_neuron_tp1.yaml"
     out = tmp_path / "packed"
-    proc = run_cli("build", str(path), "-o", str(out), "--lower-only", "--pack", "-j", "1",
-                   "--cache", str(artifact_cache()), "--json", check=True)  # fmt: skip
+    proc = run_cli(
+        "build",
+        str(path),
+        "-o",
+        str(out),
+        "--lower-only",
+        "--pack",
+        "-j",
+        "1",
+        "--cache",
+        str(artifact_cache()),
+        "--json",
+        check=True,
+    )
     pack = Path(json.loads(proc.stdout)["pack"])
     assert pack == tmp_path / "packed.tar.zst" and pack.is_file()
     assert _run_ids(pack, env) == _run_ids(out, env)
     inspect = [sys.executable, "-m", "neffkit", "inspect", "--verify", "--json"]
-    got = json.loads(subprocess.run([*inspect, str(pack)], capture_output=True, text=True,
-                                    env={**os.environ, **env}, check=True).stdout)  # fmt: skip
+    got = json.loads(
+        subprocess.run(
+            [*inspect, str(pack)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            check=True,
+        ).stdout
+    )
     want = json.loads(run_cli("inspect", str(out), "--verify", "--json", check=True).stdout)
     assert got["digest"] == want["digest"] and got["graphs"] == want["graphs"]
     assert [p.name for p in cache.iterdir()] == [want["digest"]]  # extracted once, by digest

@@ -18,15 +18,20 @@ def _workload(seed: int) -> list[tuple[list[int], dict, bool]]:
     """100 requests over 6 shared prefixes of 1-3 blocks with random suffixes; greedy and
     seeded sampling, each with 2 logprobs; about one in eight aborted mid-decode."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 1000) for _ in range(BLOCK * rng.randint(1, 3))]
-                for _ in range(6)]  # fmt: skip
+    prefixes = [
+        [rng.randrange(3, 1000) for _ in range(BLOCK * rng.randint(1, 3))] for _ in range(6)
+    ]
     out = []
     for _ in range(100):
         prompt = rng.choice(prefixes) + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 8))]
         sampled = rng.random() < 0.5
-        params = dict(max_tokens=rng.randint(2, 8), ignore_eos=True, logprobs=2,
-                      temperature=0.9 if sampled else 0.0,
-                      seed=rng.randrange(10**6) if sampled else None)  # fmt: skip
+        params = dict(
+            max_tokens=rng.randint(2, 8),
+            ignore_eos=True,
+            logprobs=2,
+            temperature=0.9 if sampled else 0.0,
+            seed=rng.randrange(10**6) if sampled else None,
+        )
         out.append((prompt, params, rng.random() < 0.125))
     return out
 
@@ -96,8 +101,14 @@ def test_a_hit_generates_hf_greedy_and_reports_cached_tokens(bundle, hf_model_di
     off = _one_after_another(loaded, prompts, 8, caching=False)
     assert [s.num_cached for s in off] == [0, 0]
     assert [s.output_ids for s in off] == [first.output_ids, second.output_ids]
-    report = run_json("run", str(bundle("llama")), "--max-tokens", "2", "--prompt-ids",
-                      ",".join(map(str, prompts[0])))  # fmt: skip
+    report = run_json(
+        "run",
+        str(bundle("llama")),
+        "--max-tokens",
+        "2",
+        "--prompt-ids",
+        ",".join(map(str, prompts[0])),
+    )
     assert report["outputs"][0]["cached_tokens"] == 0
     assert report["timings"]["cached_prompt_tokens"] == 0
 

@@ -88,8 +88,9 @@ def _hf_chat_greedy(
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, max_new_tokens=tokens, do_sample=False,
-                             attention_mask=torch.ones_like(ids))  # fmt: skip
+        out = model.generate(
+            ids, max_new_tokens=tokens, do_sample=False, attention_mask=torch.ones_like(ids)
+        )
         outs.append(out[0, len(prompt) :].tolist())
     return outs
 
@@ -98,10 +99,14 @@ def _real_bundle(session_dir: Path, model: Path, name: str, tp: int) -> Path:
     """A float32 bundle of a real checkpoint at `tp` (prefill 64, decode 1 and 4, context 256),
     from the test cache."""
     return build_session_bundle(
-        session_dir, model, name, dtype="float32",
+        session_dir,
+        model,
+        name,
+        dtype="float32",
         buckets={"prefill": [64], "decode": [1, 4], "context": [256]},
-        parallel={"tp": tp}, sampling={"max_top_k": 16},
-    ).bundle  # fmt: skip
+        parallel={"tp": tp},
+        sampling={"max_top_k": 16},
+    ).bundle
 
 
 @pytest.mark.parametrize("tp", [1, 3])
@@ -144,9 +149,14 @@ def test_smollm2_structured_outputs_and_tool_calls(smollm2, session_dir):
             for question, schema in SCHEMAS:
                 spec = {"name": "answer", "schema": schema, "strict": True}
                 fmt = {"type": "json_schema", "json_schema": spec}
-                args = dict(model="smol", messages=[{"role": "user", "content": question}],
-                            max_tokens=160, temperature=temperature, seed=3,
-                            response_format=fmt)  # fmt: skip
+                args = dict(
+                    model="smol",
+                    messages=[{"role": "user", "content": question}],
+                    max_tokens=160,
+                    temperature=temperature,
+                    seed=3,
+                    response_format=fmt,
+                )
                 if stream:
                     chunks = client.chat.completions.create(**args, stream=True)
                     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -155,32 +165,53 @@ def test_smollm2_structured_outputs_and_tool_calls(smollm2, session_dir):
                 jsonschema.validate(json.loads(text), schema)
         ask = [{"role": "user", "content": "Give me a US zip code."}]
         zip_code = client.chat.completions.create(
-            model="smol", messages=ask, max_tokens=12, temperature=0,
-            extra_body={"structured_outputs": {"regex": "[0-9]{5}"}})  # fmt: skip
+            model="smol",
+            messages=ask,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"structured_outputs": {"regex": "[0-9]{5}"}},
+        )
         assert re.fullmatch("[0-9]{5}", zip_code.choices[0].message.content)
         ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
         choice = {"guided_choice": ["yes", "no"]}
-        yes_no = client.chat.completions.create(model="smol", messages=ask, max_tokens=4,
-                                                extra_body=choice)  # fmt: skip
+        yes_no = client.chat.completions.create(
+            model="smol", messages=ask, max_tokens=4, extra_body=choice
+        )
         assert yes_no.choices[0].message.content in ("yes", "no")
-        weather = {"type": "function", "function": {
-            "name": "get_weather", "description": "Current weather in a city",
-            "parameters": {"type": "object", "required": ["city", "unit"],
-                           "additionalProperties": False, "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]}}}}}  # fmt: skip
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "required": ["city", "unit"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "city": {"type": "string", "maxLength": 30},
+                        "unit": {"enum": ["celsius", "fahrenheit"]},
+                    },
+                },
+            },
+        }
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-        out = client.chat.completions.create(model="smol", messages=messages, tools=[weather],
-                                             tool_choice="required", max_tokens=60,
-                                             temperature=0)  # fmt: skip
+        out = client.chat.completions.create(
+            model="smol",
+            messages=messages,
+            tools=[weather],
+            tool_choice="required",
+            max_tokens=60,
+            temperature=0,
+        )
         call = out.choices[0].message.tool_calls[0]
         assert out.choices[0].finish_reason == "tool_calls"
         assert call.function.name == "get_weather" and call.type == "function"
         assert set(json.loads(call.function.arguments)) == {"city", "unit"}
         result = {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}
         messages += [out.choices[0].message.model_dump(exclude_none=True), result]
-        final = client.chat.completions.create(model="smol", messages=messages, max_tokens=24,
-                                               tools=[weather], tool_choice="none")  # fmt: skip
+        final = client.chat.completions.create(
+            model="smol", messages=messages, max_tokens=24, tools=[weather], tool_choice="none"
+        )
         assert final.choices[0].message.content
     finally:
         srv.stop()
@@ -262,9 +293,14 @@ def test_real_model_lowered_for_neuron_runs_on_xla_cpu_as_hf(model, request, ses
     x 64 tokens."""
     model_dir = request.getfixturevalue(model)
     bundle = lowered_build(
-        session_dir, model_dir, f"{model}_neuron_tp1", "--lower-only", dtype="float32",
-        buckets={"prefill": [64], "decode": [1], "context": [256]}, sampling={"max_top_k": 16},
-    )  # fmt: skip
+        session_dir,
+        model_dir,
+        f"{model}_neuron_tp1",
+        "--lower-only",
+        dtype="float32",
+        buckets={"prefill": [64], "decode": [1], "context": [256]},
+        sampling={"max_top_k": 16},
+    )
     prompts = _prompts(model, model_dir)
     args = ["run", str(bundle), "--executor", "xla-cpu", "--max-tokens", str(TOKENS)]
     for prompt in prompts:
@@ -279,13 +315,18 @@ def test_gemma3_sliding_window_bites_past_512_tokens(gemma3, session_dir):
     from neffkit.runtime.tokenizer import Tokenizer
 
     bundle = build_session_bundle(
-        session_dir, gemma3, "gemma3_270m_long", dtype="float32",
-        buckets={"prefill": [256], "decode": [1], "context": [1024]}, sampling={"max_top_k": 16},
-    ).bundle  # fmt: skip
+        session_dir,
+        gemma3,
+        "gemma3_270m_long",
+        dtype="float32",
+        buckets={"prefill": [256], "decode": [1], "context": [1024]},
+        sampling={"max_top_k": 16},
+    ).bundle
     tok = Tokenizer.from_dir(gemma3)
     text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(100))
     prompt = tok.encode(text + " Item 7 is a")[:700]
     assert len(prompt) > 600
-    out = run_json("run", str(bundle), "--max-tokens", "16", "--prompt-ids",
-                   ",".join(map(str, prompt)))["outputs"][0]  # fmt: skip
+    out = run_json(
+        "run", str(bundle), "--max-tokens", "16", "--prompt-ids", ",".join(map(str, prompt))
+    )["outputs"][0]
     assert out["token_ids"] == _hf_chat_greedy(gemma3, [prompt], 16)[0]

@@ -90,9 +90,22 @@ def test_loading_leaves_no_unpacked_packages_behind(bundle, tmp_path):
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "neffkit", "run", str(bundle("llama")), "--prompt-ids", "1,2,3",
-         "--max-tokens", "2", "--json"],
-        cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "neffkit",
+            "run",
+            str(bundle("llama")),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "2",
+            "--json",
+        ],
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert list(tmp.iterdir()) == []

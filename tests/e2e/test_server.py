@@ -48,10 +48,22 @@ class Server:
         self.logs = Path(tempfile.mkdtemp(prefix="neffkit-server-"))
         with (self.logs / "out").open("w") as out, (self.logs / "err").open("w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(self.port),
-                 *args],
-                cwd=REPO, stdout=out, stderr=err, text=True, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "neffkit",
+                    "run",
+                    str(bundle),
+                    "--port",
+                    str(self.port),
+                    *args,
+                ],
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                text=True,
+                env=env,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -85,10 +97,13 @@ class Server:
 @prebuild("llama_serve", stage=1)
 def build_serve_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
-        session_dir, hf_model_dir("llama"), "llama_serve", buckets=SERVE_BUCKETS,
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_serve",
+        buckets=SERVE_BUCKETS,
         kv_cache={"block_size": 16, "num_blocks": 17},
         sampling={"max_top_k": 16, "prompt_logprobs": True},
-    ).bundle  # fmt: skip
+    ).bundle
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +120,15 @@ def server(serve_bundle: Path) -> Iterator[Server]:
 
 def _offline(bundle: Path, prompt: str, max_tokens: int) -> str:
     out = run_cli(
-        "run", str(bundle), "--prompt", prompt, "--max-tokens", str(max_tokens), "--json",
+        "run",
+        str(bundle),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(max_tokens),
+        "--json",
         check=True,
-    ).stdout  # fmt: skip
+    ).stdout
     return json.loads(out)["outputs"][0]["text"]
 
 
@@ -119,9 +140,13 @@ def test_completion_and_chat_match_offline_run(server: Server, serve_bundle: Pat
     assert done.choices[0].text == want
     assert done.usage.completion_tokens == 10 and done.usage.prompt_tokens > 0
     streamed = client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+        model="tiny",
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == 10
@@ -155,9 +180,12 @@ def test_sixteen_concurrent_streams_equal_single_outputs(server: Server) -> None
 
     def single(prompt: list[int]) -> str:
         out = client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         return out.choices[0].text
 
     alone = [single(p) for p in prompts]
@@ -167,9 +195,13 @@ def test_sixteen_concurrent_streams_equal_single_outputs(server: Server) -> None
 
         async def one(prompt: list[int]) -> str:
             chunks = await aclient.completions.create(
-                model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                model="tiny",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
                 extra_body={"ignore_eos": True},
-            )  # fmt: skip
+            )
             return "".join([c.choices[0].text async for c in chunks if c.choices])
 
         return await asyncio.gather(*(one(p) for p in prompts))
@@ -208,9 +240,10 @@ def _gauge(text: str, name: str) -> float:
 def test_bad_requests_get_400(server: Server, body, param, fragment) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     resp = httpx.post(
-        f"{server.url}/v1/completions", content=content,
+        f"{server.url}/v1/completions",
+        content=content,
         headers={"content-type": "application/json"},
-    )  # fmt: skip
+    )
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
@@ -224,8 +257,14 @@ def test_chat_bad_messages_get_400(server: Server) -> None:
 def test_disconnecting_clients_free_their_kv_blocks(server: Server) -> None:
     async def leave_early(i: int) -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            body = {"model": "tiny", "prompt": [5 + i, 6, 7], "max_tokens": 40, "stream": True,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": [5 + i, 6, 7],
+                "max_tokens": 40,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             async with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data: "):
@@ -276,17 +315,27 @@ def test_tp2_bundle_serves_from_rank0(tp_bundle) -> None:
     bundle = tp_bundle("llama").bundle
     prompt = [7, 8, 9, 10, 11]
     offline = run_cli(
-        "run", str(bundle), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "8",
-        "--ignore-eos", "--json", check=True,
-    ).stdout  # fmt: skip
+        "run",
+        str(bundle),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+        check=True,
+    ).stdout
     want = json.loads(offline)["outputs"][0]["text"]
     srv = Server(bundle)
     try:
         model = srv.client().models.list().data[0].id
         out = srv.client().completions.create(
-            model=model, prompt=prompt, max_tokens=8, temperature=0,
+            model=model,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         assert out.choices[0].text == want
     finally:
         srv.stop()
@@ -295,23 +344,58 @@ def test_tp2_bundle_serves_from_rank0(tp_bundle) -> None:
 # ---------------------------------------------------------------- fuzzing
 
 FUZZ_FIELDS = (
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n", "ignore_eos",
-    "logprobs", "echo", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "min_tokens", "response_format", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice", "json_schema",
-    "schema", "regex", "choice", "grammar", "function", "name", "parameters",
-)  # fmt: skip
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "n",
+    "ignore_eos",
+    "logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tools",
+    "tool_choice",
+    "json_schema",
+    "schema",
+    "regex",
+    "choice",
+    "grammar",
+    "function",
+    "name",
+    "parameters",
+)
 
 
 def _json_values():
     from hypothesis import strategies as st
 
     scalars = (
-        st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-        | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=6)
         | st.sampled_from(["tiny", "def main(", "\n"])
-    )  # fmt: skip
+    )
     return st.recursive(
         scalars,
         lambda inner: (
@@ -321,7 +405,7 @@ def _json_values():
                 inner,
                 max_size=3,
             )
-        ),  # fmt: skip
+        ),
         max_leaves=8,
     )
 
@@ -359,16 +443,22 @@ def test_fuzzed_requests_never_hurt_the_server(server: Server) -> None:
 
     before = greedy()
 
-    @settings(max_examples=150, deadline=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
     @given(_bodies())
     def check(case) -> None:
         path, body, cut = case
         raw = json.dumps(body).encode()
         if cut == 1:
             raw = raw[: len(raw) // 2]
-        with httpx.stream("POST", server.url + path, content=raw, timeout=60,
-                          headers={"content-type": "application/json"}) as resp:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            server.url + path,
+            content=raw,
+            timeout=60,
+            headers={"content-type": "application/json"},
+        ) as resp:
             resp.read()
             assert resp.status_code < 500, (body, resp.text)
             if resp.status_code >= 400:
@@ -382,13 +472,16 @@ def test_fuzzed_requests_never_hurt_the_server(server: Server) -> None:
 
 def test_out_of_vocabulary_ids_get_400_and_the_server_keeps_serving(server: Server) -> None:
     for prompt in ([1, 99999], [-1, 5]):
-        resp = httpx.post(f"{server.url}/v1/completions",
-                          json={"model": "tiny", "prompt": prompt, "max_tokens": 2})  # fmt: skip
+        resp = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+        )
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
         assert "outside the vocabulary" in resp.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
-    out = server.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
-                                             temperature=0)  # fmt: skip
+    out = server.client().completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0
+    )
     assert out.usage.completion_tokens == 3
 
 
@@ -462,8 +555,9 @@ def test_a_dead_engine_fails_requests_and_stops_the_server(serve_bundle: Path, t
         # a bundle does
         left = f"neffkit-aoti-{core}-*"
         assert list((tmp_path / "tmp").glob(left))
-        again = run_cli("run", str(serve_bundle), "--prompt-ids", "5,6", "--max-tokens", "1",
-                        env=env)  # fmt: skip
+        again = run_cli(
+            "run", str(serve_bundle), "--prompt-ids", "5,6", "--max-tokens", "1", env=env
+        )
         assert again.returncode == 0, again.stderr
         assert not list((tmp_path / "tmp").glob(left))
     finally:
@@ -494,8 +588,13 @@ def test_stop_strings_cut_the_answer_right_before_them(server: Server) -> None:
     """Any stop string taken from a greedy completion: the answer is that completion cut right
     before the stop's first occurrence, plain and streamed alike."""
     client = server.client()
-    base = dict(model="tiny", prompt="def main(", max_tokens=24, temperature=0,
-                extra_body={"ignore_eos": True})  # fmt: skip
+    base = dict(
+        model="tiny",
+        prompt="def main(",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.completions.create(**base).choices[0].text
     assert len(full) > 12
     stops = {full[i : i + n] for i in (1, len(full) // 3, len(full) // 2) for n in (1, 2, 4)}
@@ -504,9 +603,10 @@ def test_stop_strings_cut_the_answer_right_before_them(server: Server) -> None:
         want = full.split(stop, 1)[0]
         plain = client.completions.create(**base, stop=[stop]).choices[0]
         streamed = "".join(
-            c.choices[0].text for c in client.completions.create(**base, stop=[stop], stream=True)
+            c.choices[0].text
+            for c in client.completions.create(**base, stop=[stop], stream=True)
             if c.choices
-        )  # fmt: skip
+        )
         assert plain.text == want == streamed, repr(stop)
         assert plain.finish_reason == ("stop" if stop in full else "length")
         kept = (
@@ -531,8 +631,9 @@ def test_chat_renders_the_bundle_chat_template(server: Server, serve_bundle: Pat
     assert text.startswith("### user: def main(<|endoftext|>")
     ids = hf(text, add_special_tokens=False).input_ids
     client = server.client()
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
-                                          temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0
+    )
     assert chat.usage.prompt_tokens == len(ids)
     same = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
     assert chat.choices[0].message.content == same.choices[0].text
@@ -543,15 +644,17 @@ def test_a_list_of_prompts_and_n_choices(server: Server) -> None:
     prompts = ["def main(", [5, 6, 7]]
     each = [
         client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0)
-        .choices[0].text
+        .choices[0]
+        .text
         for p in prompts
-    ]  # fmt: skip
+    ]
     both = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, temperature=0)
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == each
     assert both.usage.completion_tokens == 10
     streamed: dict[int, str] = {}
-    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=5,
-                                           temperature=0, stream=True):  # fmt: skip
+    for chunk in client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=5, temperature=0, stream=True
+    ):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[0], streamed[1]] == each
@@ -578,9 +681,16 @@ def test_logprobs_equal_hf_log_softmax(server: Server, hf_model_dir) -> None:
     HF's log_softmax within 1e-3: a prompt longer than the prefill bucket (two chunks), and
     lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0)."""
     prompt = list(range(5, 28))  # 23 tokens: chunks of 16 and 7
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3,
-            "echo": True, "return_token_ids": True,
-            "return_tokens_as_token_ids": True}  # several ids can share a text  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 3,
+        "echo": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }  # several ids can share a text
     choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
     lp, ids = choice["logprobs"], prompt + choice["token_ids"]
     assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 6
@@ -599,13 +709,15 @@ def test_logprobs_equal_hf_log_softmax(server: Server, hf_model_dir) -> None:
     assert plain["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][len(prompt) :]
     assert choice["text"].endswith(plain["choices"][0]["text"])
     client = server.client()  # lm-eval's loglikelihood request, through the openai client
-    only = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
-                                     logprobs=1, temperature=0)  # fmt: skip
+    only = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     assert only.usage.completion_tokens == 0 and only.choices[0].finish_reason == "length"
     got = only.choices[0].logprobs.token_logprobs
     assert got == lp["token_logprobs"][: len(prompt)]
-    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True,
-                                         logprobs=1, stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=True
+    )
     assert [v for c in streamed if c.choices for v in c.choices[0].logprobs.token_logprobs] == got
 
 
@@ -613,8 +725,16 @@ def test_sampled_tokens_logprobs_equal_hf(server: Server, hf_model_dir) -> None:
     """Sampled (not greedy) tokens: each logprob is HF's log_softmax of the raw logits (before
     temperature) at its position, in completions and in chat (logprobs + top_logprobs)."""
     prompt = [3, 17, 29, 41]
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.3, "seed": 5,
-            "logprobs": 2, "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 1.3,
+        "seed": 5,
+        "logprobs": 2,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     choice = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
     ids = choice["token_ids"]
     want = _hf_log_softmax(hf_model_dir("llama"), prompt + ids)
@@ -624,9 +744,14 @@ def test_sampled_tokens_logprobs_equal_hf(server: Server, hf_model_dir) -> None:
         )
     messages = [{"role": "user", "content": "def main("}]
     chat = server.client().chat.completions.create(
-        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
-        top_logprobs=2, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 5
     assert all(len(c.top_logprobs) == 2 and c.logprob == c.top_logprobs[0].logprob for c in content)
@@ -642,14 +767,22 @@ def test_prefix_cache_hits_in_usage_and_metrics(server: Server, serve_bundle: Pa
     client = server.client()
     before = server.metrics()
     prefix = list(range(500, 540))  # 40 tokens: 2 full blocks of 16, in no other test
-    first = client.completions.create(model="tiny", prompt=prefix + [7], max_tokens=4,
-                                      temperature=0)  # fmt: skip
-    second = client.completions.create(model="tiny", prompt=prefix + [8, 9], max_tokens=4,
-                                       temperature=0)  # fmt: skip
+    first = client.completions.create(
+        model="tiny", prompt=prefix + [7], max_tokens=4, temperature=0
+    )
+    second = client.completions.create(
+        model="tiny", prompt=prefix + [8, 9], max_tokens=4, temperature=0
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 32
-    alone = run_json("run", str(serve_bundle), "--max-tokens", "4", "--prompt-ids",
-                     ",".join(map(str, prefix + [8, 9])))["outputs"][0]  # fmt: skip
+    alone = run_json(
+        "run",
+        str(serve_bundle),
+        "--max-tokens",
+        "4",
+        "--prompt-ids",
+        ",".join(map(str, prefix + [8, 9])),
+    )["outputs"][0]
     assert second.choices[0].text == alone["text"]
     after = server.metrics()
     queries = _counter(after, "vllm:prefix_cache_queries_total")
@@ -676,11 +809,15 @@ def _wait_for(read, pattern: str, timeout: float = 10) -> re.Match:
 
 def test_every_request_gets_an_access_log_line_and_a_request_id(server: Server) -> None:
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
-    sent = httpx.post(f"{server.url}/v1/completions", json=body,
-                      headers={"X-Request-Id": "access-test-1"})  # fmt: skip
+    sent = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "access-test-1"}
+    )
     assert sent.status_code == 200 and sent.headers["x-request-id"] == "access-test-1"
-    _wait_for(server.stdout, r"^127\.0\.0\.1:\d+ POST /v1/completions 200 \d+\.\dms "
-                             r"request_id=access-test-1$")  # fmt: skip
+    _wait_for(
+        server.stdout,
+        r"^127\.0\.0\.1:\d+ POST /v1/completions 200 \d+\.\dms "
+        r"request_id=access-test-1$",
+    )
     made = httpx.get(f"{server.url}/v1/models")  # no id sent: the server makes one
     rid = made.headers["x-request-id"]
     assert re.fullmatch(r"req-[0-9a-f]{16}", rid)
@@ -691,10 +828,14 @@ def test_every_request_gets_an_access_log_line_and_a_request_id(server: Server) 
     ("method", "path", "status", "message"),
     [
         ("GET", "/v1/nope", 404, "GET /v1/nope: no such endpoint; this server has GET /health, "),
-        ("GET", "/v1/completions", 405,
-         "GET /v1/completions: method not allowed; this endpoint takes POST"),
+        (
+            "GET",
+            "/v1/completions",
+            405,
+            "GET /v1/completions: method not allowed; this endpoint takes POST",
+        ),
     ],
-)  # fmt: skip
+)
 def test_404_and_405_answer_in_the_openai_error_shape(server, method, path, status, message):
     resp = httpx.request(method, f"{server.url}{path}")
     assert resp.status_code == status
@@ -706,8 +847,9 @@ def test_404_and_405_answer_in_the_openai_error_shape(server, method, path, stat
 def test_unknown_request_fields_are_logged_once_as_ignored(server: Server) -> None:
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "frobnicate": 1}
     for i in range(2):
-        resp = httpx.post(f"{server.url}/v1/completions", json=body,
-                          headers={"X-Request-Id": f"unknown-{i}"})  # fmt: skip
+        resp = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": f"unknown-{i}"}
+        )
         assert resp.status_code == 200, resp.text
     _wait_for(server.stdout, r"request_id=unknown-1$")  # both requests answered and logged
     said = re.findall(r"^.*frobnicate.*$", server.stderr(), re.M)
@@ -718,8 +860,9 @@ def test_unknown_request_fields_are_logged_once_as_ignored(server: Server) -> No
 
 
 def test_strict_requests_refuse_unknown_fields_and_no_access_log_is_quiet(serve_bundle) -> None:
-    srv = Server(serve_bundle, "--served-model-name", "tiny", "--strict-requests",
-                 "--no-access-log")  # fmt: skip
+    srv = Server(
+        serve_bundle, "--served-model-name", "tiny", "--strict-requests", "--no-access-log"
+    )
     try:
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         resp = httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "frobnicate": 1})

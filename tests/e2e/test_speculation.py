@@ -39,9 +39,12 @@ def draft_dir(hf_model_dir) -> Path:
     source = hf_model_dir("llama")
     return cached_dir(
         f"models/llama-draft1-{digest[:16]}",
-        lambda out: subprocess.run([sys.executable, str(DRAFT_TOOL), str(source), "--layers", "1",
-                                    "-o", str(out)], check=True, capture_output=True),
-    )  # fmt: skip
+        lambda out: subprocess.run(
+            [sys.executable, str(DRAFT_TOOL), str(source), "--layers", "1", "-o", str(out)],
+            check=True,
+            capture_output=True,
+        ),
+    )
 
 
 # the llama bundle's sampler and KV cache: its prefill and decode graphs are the llama bundle's
@@ -49,18 +52,26 @@ def draft_dir(hf_model_dir) -> Path:
 @prebuild("llama_spec", stage=1)
 def build_spec_bundle(session_dir: Path, hf_model_dir) -> Path:
     return build_session_bundle(
-        session_dir, hf_model_dir("llama"), "llama_spec", buckets=BUCKETS, speculation=SPEC,
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_spec",
+        buckets=BUCKETS,
+        speculation=SPEC,
         sampling=LEAN_SAMPLING,
-    ).bundle  # fmt: skip
+    ).bundle
 
 
 @prebuild("llama_draft", stage=2)  # its target graphs are llama_spec's
 def build_draft_bundle(session_dir: Path, hf_model_dir) -> Path:
     spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
     return build_session_bundle(
-        session_dir, hf_model_dir("llama"), "llama_draft", buckets=BUCKETS, speculation=spec,
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_draft",
+        buckets=BUCKETS,
+        speculation=spec,
         sampling=LEAN_SAMPLING,
-    ).bundle  # fmt: skip
+    ).bundle
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +127,10 @@ def _references(loaded, prompts):
     from neffkit.runtime.core import EngineCore
     from neffkit.runtime.sampling_params import SamplingParams
 
-    free = [SamplingParams(max_tokens=64 - len(p) - 1, temperature=0.0, ignore_eos=True)
-            for p in prompts]  # fmt: skip
+    free = [
+        SamplingParams(max_tokens=64 - len(p) - 1, temperature=0.0, ignore_eos=True)
+        for p in prompts
+    ]
     seqs = _generate(EngineCore(loaded.runner, speculation=False), prompts, free, True)
     return {tuple(p): s.output_ids for p, s in zip(prompts, seqs, strict=True)}
 
@@ -134,11 +147,16 @@ def _random_workload(loaded, together: bool):
     for prompt in prompts:
         out = references[tuple(prompt)]
         sampled = rng.random() < 0.2
-        params.append(SamplingParams(
-            max_tokens=rng.randint(1, len(out)), logprobs=2, ignore_eos=True,
-            stop_token_ids=(out[rng.randrange(len(out))],) if rng.random() < 0.4 else (),
-            temperature=0.8 if sampled else 0.0, seed=rng.randrange(10**6) if sampled else None,
-        ))  # fmt: skip
+        params.append(
+            SamplingParams(
+                max_tokens=rng.randint(1, len(out)),
+                logprobs=2,
+                ignore_eos=True,
+                stop_token_ids=(out[rng.randrange(len(out))],) if rng.random() < 0.4 else (),
+                temperature=0.8 if sampled else 0.0,
+                seed=rng.randrange(10**6) if sampled else None,
+            )
+        )
     return prompts, references, params
 
 
@@ -194,14 +212,18 @@ def test_sampled_tokens_are_distributed_as_plain_sampling(spec_bundle):
     plain = EngineCore(loaded.runner, speculation=False)
     draws = {}
     for name, core, first in (("spec", spec, 0), ("plain", plain, 10_000)):
-        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=first + i, ignore_eos=True)
-                  for i in range(400)]  # fmt: skip
+        params = [
+            SamplingParams(max_tokens=3, temperature=1.0, seed=first + i, ignore_eos=True)
+            for i in range(400)
+        ]
         seqs = _generate(core, [prompt] * 400, params, True)
         draws[name] = Counter(s.output_ids[1] for s in seqs)
     assert spec.scheduler.spec.drafts > 0
     top = [t for t, _ in (draws["spec"] + draws["plain"]).most_common(8)]
-    table = [[d[t] for t in top] + [sum(d.values()) - sum(d[t] for t in top)]
-             for d in (draws["spec"], draws["plain"])]  # fmt: skip
+    table = [
+        [d[t] for t in top] + [sum(d.values()) - sum(d[t] for t in top)]
+        for d in (draws["spec"], draws["plain"])
+    ]
     assert chi2_contingency(table).pvalue > 0.001, table
 
 
@@ -215,21 +237,40 @@ def test_verify_graphs_are_recorded_audited_and_reported(spec_bundle, hf_model_d
     inspect = run_cli("inspect", str(spec_bundle), check=True).stdout
     assert "verify_b4_k3_c64" in inspect and "speculation ngram" in inspect
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    report = run_json("run", str(spec_bundle), "--max-tokens", "20", "--ignore-eos",
-                      "--prompt-ids", ",".join(map(str, prompt)))  # fmt: skip
+    report = run_json(
+        "run",
+        str(spec_bundle),
+        "--max-tokens",
+        "20",
+        "--ignore-eos",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+    )
     assert report["outputs"][0]["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, 20)
     spec = report["speculation"]
     assert set(spec) >= {"drafts", "draft_tokens", "accepted_tokens", "mean_acceptance_length"}
-    off = run_json("run", str(spec_bundle), "--max-tokens", "20", "--ignore-eos",
-                   "--no-speculation", "--prompt-ids", ",".join(map(str, prompt)))  # fmt: skip
+    off = run_json(
+        "run",
+        str(spec_bundle),
+        "--max-tokens",
+        "20",
+        "--ignore-eos",
+        "--no-speculation",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+    )
     assert off["speculation"] is None and off["timings"]["verify_steps"] == 0
 
 
 def test_verify_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model_dir, hf_greedy):
     bundle = lowered_build(
-        session_dir, hf_model_dir("llama"), "llama_spec_neuron", "--lower-only",
-        buckets={"prefill": [16], "decode": [1], "context": [64]}, speculation=SPEC,
-    )  # fmt: skip
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_spec_neuron",
+        "--lower-only",
+        buckets={"prefill": [16], "decode": [1], "context": [64]},
+        speculation=SPEC,
+    )
     findings = json.loads(run_cli("inspect", str(bundle), "--json").stdout)["findings"]
     assert [f for f in findings if f["severity"] == "error"] == []
     from neffkit.runtime.core import EngineCore
@@ -252,14 +293,25 @@ def test_server_streams_and_counts_speculation(spec_bundle):
     from tests.e2e.test_server import Server, _counter
 
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]
-    alone = run_json("run", str(spec_bundle), "--max-tokens", "12", "--ignore-eos",
-                     "--prompt-ids", ",".join(map(str, prompt)))["outputs"][0]  # fmt: skip
+    alone = run_json(
+        "run",
+        str(spec_bundle),
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+    )["outputs"][0]
     server = Server(spec_bundle, "--served-model-name", "tiny")
     try:
         stream = server.client().completions.create(
-            model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         assert "".join(c.choices[0].text for c in stream if c.choices) == alone["text"]
         metrics = server.metrics()
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
@@ -289,8 +341,9 @@ def test_draft_model_outputs_equal_plain_decoding(draft_bundle, together):
     assert all(n > 0 for n in counts.accepted_per_position)
 
 
-def test_draft_model_bundle_is_recorded_verified_and_reported(draft_bundle, hf_model_dir,
-                                                              hf_greedy):  # fmt: skip
+def test_draft_model_bundle_is_recorded_verified_and_reported(
+    draft_bundle, hf_model_dir, hf_greedy
+):
     """The draft's bundle sits inside the target's, its files hashed into the target's record;
     `run --json` reports the draft's work; greedy tokens equal HF's; a changed draft file is
     caught when the bundle loads."""
@@ -299,29 +352,45 @@ def test_draft_model_bundle_is_recorded_verified_and_reported(draft_bundle, hf_m
     assert "draft/bundle.json" in record["files"]
     draft = json.loads((draft_bundle / "draft" / "bundle.json").read_text())
     assert {g["name"] for g in draft["graphs"]} == {
-        "prefill_t16_c64", "decode_b1_c64", "decode_b4_c64", "verify_b1_k3_c64",
-        "verify_b4_k3_c64"}  # fmt: skip
+        "prefill_t16_c64",
+        "decode_b1_c64",
+        "decode_b4_c64",
+        "verify_b1_k3_c64",
+        "verify_b4_k3_c64",
+    }
     assert draft["model"]["num_layers"] == 1
     assert draft["layout"]["num_blocks"] == record["layout"]["num_blocks"]
     inspect = run_cli("inspect", str(draft_bundle), "--verify", check=True).stdout
     assert "speculation draft" in inspect
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    report = run_json("run", str(draft_bundle), "--max-tokens", "20", "--ignore-eos",
-                      "--prompt-ids", ",".join(map(str, prompt)))  # fmt: skip
+    report = run_json(
+        "run",
+        str(draft_bundle),
+        "--max-tokens",
+        "20",
+        "--ignore-eos",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+    )
     assert report["outputs"][0]["token_ids"] == hf_greedy(hf_model_dir("llama"), prompt, 20)
     assert report["speculation"]["draft_tokens"] > 0 and report["speculation"]["draft_calls"] > 0
 
 
 @pytest.mark.full  # the draft on cpu and the verify graphs on XLA:CPU stay in `make test`
-def test_draft_model_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model_dir,
-                                                                 hf_greedy):  # fmt: skip
+def test_draft_model_graphs_lower_for_neuron_and_run_on_xla_cpu(
+    session_dir, hf_model_dir, hf_greedy
+):
     """The target's and the draft's graphs lowered to HLO (the draft's bundle inside the
     target's), audited clean, run on XLA:CPU: greedy tokens equal HF's with drafts proposed."""
     spec = {"method": "draft", "num_tokens": 3, "model": str(draft_dir(hf_model_dir))}
     bundle = lowered_build(
-        session_dir, hf_model_dir("llama"), "llama_draft_neuron", "--lower-only",
-        buckets={"prefill": [16], "decode": [1], "context": [64]}, speculation=spec,
-    )  # fmt: skip
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_draft_neuron",
+        "--lower-only",
+        buckets={"prefill": [16], "decode": [1], "context": [64]},
+        speculation=spec,
+    )
     for root in (bundle, bundle / "draft"):
         findings = json.loads(run_cli("inspect", str(root), "--json").stdout)["findings"]
         assert [f for f in findings if f["severity"] == "error"] == []

@@ -30,10 +30,19 @@ SCHEMA = {
     "required": ["color", "ok", "n", "tags"],
     "additionalProperties": False,
 }
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
-                   "required": ["unit"], "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +65,39 @@ def test_constraints_are_followed_streamed_or_not(served: Server, temperature: f
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
     cases = [
         ({"response_format": fmt}, COMPACT, lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
-        ({}, {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
-         lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) or pytest.fail(t)),
-        ({}, {"guided_choice": ["yes", "no", "maybe"]},
-         lambda t: t in ("yes", "no", "maybe") or pytest.fail(t)),
-    ]  # fmt: skip
+        (
+            {},
+            {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+            lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) or pytest.fail(t),
+        ),
+        (
+            {},
+            {"guided_choice": ["yes", "no", "maybe"]},
+            lambda t: t in ("yes", "no", "maybe") or pytest.fail(t),
+        ),
+    ]
     for seed in range(3):
         for kw, extra, check in cases:
-            args = dict(model="tiny", messages=[{"role": "user", "content": f"go {seed}"}],
-                        max_tokens=40, temperature=temperature, seed=seed,
-                        extra_body={**extra, "stop_token_ids": []}, **kw)  # fmt: skip
+            args = dict(
+                model="tiny",
+                messages=[{"role": "user", "content": f"go {seed}"}],
+                max_tokens=40,
+                temperature=temperature,
+                seed=seed,
+                extra_body={**extra, "stop_token_ids": []},
+                **kw,
+            )
             whole = client.chat.completions.create(**args)
             text = whole.choices[0].message.content
             check(text)
             assert _streamed_text(client.chat.completions.create(**args, stream=True)) == text
-    done = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0,
-                                     extra_body={"guided_regex": "(ab)+c"})  # fmt: skip
+    done = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_regex": "(ab)+c"},
+    )
     assert re.fullmatch("(ab)+c", done.choices[0].text)
 
 
@@ -82,9 +108,16 @@ def test_tool_calls_required_named_and_auto(served: Server) -> None:
     messages = [{"role": "user", "content": "weather?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice, finish in (("required", "tool_calls"), (named, "stop")):
-        args = dict(model="tiny", messages=messages, tools=[WEATHER], tool_choice=choice,
-                    max_tokens=44, temperature=0, extra_body=COMPACT,
-                    parallel_tool_calls=False)  # fmt: skip
+        args = dict(
+            model="tiny",
+            messages=messages,
+            tools=[WEATHER],
+            tool_choice=choice,
+            max_tokens=44,
+            temperature=0,
+            extra_body=COMPACT,
+            parallel_tool_calls=False,
+        )
         out = client.chat.completions.create(**args)
         calls = out.choices[0].message.tool_calls
         assert out.choices[0].finish_reason == finish and len(calls) >= 1
@@ -102,15 +135,25 @@ def test_tool_calls_required_named_and_auto(served: Server) -> None:
             reason = chunk.choices[0].finish_reason or reason
         assert reason == finish
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == [
-            (c.function.name, json.loads(c.function.arguments)) for c in calls]  # fmt: skip
+            (c.function.name, json.loads(c.function.arguments)) for c in calls
+        ]
     # the round trip: the call and its result go back through the chat template
     follow = messages + [
-        {"role": "assistant", "tool_calls": [{"id": calls[0].id, "type": "function",
-         "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": calls[0].id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": calls[0].function.arguments},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 21 C"},
-    ]  # fmt: skip
-    out = client.chat.completions.create(model="tiny", messages=follow, max_tokens=8,
-                                         tools=[WEATHER], tool_choice="none")  # fmt: skip
+    ]
+    out = client.chat.completions.create(
+        model="tiny", messages=follow, max_tokens=8, tools=[WEATHER], tool_choice="none"
+    )
     assert out.choices[0].message.tool_calls is None
 
 
@@ -118,15 +161,26 @@ def test_bad_constraints_get_400_naming_the_field(served: Server) -> None:
     base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     cases = [
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
-        ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wat"}}}}}},
-         "response_format"),  # fmt: skip
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "wat"}}},
+                    },
+                }
+            },
+            "response_format",
+        ),
         ({"guided_grammar": "start: (("}, "guided_grammar"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
-         "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
         ({"logit_bias": {"99999": 1}}, "logit_bias"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ]  # fmt: skip
+    ]
     for extra, param in cases:
         resp = httpx.post(f"{served.url}/v1/chat/completions", json={**base, **extra})
         assert resp.status_code == 400, (extra, resp.text)
@@ -141,8 +195,9 @@ def _hf(model_dir: Path, prompt: list[int], new: int, **kw) -> list[int]:
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                         do_sample=False, **kw)  # fmt: skip
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, **kw
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -155,16 +210,23 @@ def test_penalties_biases_and_min_tokens_equal_hf(served: Server, hf_model_dir) 
     new = 16
 
     def ours(**extra) -> list[int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": new, "temperature": 0,
-                "return_token_ids": True, **extra}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": new,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        }
         resp = httpx.post(f"{served.url}/v1/completions", json=body)
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["token_ids"]
 
     plain = ours(ignore_eos=True)
     assert plain == _hf(model, prompt, new)
-    assert ours(ignore_eos=True, repetition_penalty=1.6) == _hf(model, prompt, new,
-                                                                repetition_penalty=1.6)  # fmt: skip
+    assert ours(ignore_eos=True, repetition_penalty=1.6) == _hf(
+        model, prompt, new, repetition_penalty=1.6
+    )
     bias = {str(plain[1]): -7.5, str(plain[3] + 1): 4.0}
     want = _hf(model, prompt, new, sequence_bias={(int(k),): v for k, v in bias.items()})
     assert ours(ignore_eos=True, logit_bias=bias) == want != plain

@@ -49,8 +49,14 @@ def test_build_verify_records_results(bundle, session_dir, tmp_path: Path) -> No
     bundle("llama")  # fills the session cache: this rebuild compiles nothing
     out = tmp_path / "verified"
     run_cli(
-        "build", str(session_dir / "llama.yaml"), "-o", str(out),
-        "--cache", str(artifact_cache()), "--verify", check=True,
-    )  # fmt: skip
+        "build",
+        str(session_dir / "llama.yaml"),
+        "-o",
+        str(out),
+        "--cache",
+        str(artifact_cache()),
+        "--verify",
+        check=True,
+    )
     for g in bundle_json(out)["graphs"]:
         assert g["verify"]["ok"] and g["verify"]["executor"] == "aotinductor", g["name"]

@@ -141,8 +141,11 @@ def test_nk104_aliased_mutations():
         "%3 = aten.as_strided.default(%2, [16], [1]) : float32[16]",
     ]
     assert rules(text_facts(computed)) == []
-    via_view = [lines[0], "%1 = aten.view.default(%0, [16]) : float32[16]",
-                "%2 = aten.as_strided.default(%1, [8], [2]) : float32[8]"]  # fmt: skip
+    via_view = [
+        lines[0],
+        "%1 = aten.view.default(%0, [16]) : float32[16]",
+        "%2 = aten.as_strided.default(%1, [8], [2]) : float32[8]",
+    ]
     assert rules(text_facts(via_view)) == ["NK104"]
     twice = (IoAlias("k_cache.0", 0), IoAlias("k_cache.0", 1))
     assert rules(text_facts(lines[:1], io_alias=twice)) == ["NK104"]
@@ -274,8 +277,11 @@ def test_inspect_manifest_says_what_it_checked_and_that_nothing_was_found(tmp_pa
     checked, never an empty table."""
     import yaml
 
-    data = {"neffkit": 1, "model": str(hf_model_dir("llama")),
-            "buckets": {"prefill": [16], "decode": [1, 4], "context": [64]}}  # fmt: skip
+    data = {
+        "neffkit": 1,
+        "model": str(hf_model_dir("llama")),
+        "buckets": {"prefill": [16], "decode": [1, 4], "context": [64]},
+    }
     path = tmp_path / "clean.yaml"
     path.write_text(yaml.safe_dump(data))
     proc = run_cli("inspect", str(path))
@@ -294,9 +300,19 @@ def test_inspect_manifest_says_what_it_checked_and_that_nothing_was_found(tmp_pa
 
 def _hlo(*body: str) -> str:
     """A small HLO module in text form: ENTRY with the given instructions."""
-    lines = ["HloModule main", "", "region_add {", "  a = f32[] parameter(0)",
-             "  b = f32[] parameter(1)", "  ROOT s = f32[] add(a, b)", "}", "",
-             "ENTRY main {", *(f"  {line}" for line in body), "}"]  # fmt: skip
+    lines = [
+        "HloModule main",
+        "",
+        "region_add {",
+        "  a = f32[] parameter(0)",
+        "  b = f32[] parameter(1)",
+        "  ROOT s = f32[] add(a, b)",
+        "}",
+        "",
+        "ENTRY main {",
+        *(f"  {line}" for line in body),
+        "}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -309,43 +325,83 @@ def hlo_rules(text: str) -> list[str]:
     ("body", "fires"),
     [
         # NK301: f64 anywhere (here the floor division torch lowered through float64)
-        (["p = s64[1]{0} parameter(0)", "c = f64[1]{0} convert(p)",
-          "ROOT f = f64[1]{0} floor(c)"], ["NK301"]),
+        (
+            [
+                "p = s64[1]{0} parameter(0)",
+                "c = f64[1]{0} convert(p)",
+                "ROOT f = f64[1]{0} floor(c)",
+            ],
+            ["NK301"],
+        ),
         (["p = s64[1]{0} parameter(0)", "ROOT c = f32[1]{0} convert(p)"], []),
         # NK302: a collective straight on a parameter, or on an intermediate
-        (["p = f32[4]{0} parameter(0)",
-          "ROOT r = f32[4]{0} all-reduce(p), replica_groups={{0,1}}, to_apply=region_add"],
-         ["NK302"]),
-        (["p = f32[4]{0} parameter(0)", "m = f32[4]{0} multiply(p, p)",
-          "ROOT r = f32[4]{0} all-reduce(m), replica_groups={{0,1}}, to_apply=region_add"], []),
+        (
+            [
+                "p = f32[4]{0} parameter(0)",
+                "ROOT r = f32[4]{0} all-reduce(p), replica_groups={{0,1}}, to_apply=region_add",
+            ],
+            ["NK302"],
+        ),
+        (
+            [
+                "p = f32[4]{0} parameter(0)",
+                "m = f32[4]{0} multiply(p, p)",
+                "ROOT r = f32[4]{0} all-reduce(m), replica_groups={{0,1}}, to_apply=region_add",
+            ],
+            [],
+        ),
         # NK303: gather indices from a parameter, unclamped / clamped / from an argmax's iota
-        (["t = f32[8,4]{1,0} parameter(0)", "i = s64[2,1]{1,0} parameter(1)",
-          "ROOT g = f32[2,4]{1,0} gather(t, i), offset_dims={1}, collapsed_slice_dims={0}, "
-          "start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}"], ["NK303"]),
-        (["t = f32[8,4]{1,0} parameter(0)", "i = s64[2,1]{1,0} parameter(1)",
-          "lo = s64[] constant(0)", "hi = s64[] constant(7)",
-          "c = s64[2,1]{1,0} clamp(lo, i, hi)",
-          "ROOT g = f32[2,4]{1,0} gather(t, c), offset_dims={1}, collapsed_slice_dims={0}, "
-          "start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}"], []),
-        (["t = f32[8,4]{1,0} parameter(0)", "v = f32[2,8]{1,0} parameter(1)",
-          "io = s64[2,8]{1,0} iota(), iota_dimension=1",
-          "s = (f32[2,8]{1,0}, s64[2,8]{1,0}) sort(v, io), dimensions={1}, to_apply=region_add",
-          "k = s64[2,8]{1,0} get-tuple-element(s), index=1",
-          "r = s64[2,1]{1,0} slice(k), slice={[0:2], [0:1]}",
-          "ROOT g = f32[2,4]{1,0} gather(t, r), offset_dims={1}, collapsed_slice_dims={0}, "
-          "start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}"], []),
+        (
+            [
+                "t = f32[8,4]{1,0} parameter(0)",
+                "i = s64[2,1]{1,0} parameter(1)",
+                "ROOT g = f32[2,4]{1,0} gather(t, i), offset_dims={1}, collapsed_slice_dims={0}, "
+                "start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}",
+            ],
+            ["NK303"],
+        ),
+        (
+            [
+                "t = f32[8,4]{1,0} parameter(0)",
+                "i = s64[2,1]{1,0} parameter(1)",
+                "lo = s64[] constant(0)",
+                "hi = s64[] constant(7)",
+                "c = s64[2,1]{1,0} clamp(lo, i, hi)",
+                "ROOT g = f32[2,4]{1,0} gather(t, c), offset_dims={1}, collapsed_slice_dims={0}, "
+                "start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}",
+            ],
+            [],
+        ),
+        (
+            [
+                "t = f32[8,4]{1,0} parameter(0)",
+                "v = f32[2,8]{1,0} parameter(1)",
+                "io = s64[2,8]{1,0} iota(), iota_dimension=1",
+                "s = (f32[2,8]{1,0}, s64[2,8]{1,0}) sort(v, io), dimensions={1}, "
+                "to_apply=region_add",
+                "k = s64[2,8]{1,0} get-tuple-element(s), index=1",
+                "r = s64[2,1]{1,0} slice(k), slice={[0:2], [0:1]}",
+                "ROOT g = f32[2,4]{1,0} gather(t, r), offset_dims={1}, collapsed_slice_dims={0}, "
+                "start_index_map={0}, index_vector_dim=1, slice_sizes={1,4}",
+            ],
+            [],
+        ),
         # NK304: a value of 2**32 elements
         (["ROOT p = bf16[65536,65536]{1,0} parameter(0)"], ["NK304"]),
         (["ROOT p = bf16[65536,65535]{1,0} parameter(0)"], []),
     ],
-)  # fmt: skip
+)
 def test_hlo_rules_fire_on_the_hazard_and_not_beside_it(body: list[str], fires: list[str]):
     assert [r for r in hlo_rules(_hlo(*body)) if r != "NK305"] == fires
 
 
 def test_nk305_names_opcodes_missing_from_the_documented_list():
-    text = _hlo("a = u32[4]{0} parameter(0)", "b = u32[4]{0} parameter(1)",
-                "x = u32[4]{0} xor(a, b)", "ROOT y = u32[4]{0} or(x, b)")  # fmt: skip
+    text = _hlo(
+        "a = u32[4]{0} parameter(0)",
+        "b = u32[4]{0} parameter(1)",
+        "x = u32[4]{0} xor(a, b)",
+        "ROOT y = u32[4]{0} or(x, b)",
+    )
     facts = GraphFacts("g", "decode", "", (), (), {}, "neuron", "trn2", hlo_text=text)
     (finding,) = audit_graph(facts)
     assert finding.rule == "NK305" and finding.severity == "info"

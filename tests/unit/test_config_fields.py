@@ -23,37 +23,83 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("qwen3_moe", {"hidden_act": "elu"}, "hidden_act", "for Qwen3MoeForCausalLM"),
     ("deepseek", {"hidden_act": "leaky_relu"}, "hidden_act", "for DeepseekV3ForCausalLM"),
     ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor", "the whole head only"),
-    ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                   "partial_rotary_factor": 0.25}},
-     "partial_rotary_factor", "the whole head only"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "layer_types": None},
-     "use_sliding_window", "without layer_types is not implemented"),
-    ("llama", {"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
-     "rope_parameters.rope_type", "'su'"),
-    ("llama", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-     "quantization_config.quant_method", "'gptq'"),
-    ("qwen3", {"quantization_config": {"quant_method": "awq"}},
-     "quantization_config.quant_method", "'awq'"),
+    (
+        "qwen3",
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.25,
+            }
+        },
+        "partial_rotary_factor",
+        "the whole head only",
+    ),
+    (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 16, "layer_types": None},
+        "use_sliding_window",
+        "without layer_types is not implemented",
+    ),
+    (
+        "llama",
+        {"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}},
+        "rope_parameters.rope_type",
+        "'su'",
+    ),
+    (
+        "llama",
+        {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+        "quantization_config.quant_method",
+        "'gptq'",
+    ),
+    (
+        "qwen3",
+        {"quantization_config": {"quant_method": "awq"}},
+        "quantization_config.quant_method",
+        "'awq'",
+    ),
     ("gemma3", {"hidden_activation": "gelu_fast"}, "hidden_activation", "for Gemma3ForCausalLM"),
-    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention",
-     "not implemented for Gemma3ForCausalLM"),
+    (
+        "gemma3",
+        {"use_bidirectional_attention": True},
+        "use_bidirectional_attention",
+        "not implemented for Gemma3ForCausalLM",
+    ),
     ("gemma2", {"hidden_activation": "silu_fast"}, "hidden_activation", "for Gemma2ForCausalLM"),
     ("phi3", {"hidden_act": "gelu_fast"}, "hidden_act", "not implemented for Phi3ForCausalLM"),
-    ("phi3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                  "partial_rotary_factor": 0.75}},  # Phi-4-mini's
-     "partial_rotary_factor", "the whole head only"),
+    (
+        "phi3",
+        {
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+            }
+        },  # Phi-4-mini's
+        "partial_rotary_factor",
+        "the whole head only",
+    ),
     ("granite", {"hidden_act": "tanh"}, "hidden_act", "not implemented for GraniteForCausalLM"),
     ("olmo", {"hidden_act": "tanh"}, "hidden_act", "not implemented for OlmoForCausalLM"),
     ("olmo2", {"hidden_act": "tanh"}, "hidden_act", "not implemented for Olmo2ForCausalLM"),
     ("cohere", {"hidden_act": "tanh"}, "hidden_act", "not implemented for CohereForCausalLM"),
     ("llama4", {"hidden_act": "tanh"}, "hidden_act", "not implemented for Llama4ForCausalLM"),
-    ("llama4", {"quantization_config": {"quant_method": "fbgemm_fp8"}}, "quantization_config",
-     "not implemented for Llama4ForCausalLM"),
-    ("llama4", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types",
-     "'sliding_attention' is not implemented for Llama4ForCausalLM"),
+    (
+        "llama4",
+        {"quantization_config": {"quant_method": "fbgemm_fp8"}},
+        "quantization_config",
+        "not implemented for Llama4ForCausalLM",
+    ),
+    (
+        "llama4",
+        {"layer_types": ["sliding_attention", "full_attention"]},
+        "layer_types",
+        "'sliding_attention' is not implemented for Llama4ForCausalLM",
+    ),
     ("llama4", {"no_rope_layers": [1, 0, 1]}, "no_rope_layers", "3 entries for 2 layers"),
     ("llama4", {"attention_chunk_size": None}, "attention_chunk_size", "layer_types has chunked"),
-]  # fmt: skip
+]
 IMPLEMENTED: list[tuple[str, str, Any]] = [
     ("llama", "hidden_act", "gelu"),
     ("llama", "hidden_act", "gelu_pytorch_tanh"),

@@ -58,8 +58,13 @@ def test_a_process_pinned_to_one_cpu_gets_one_thread() -> None:
     """As a container's CPU limit would: `taskset -c 0` → one engine thread by default."""
     code = "from neffkit.runtime.core import engine_threads; print(engine_threads())"
     env = {k: v for k, v in os.environ.items() if k not in (cpus.ENV, "OMP_NUM_THREADS")}
-    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "1"
 
 

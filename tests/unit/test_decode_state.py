@@ -47,12 +47,19 @@ def _prefill_meta() -> dict[str, np.ndarray]:
         lens[row], last[row] = n, at + n - 1
         at += n
     return {
-        "input_ids": ids, "positions": pos, "slot_mapping": slots, "seq_ids": seq_ids,
-        "block_tables": tables, "context_lens": lens, "last_token_index": last,
-        "seq_slots": np.array(list(PROMPTS)), "temperature": np.full(2, 0.8, np.float32),
-        "top_k": np.zeros(2, np.int64), "top_p": np.ones(2, np.float32),
+        "input_ids": ids,
+        "positions": pos,
+        "slot_mapping": slots,
+        "seq_ids": seq_ids,
+        "block_tables": tables,
+        "context_lens": lens,
+        "last_token_index": last,
+        "seq_slots": np.array(list(PROMPTS)),
+        "temperature": np.full(2, 0.8, np.float32),
+        "top_k": np.zeros(2, np.int64),
+        "top_p": np.ones(2, np.float32),
         "seed": np.array([11, 12]),
-    }  # fmt: skip
+    }
 
 
 def _generate(graphs: EagerGraphs, steps: int) -> dict[int, list[int]]:
@@ -70,9 +77,11 @@ def _generate(graphs: EagerGraphs, steps: int) -> dict[int, list[int]]:
             "slot_mapping": np.array([[f * BS + p[0]] for f, p in zip(order, pos, strict=True)]),
             "block_tables": np.array([BLOCKS[f] for f in order]),
             "context_lens": pos[:, 0] + 1,
-            "temperature": np.full(2, 0.8, np.float32), "top_k": np.zeros(2, np.int64),
-            "top_p": np.ones(2, np.float32), "seed": np.array([11 + (f == 3) for f in order]),
-        }  # fmt: skip
+            "temperature": np.full(2, 0.8, np.float32),
+            "top_k": np.zeros(2, np.int64),
+            "top_p": np.ones(2, np.float32),
+            "seed": np.array([11 + (f == 3) for f in order]),
+        }
         for f, t in zip(order, graphs.run(graphs.decode, meta), strict=True):
             out[f].append(int(t))
     return out
@@ -81,8 +90,11 @@ def _generate(graphs: EagerGraphs, steps: int) -> dict[int, list[int]]:
 def test_device_state_samples_the_host_paths_tokens(hf_model_dir, tmp_path):
     """Eager graphs of both forms on the same checkpoint: a packed prefill, then sampled decode
     steps with the rows swapping sequences; the device form's tokens and K/V are the host's."""
-    path = write_manifest(tmp_path / "m.yaml", hf_model_dir("llama"), buckets={
-        "prefill": [16], "decode": [2], "context": [CONTEXT], "prefill_batch": [1, 2]})  # fmt: skip
+    path = write_manifest(
+        tmp_path / "m.yaml",
+        hf_model_dir("llama"),
+        buckets={"prefill": [16], "decode": [2], "context": [CONTEXT], "prefill_batch": [1, 2]},
+    )
     manifest = load_manifest(path)
     host = model_layout(manifest, "cpu")
     device = dataclasses.replace(host, decode_state="device")
@@ -121,17 +133,28 @@ def _entry(layout, rows: int) -> GraphEntry:
 
 
 META_NAMES = {
-    "input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "seq_slots",
-    "temperature", "top_k", "top_p", "seed",
-}  # fmt: skip
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "context_lens",
+    "seq_slots",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+}
 
 
 def test_decode_metadata_bytes_per_step(hf_model_dir, tmp_path):
     """What a steady decode step rewrites (what a device executor uploads): positions, slots,
     lengths, and with host state the tokens; a row changing hands rewrites its tables and
     sampling values (and seq_slots) too."""
-    path = write_manifest(tmp_path / "m.yaml", hf_model_dir("llama"),
-                          buckets={"prefill": [16], "decode": [4], "context": [32]})  # fmt: skip
+    path = write_manifest(
+        tmp_path / "m.yaml",
+        hf_model_dir("llama"),
+        buckets={"prefill": [16], "decode": [4], "context": [32]},
+    )
     host = model_layout(load_manifest(path), "cpu")
     params = SamplingParams(max_tokens=8)
     seqs = [SequenceState(i, [1, 2, 3], params, 0, [4], [1 + 2 * i, 2 + 2 * i]) for i in range(4)]

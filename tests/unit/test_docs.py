@@ -48,8 +48,12 @@ def check(target: Path, anchor: str | None, where: str) -> list[str]:
 
 def test_every_docs_page_the_code_names_exists() -> None:
     """Hints and comments in neffkit/ (and the Makefile, bench/, tools/) name pages that exist."""
-    sources = [*REPO.joinpath("neffkit").rglob("*.py"), *REPO.joinpath("bench").rglob("*.py"),
-               *REPO.joinpath("tools").rglob("*.py"), REPO / "Makefile"]  # fmt: skip
+    sources = [
+        *REPO.joinpath("neffkit").rglob("*.py"),
+        *REPO.joinpath("bench").rglob("*.py"),
+        *REPO.joinpath("tools").rglob("*.py"),
+        REPO / "Makefile",
+    ]
     bad = []
     for path in sources:
         for m in NAMED.finditer(path.read_text()):

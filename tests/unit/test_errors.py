@@ -51,8 +51,17 @@ CLASSES = _user_error_classes()
 
 def test_the_walk_finds_the_error_classes() -> None:
     names = {cls.__name__ for cls in CLASSES.values()}
-    assert {"ManifestError", "ModelError", "BundleError", "RequestError", "BuildError",
-            "NeffkitError", "ServerBusy", "EngineDead", "RankFailure"} <= names  # fmt: skip
+    assert {
+        "ManifestError",
+        "ModelError",
+        "BundleError",
+        "RequestError",
+        "BuildError",
+        "NeffkitError",
+        "ServerBusy",
+        "EngineDead",
+        "RankFailure",
+    } <= names
 
 
 @pytest.mark.parametrize("name", sorted(CLASSES))

@@ -150,10 +150,15 @@ def test_logprobs_are_the_raw_log_softmax(num_logprobs) -> None:
     logits = torch.randn(6, 40) * 3
     temperature = torch.tensor([0.0, 0.0, 0.7, 1.0, 1.5, 1.0])
     out = sample(
-        logits, temperature, torch.zeros(6, dtype=torch.long), torch.ones(6),
-        torch.arange(6), torch.zeros(6, dtype=torch.long), max_top_k=8,
+        logits,
+        temperature,
+        torch.zeros(6, dtype=torch.long),
+        torch.ones(6),
+        torch.arange(6),
+        torch.zeros(6, dtype=torch.long),
+        max_top_k=8,
         num_logprobs=num_logprobs,
-    )  # fmt: skip
+    )
     want = torch.log_softmax(logits.double(), dim=-1)
     chosen = want.gather(1, out.next_tokens.unsqueeze(1)).squeeze(1)
     assert torch.allclose(out.token_logprobs.double(), chosen, atol=1e-5)

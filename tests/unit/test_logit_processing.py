@@ -80,12 +80,18 @@ class _Grammars:
 def _rows(rng: np.random.Generator):
     params = [
         SamplingParams(max_tokens=64),
-        SamplingParams(max_tokens=64, repetition_penalty=1.7, frequency_penalty=0.6,
-                       presence_penalty=-0.4, logit_bias=((3, 5.0), (250, -2.5))),
-        SamplingParams(max_tokens=64, repetition_penalty=0.8, min_tokens=20,
-                       stop_token_ids=(11, 12)),
+        SamplingParams(
+            max_tokens=64,
+            repetition_penalty=1.7,
+            frequency_penalty=0.6,
+            presence_penalty=-0.4,
+            logit_bias=((3, 5.0), (250, -2.5)),
+        ),
+        SamplingParams(
+            max_tokens=64, repetition_penalty=0.8, min_tokens=20, stop_token_ids=(11, 12)
+        ),
         SamplingParams(max_tokens=64, presence_penalty=1.5, logit_bias=((299, 100.0),)),
-    ]  # fmt: skip
+    ]
     prompts = [list(rng.integers(0, VOCAB, n)) for n in (5, 40, 17, 3)]
     outputs = [list(rng.integers(0, 30, n)) for n in (0, 25, 9, 30)]  # repeats in a small range
     masks = [None, rng.random(VOCAB) < 0.5, None, rng.random(VOCAB) < 0.1]
@@ -94,8 +100,9 @@ def _rows(rng: np.random.Generator):
 
 def _meta(params, prompts, outputs, masks, width: int = 128, bias: int = 8):
     """The graph inputs the runtime writes for these rows (Penalties fed one token at a time)."""
-    shape = GraphShape("decode", ROWS, 1, 64, 16, 8, 5, False, False, 0, 0,
-                       -(-VOCAB // 32), width, bias)  # fmt: skip
+    shape = GraphShape(
+        "decode", ROWS, 1, 64, 16, 8, 5, False, False, 0, 0, -(-VOCAB // 32), width, bias
+    )
     specs = tuple((s.name, s.shape, s.dtype) for s in abi.logit_inputs(shape))
     meta = padded_metadata(specs)
     seqs = []
@@ -139,8 +146,9 @@ def test_sampling_reports_masked_logprobs_and_samples_processed():
     masked, processed = process(logits, inputs)
     zeros = torch.zeros(ROWS)
     ints = torch.zeros(ROWS, dtype=torch.int64)
-    greedy = sample(masked, zeros, ints, torch.ones(ROWS), ints, torch.arange(ROWS), 16, 5,
-                    processed)  # fmt: skip
+    greedy = sample(
+        masked, zeros, ints, torch.ones(ROWS), ints, torch.arange(ROWS), 16, 5, processed
+    )
     _, want = reference(logits.numpy(), prompts, outputs, params, masks)
     assert greedy.next_tokens.tolist() == list(np.argmax(want, axis=1))
     raw = torch.log_softmax(masked, dim=-1)
@@ -148,9 +156,17 @@ def test_sampling_reports_masked_logprobs_and_samples_processed():
     np.testing.assert_allclose(greedy.token_logprobs, chosen, atol=1e-6)
     np.testing.assert_allclose(greedy.top_logprobs, torch.topk(raw, 5).values, atol=1e-6)
     for seed in range(20):
-        hot = sample(masked, torch.full((ROWS,), 2.0), torch.zeros(ROWS, dtype=torch.int64),
-                     torch.ones(ROWS), torch.full((ROWS,), seed), torch.arange(ROWS), 16, 5,
-                     processed)  # fmt: skip
+        hot = sample(
+            masked,
+            torch.full((ROWS,), 2.0),
+            torch.zeros(ROWS, dtype=torch.int64),
+            torch.ones(ROWS),
+            torch.full((ROWS,), seed),
+            torch.arange(ROWS),
+            16,
+            5,
+            processed,
+        )
         for r, allowed in enumerate(masks):
             if allowed is not None:
                 assert allowed[hot.next_tokens[r]]
@@ -175,9 +191,14 @@ def test_verify_rows_repeat_per_position():
     words = -(-VOCAB // 32)
     inputs = LogitInputs(
         torch.arange(2 * 3 * words, dtype=torch.int32).reshape(2, 3, words),
-        torch.tensor([[1, -1], [2, 3]]), torch.ones(2, 2), torch.tensor([0.1, 0.2]),
-        torch.zeros(2), torch.ones(2), None, None,
-    )  # fmt: skip
+        torch.tensor([[1, -1], [2, 3]]),
+        torch.ones(2, 2),
+        torch.tensor([0.1, 0.2]),
+        torch.zeros(2),
+        torch.ones(2),
+        None,
+        None,
+    )
     flat = inputs.per_position(3)
     assert flat.bitmask.shape == (6, words) and flat.bitmask[4, 0] == 4 * words
     assert flat.penalty_ids.tolist() == [[1, -1]] * 3 + [[2, 3]] * 3

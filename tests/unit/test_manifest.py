@@ -277,7 +277,7 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, model_dir):
                 "original_max_position_embeddings": 16,
             },
             "longrope switches",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_rope_types_that_cannot_be_static_are_refused(tmp_path, model_dir, rope, message):
@@ -323,8 +323,12 @@ def test_defaults_and_relative_model_path(tmp_path, model_dir):
 def test_kv_memory_budget_sizes_num_blocks_by_the_cache_width(tmp_path, model_dir):
     """kv_cache.memory_mb: as many blocks as the per-rank budget holds; an fp8 cache (1 byte a
     value) gets twice the blocks of a bfloat16 one in the same memory."""
-    base = {"neffkit": 1, "model": "MODEL", "dtype": "bfloat16",
-            "buckets": {"prefill": [16], "decode": [1], "context": [32]}}  # fmt: skip
+    base = {
+        "neffkit": 1,
+        "model": "MODEL",
+        "dtype": "bfloat16",
+        "buckets": {"prefill": [16], "decode": [1], "context": [32]},
+    }
     blocks = {}
     for kv_dtype in ("bfloat16", "float8_e4m3fn"):
         kv = {"memory_mb": 1, **({"dtype": kv_dtype} if kv_dtype != "bfloat16" else {})}
@@ -402,8 +406,14 @@ def _with_config(tmp_path: Path, model_dir: Path, **fields) -> Path:
         ),
         (  # yarn extends it: original 32 x factor 16 = 512
             {"prefill": [16], "decode": [1], "context": [1024]},
-            {"rope_parameters": {"rope_type": "yarn", "factor": 16.0, "rope_theta": 1e4,
-                                 "original_max_position_embeddings": 32}},
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 16.0,
+                    "rope_theta": 1e4,
+                    "original_max_position_embeddings": 32,
+                }
+            },
             "buckets.context[0]: 1024 exceeds the model's maximum length 512: "
             "original_max_position_embeddings (32) x rope factor 16.0 (yarn)",
             "hint: keep context buckets <= 512",
@@ -417,9 +427,10 @@ def _with_config(tmp_path: Path, model_dir: Path, **fields) -> Path:
         ),
     ],
     ids=["max_position_embeddings", "yarn", "prefill_over_context"],
-)  # fmt: skip
-def test_buckets_no_graph_can_honour_are_refused(tmp_path, model_dir, buckets, config, message,
-                                                 hint):  # fmt: skip
+)
+def test_buckets_no_graph_can_honour_are_refused(
+    tmp_path, model_dir, buckets, config, message, hint
+):
     """`neffkit inspect MANIFEST` (validation, no build): exit 2 naming the bucket, the field and
     both numbers, with a hint; nothing is silently built past the model's length or dropped."""
     model = _with_config(tmp_path, model_dir, **config) if config else model_dir
@@ -447,8 +458,12 @@ def test_allow_long_context_is_an_explicit_strict_override(tmp_path, model_dir):
 def test_speculation_that_builds_no_verify_graph_is_refused(tmp_path, model_dir):
     from neffkit.errors import ManifestError
 
-    data = {"neffkit": 1, "model": "MODEL", "speculation": {"method": "ngram", "max_batch": 2},
-            "buckets": {"prefill": [16], "decode": [4, 8], "context": [64]}}  # fmt: skip
+    data = {
+        "neffkit": 1,
+        "model": "MODEL",
+        "speculation": {"method": "ngram", "max_batch": 2},
+        "buckets": {"prefill": [16], "decode": [4, 8], "context": [64]},
+    }
     with pytest.raises(ManifestError) as err:
         load_manifest(_write(tmp_path, data, model_dir))
     assert err.value.message.startswith(

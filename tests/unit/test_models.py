@@ -45,18 +45,38 @@ def test_rope_theta_from_4x_and_5x_configs(hf_model_dir, tmp_path):
 
 
 ROPE_CASES = {  # rope parameters as transformers 5.x spells them (4.x: rope_scaling, below)
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
     "linear": {"rope_type": "linear", "factor": 2.0},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-    "yarn_mscale": {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
-                    "beta_fast": 16, "beta_slow": 2, "original_max_position_embeddings": 64},
-    "yarn_no_truncate": {"rope_type": "yarn", "factor": 4.0, "truncate": False,
-                         "original_max_position_embeddings": 64},
-    "longrope": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                 "long_factor": [2.0] * 8, "original_max_position_embeddings": 64},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "original_max_position_embeddings": 64,
+    },
+    "yarn_no_truncate": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0] * 8,
+        "original_max_position_embeddings": 64,
+    },
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(ROPE_CASES))

@@ -150,9 +150,12 @@ def _workload(seed: int) -> list[tuple[list[int], SamplingParams, bool]]:
 def _serve(workload, caching: bool):
     # 80 usable blocks of 8 tokens < the prefixes' ~1,700 tokens: cached blocks get evicted
     runner, _ = fake_runner(
-        prefill=(8, 16, 32), decode=(1, 4, 8), context=(64, 256), num_blocks=81,
+        prefill=(8, 16, 32),
+        decode=(1, 4, 8),
+        context=(64, 256),
+        num_blocks=81,
         prefill_batch=(1, 4),
-    )  # fmt: skip
+    )
     core = EngineCore(runner, prefix_caching=caching)
     seqs, aborts, steps = [], [], 0
     for i, (prompt, params, abort) in enumerate(workload):

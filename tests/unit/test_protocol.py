@@ -165,10 +165,18 @@ def test_token_ids_outside_the_vocabulary_are_refused() -> None:
     assert "outside the vocabulary" in str(json.dumps(err.value.message))
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}]}
 
 
@@ -178,18 +186,34 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "weather in Paris
         ({"tools": [WEATHER]}, None),
         ({"tools": [WEATHER], "tool_choice": "required"}, None),
         ({"tools": [WEATHER], "tool_choice": "none"}, None),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                              "function": {"name": "get_weather"}}}, None),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                              "function": {"name": "other"}}}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            None,
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "other"}},
+            },
+            "tool_choice",
+        ),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tools": "get_weather"}, "tools"),
-        ({"tools": [WEATHER], "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
     ],
-)  # fmt: skip
+)
 def test_chat_tool_fields(extra, param) -> None:
     body = {**CHAT, **extra}
     if param is None:
@@ -223,8 +247,14 @@ def test_tool_choices_become_constraints_and_calls() -> None:
     }
     assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
     assert finish_reason(req, calls, "stop") == "tool_calls"
-    named = parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}}, "m")  # fmt: skip
+    named = parse_chat(
+        {
+            **CHAT,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+        "m",
+    )
     assert json.loads(named.params.structured.source) == WEATHER["function"]["parameters"]
     _, calls = parse_calls(named.tool_request, None, '{"city": "Oslo"}')
     assert calls[0]["function"]["arguments"] == '{"city": "Oslo"}'
@@ -235,7 +265,8 @@ def test_tool_choices_become_constraints_and_calls() -> None:
     hermes = f"Let me check.\n<tool_call>\n{call}\n</tool_call>"
     content, calls = parse_calls(auto, "hermes", hermes)
     assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"]) == {
-        "city": "Rome"}  # fmt: skip
+        "city": "Rome"
+    }
     assert parse_calls(auto, "hermes", "no calls here") == ("no calls here", [])
     llama = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
     assert parse_calls(auto, "llama3_json", llama)[1][0]["function"]["name"] == "get_weather"
@@ -254,12 +285,24 @@ def test_tool_choices_become_constraints_and_calls() -> None:
 
 def test_tool_messages_reach_the_template() -> None:
     """An assistant's tool calls (arguments as objects) and the tool's result with its id."""
-    body = {"model": "m", "messages": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    }
     messages = parse_chat(body, "m").messages
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}

@@ -127,8 +127,9 @@ def test_stop_conditions() -> None:
     engine, _ = llm()
     prompt = [4, 6, 7]  # its 8 tokens hold no EOS
     ref = oracle(prompt, 8)
-    (seq,) = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=(ref[2],),
-                                                      temperature=0.0))  # fmt: skip
+    (seq,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=8, stop_token_ids=(ref[2],), temperature=0.0)
+    )
     assert seq.output_ids == ref[: ref.index(ref[2]) + 1] and seq.finish_reason == "stop"
     # a prompt whose next token is EOS stops there unless ignore_eos
     eos_prompt = [EOS]

@@ -37,8 +37,9 @@ def test_prompt_lookup(tokens, k, want) -> None:
 
 
 def _core(batch: tuple[int, ...], speculation: bool):
-    runner, model = fake_runner(decode=batch, context=(64, 128), num_blocks=129,
-                                speculation=NGRAM, period=PERIOD)  # fmt: skip
+    runner, model = fake_runner(
+        decode=batch, context=(64, 128), num_blocks=129, speculation=NGRAM, period=PERIOD
+    )
     return EngineCore(runner, speculation=speculation), model
 
 
@@ -51,10 +52,18 @@ def _workload(seed: int, n: int = 200) -> list[tuple[list[int], SamplingParams]]
         prompt = (head * 4)[: rng.randint(PERIOD + 2, 3 * PERIOD)]
         sampled = rng.random() < 0.3
         stop = (rng.choice(head),) if rng.random() < 0.3 else ()
-        out.append((prompt, SamplingParams(
-            max_tokens=rng.randint(1, 30), temperature=0.7 if sampled else 0.0,
-            seed=rng.randrange(50) if sampled else None, stop_token_ids=stop,
-            ignore_eos=rng.random() < 0.5)))  # fmt: skip
+        out.append(
+            (
+                prompt,
+                SamplingParams(
+                    max_tokens=rng.randint(1, 30),
+                    temperature=0.7 if sampled else 0.0,
+                    seed=rng.randrange(50) if sampled else None,
+                    stop_token_ids=stop,
+                    ignore_eos=rng.random() < 0.5,
+                ),
+            )
+        )
     return out
 
 
@@ -92,8 +101,12 @@ def test_speculation_emits_what_plain_decoding_does(batch) -> None:
 
 
 def test_no_verify_step_without_drafts_or_above_max_batch() -> None:
-    runner, model = fake_runner(decode=(1, 4), context=(64,), num_blocks=65,
-                                speculation=SpeculationRecord("ngram", 3, max_batch=1))  # fmt: skip
+    runner, model = fake_runner(
+        decode=(1, 4),
+        context=(64,),
+        num_blocks=65,
+        speculation=SpeculationRecord("ngram", 3, max_batch=1),
+    )
     core = EngineCore(runner)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     core.add_request([10, 20, 30, 40], params)  # nothing repeats: no drafts, plain decode
@@ -111,8 +124,11 @@ def test_rows_whose_drafts_keep_failing_back_off() -> None:
     """The sum model (no period) never repeats what prompt lookup proposes."""
     runner, model = fake_runner(context=(128,), num_blocks=65, speculation=NGRAM)
     core = EngineCore(runner)
-    (seq,) = [core.add_request([3, 4] * 6, SamplingParams(max_tokens=60, temperature=0.0,
-                                                           ignore_eos=True))]  # fmt: skip
+    (seq,) = [
+        core.add_request(
+            [3, 4] * 6, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        )
+    ]
     while core.has_work():
         core.step()
     verify = sum(n.startswith("verify") for n, _ in model.calls)
@@ -129,8 +145,9 @@ def _draft_core(batch: tuple[int, ...], draft_period: int | None, prefix_caching
     spec = SpeculationRecord("draft", num_tokens=3, max_batch=4, draft="draft")
     shape = dict(decode=batch, context=(64, 128), num_blocks=129)
     runner, model = fake_runner(**shape, speculation=spec, period=PERIOD)
-    draft_runner, draft_model = fake_runner(**shape, speculation=SpeculationRecord("ngram", 3, 4),
-                                            period=draft_period)  # fmt: skip
+    draft_runner, draft_model = fake_runner(
+        **shape, speculation=SpeculationRecord("ngram", 3, 4), period=draft_period
+    )
     runner.draft = DraftModel(draft_runner, spec)
     return EngineCore(runner, prefix_caching=prefix_caching), model, draft_model
 
@@ -143,12 +160,15 @@ def test_a_draft_model_of_the_same_function_has_every_greedy_draft_accepted(batc
     prefills, catch-ups after fully accepted runs, back-offs and prefix-cache hits."""
     rng = random.Random(5)
     heads = [[rng.randrange(1, 90) for _ in range(PERIOD)] * 4 for _ in range(3)]  # 2.5 blocks
-    workload = [(rng.choice(heads)[: rng.randint(10, 20)] + p[:3], replace(params, temperature=0.0))
-                for p, params in _workload(seed=5)]  # fmt: skip
+    workload = [
+        (rng.choice(heads)[: rng.randint(10, 20)] + p[:3], replace(params, temperature=0.0))
+        for p, params in _workload(seed=5)
+    ]
     core, model, draft = _draft_core(batch, draft_period=PERIOD)
     plain, _ = _core(batch, speculation=False)
-    for (prompt, params), a, b in zip(workload, _run(core, workload), _run(plain, workload),
-                                      strict=True):  # fmt: skip
+    for (prompt, params), a, b in zip(
+        workload, _run(core, workload), _run(plain, workload), strict=True
+    ):
         full = oracle(prompt, params.max_tokens, period=PERIOD)
         assert a.output_ids == b.output_ids == full[: len(a.output_ids)]
         assert a.finish_reason == b.finish_reason
@@ -166,8 +186,9 @@ def test_a_draft_model_that_guesses_wrong_changes_no_output(batch) -> None:
     workload = _workload(seed=6)
     core, model, draft = _draft_core(batch, draft_period=None)
     plain, _ = _core(batch, speculation=False)
-    for (prompt, params), a, b in zip(workload, _run(core, workload), _run(plain, workload),
-                                      strict=True):  # fmt: skip
+    for (prompt, params), a, b in zip(
+        workload, _run(core, workload), _run(plain, workload), strict=True
+    ):
         assert a.output_ids == b.output_ids
         full = oracle(prompt, params.max_tokens, a.seed, params.temperature > 0, period=PERIOD)
         assert a.output_ids == full[: len(a.output_ids)]
@@ -181,8 +202,9 @@ def test_a_draft_model_catches_up_after_plain_decode_steps() -> None:
     """Five rows above max_batch 4 decode plainly while the draft sits out; once rows finish,
     the draft catches up on many tokens in several 1 + K chunks and its drafts are right."""
     core, model, draft = _draft_core((1, 4, 8), draft_period=PERIOD)
-    params = [SamplingParams(max_tokens=40 + 6 * i, temperature=0.0, ignore_eos=True)
-              for i in range(5)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=40 + 6 * i, temperature=0.0, ignore_eos=True) for i in range(5)
+    ]
     prompts = [[i + 1, i + 2, i + 3, i + 4, i + 5, i + 6] for i in range(5)]
     seqs = [core.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     while core.has_work():

@@ -98,7 +98,12 @@ def mtp_config(target: DeepseekV3Config) -> DeepseekV3MtpConfig:
             hint="use method ngram or draft",
         )
     fields = {f.name: getattr(target, f.name) for f in dataclasses.fields(target)}
-    fields |= {"architecture": MTP_ARCHITECTURE, "num_layers": 1, "mtp_layers": 0,
-               "sparse_layers": (target.mtp_sparse,), "source_layer": target.num_layers,
-               "sliding_windows": (None,)}  # fmt: skip
+    fields |= {
+        "architecture": MTP_ARCHITECTURE,
+        "num_layers": 1,
+        "mtp_layers": 0,
+        "sparse_layers": (target.mtp_sparse,),
+        "source_layer": target.num_layers,
+        "sliding_windows": (None,),
+    }
     return DeepseekV3MtpConfig(**fields)

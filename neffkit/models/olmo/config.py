@@ -39,5 +39,8 @@ class OlmoConfig(LlamaConfig):
     def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
         olmo2 = (raw.get("architectures") or [""])[0] == OLMO2
         clip = raw.get("clip_qkv")
-        return cls(**common_fields(raw, path), olmo2=olmo2,
-                   clip_qkv=float(clip) if clip is not None and not olmo2 else None)  # fmt: skip
+        return cls(
+            **common_fields(raw, path),
+            olmo2=olmo2,
+            clip_qkv=float(clip) if clip is not None and not olmo2 else None,
+        )
