@@ -27,6 +27,7 @@ from neffkit.audit.graph import (
 )
 from neffkit.audit.hlo import hlo_hazards
 from neffkit.audit.rules import RULES, Finding
+from neffkit.contract.abi import Phase
 from neffkit.targets import DTYPE_BYTES, E4M3_MAX, FP8_AS_E4M3_CHIPS, FP8_AS_E4M3_FLAG
 
 if TYPE_CHECKING:
@@ -231,7 +232,7 @@ def _flag_rules(g: GraphFacts) -> Iterator[Finding]:
     if model_type and g.flag_origins.get(model_type, "base") != "base":
         yield _finding("NK204", "warning", g, model_type, f"set by {g.flag_origins[model_type]}")
     levels = [f for f in g.flags if re.fullmatch(r"-O[123]", f)]
-    if g.phase == "decode" and g.collectives and (not levels or levels[-1] != "-O3"):
+    if g.phase == Phase.DECODE and g.collectives and (not levels or levels[-1] != "-O3"):
         yield _finding("NK205", "warning", g, levels[-1] if levels else "(default -O)")
 
 

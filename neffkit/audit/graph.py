@@ -56,6 +56,7 @@ _META = re.compile(r"^(\w+)\[([\d, ]*)\]$")
 def parse_canonical(text: str) -> list[Node]:
     """The node lines of a canonical graph text (see compile.trace.canonical_text)."""
     nodes = []
+    refs: tuple[int, ...]
     for line in text.splitlines():
         if not line.startswith("%"):
             continue

@@ -123,6 +123,7 @@ def _balanced(text: str, start: int) -> int:
 def parse_hlo(text: str) -> list[Instruction]:
     """The instructions of an HLO module's text form, each knowing whether it is in ENTRY."""
     out, entry = [], False
+    shape: tuple[int, ...]
     for raw in text.splitlines():
         line = raw.strip()
         if line.endswith("{") and " = " not in line:  # a computation's header

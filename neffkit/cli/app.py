@@ -7,11 +7,15 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from neffkit import __version__
 from neffkit.errors import NeffkitError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def fail(exc: NeffkitError) -> None:
@@ -29,7 +33,7 @@ def cli(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
 
 
-def console():
+def console() -> Console:
     """A rich console; piped output (CI logs) gets a wide one instead of rich's 80 columns."""
     from rich.console import Console
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from neffkit.cli.app import cli, console
+
+if TYPE_CHECKING:
+    from neffkit.compile.report import BuildResult
 
 
 @cli.command()
@@ -102,14 +106,14 @@ def build(
         cluster=cluster,
     )
     packed = None
-    if pack and not dry_run and share is None:
+    if pack and result.bundle is not None:  # dry runs and --shard builds write no bundle
         from neffkit.contract.pack import pack_bundle
 
         packed = pack_bundle(result.bundle)
     _report(result, packed, as_json, dry_run)
 
 
-def _report(result, packed: Path | None, as_json: bool, dry_run: bool) -> None:
+def _report(result: BuildResult, packed: Path | None, as_json: bool, dry_run: bool) -> None:
     """The build report as JSON, the plan table (dry run), or one line and the bundle path."""
     if as_json:
         report = result.report()

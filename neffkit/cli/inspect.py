@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -58,7 +60,7 @@ def inspect(
     sys.exit(0 if other is not None else exit_status(report))
 
 
-def _emit(report: dict, as_json: bool, render) -> None:
+def _emit(report: dict, as_json: bool, render: Callable[[dict[str, Any]], Any]) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

@@ -137,7 +137,7 @@ def run(
 ) -> None:
     """Generate from BUNDLE (with --prompt, --chat or --prompt-ids), or serve the OpenAI API
     (without)."""
-    from neffkit.runtime.llm import GenerateRequest, run_offline
+    from neffkit.runtime.engine.llm import GenerateRequest, run_offline
     from neffkit.runtime.sampling_params import SamplingParams
 
     if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
@@ -153,7 +153,8 @@ def run(
         speculation=not no_speculation,
         threads=threads,
     )
-    report = run_offline(bundle, request, dist_timeout, executor)
+    # JSON as run_offline writes it: "outputs", each with "text" and "token_ids"
+    report: dict[str, Any] | None = run_offline(bundle, request, dist_timeout, executor)
     if report is None:  # a follower rank of a torchrun launch: rank 0 prints
         return
     if as_json:
@@ -173,7 +174,7 @@ def _serve(
 ) -> int:
     """Serve until stopped; the exit status. `server`: the server-only options, by click's
     names (host, port, api_key, ..., strict_requests)."""
-    from neffkit.runtime.api_server import serve
+    from neffkit.runtime.serve.api_server import serve
 
     return serve(
         bundle,

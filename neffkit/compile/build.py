@@ -30,6 +30,7 @@ from neffkit.compile.cache import open_cache
 from neffkit.compile.cache.lookup import lookup_units, remember_unit, restore_unit, store_unit
 from neffkit.compile.calibrate import calibrated
 from neffkit.compile.flags import resolve_options
+from neffkit.compile.jobs.workers import worker_pool
 from neffkit.compile.layout import target_layout, uses_kernel
 from neffkit.compile.plan import Planned, make_plan, shard_share
 from neffkit.compile.progress import Progress
@@ -43,8 +44,7 @@ from neffkit.compile.units import (
     ModelLayout,
     RunParallel,
 )
-from neffkit.compile.verify import verify_units
-from neffkit.compile.workers import worker_pool
+from neffkit.compile.verify.run import verify_units
 from neffkit.compile.write import DRAFT_DIR, write_bundle, write_weights
 from neffkit.contract.staging import staging_dir
 from neffkit.errors import BuildError
@@ -329,7 +329,7 @@ def _pool(
         return worker_pool(jobs or usable_cpus())
     import torch
 
-    from neffkit.compile.cluster import ray_pool, task_memory
+    from neffkit.compile.jobs.cluster import ray_pool, task_memory
 
     sizes = [math.prod(w.shape) * getattr(torch, w.dtype).itemsize for w in layout.weights]
     return ray_pool(cluster, task_memory(sum(sizes)), result.cluster_tasks)

@@ -27,15 +27,16 @@ import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from neffkit.compile.layout import model_layout
 from neffkit.compile.trace import decoder_module
 from neffkit.compile.units import GraphSpec, ModelLayout
-from neffkit.compile.verify_inputs import representative_inputs
+from neffkit.compile.verify.inputs import representative_inputs
 from neffkit.contract import abi
+from neffkit.contract.abi import Phase
 from neffkit.kernels.kv import key_rotation, stored_keys
 from neffkit.models.forms import KEY_FORMS, Storage
 from neffkit.models.key_offsets import offsets_at
@@ -44,6 +45,7 @@ from neffkit.models.weights import iter_rank_weights
 
 if TYPE_CHECKING:
     from neffkit.manifest import Manifest
+    from neffkit.models.step import Step
 
 TEXT = Path(__file__).with_name("calibration.txt")
 K_RANGE, V_RANGE = 200.0, 100.0  # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT
@@ -60,9 +62,11 @@ def calibrated(manifest: Manifest, layout: ModelLayout) -> ModelLayout:
 
 
 Values = tuple[float, ...]
+# a layer's positional encoding of q and k (DecoderGraph.positional)
+Positional = Callable[[torch.Tensor, torch.Tensor, int, "Step"], tuple[torch.Tensor, torch.Tensor]]
 
 
-def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, tuple | None]:
+def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, Any]:
     """The Storage fields one eager prefill of the calibration text measures: (k_scale,
     v_scale) per layer (`kv_calibrated`) and, where the storage rotates keys, each layer's
     `k_offsets`, `k_firsts` and `k_smooth` ([KV heads x head_dim] flat, four significant
@@ -76,7 +80,9 @@ def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, tuple | No
     rotation = key_rotation(cfg.head_dim) if storage.rotate_keys else None
     forms: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def observe(layer: int, q: torch.Tensor, k: torch.Tensor, positional, step) -> None:
+    def observe(
+        layer: int, q: torch.Tensor, k: torch.Tensor, positional: Positional, step: Step
+    ) -> None:
         if rotation is not None:
             forms[layer] = key_forms(layer, q, k, positional, step)
 
@@ -93,14 +99,16 @@ def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, tuple | No
             keys = stored_keys(keys, offsets, smooth, rotation)
         amax_k, amax_v = keys.abs().max().item(), values.abs().max().item()
         scales.append((_scale(amax_k, K_RANGE), _scale(amax_v, V_RANGE)))
-    out: dict[str, tuple | None] = {"kv_calibrated": tuple(scales)}
+    out: dict[str, Any] = {"kv_calibrated": tuple(scales)}  # Storage fields, for replace()
     for i, field in enumerate(KEY_FORMS.values()):  # key_forms' order
         per_layer = (_rounded(forms[layer][i]) for layer in range(cfg.num_layers))
         out[field] = tuple(per_layer) if rotation is not None else None
     return out
 
 
-def key_forms(layer: int, q, k, positional, step) -> tuple[torch.Tensor, ...]:
+def key_forms(
+    layer: int, q: torch.Tensor, k: torch.Tensor, positional: Positional, step: Step
+) -> tuple[torch.Tensor, ...]:
     """One layer's rotated-key forms from its queries and keys before their positional
     encoding ([1, T, heads, D], positions 0..T-1): the mean key, the key at position 0, the
     channel weights [KV, D] (rounded as recorded), and the offsets at every position [T, KV, D]
@@ -148,7 +156,7 @@ def eager_prefill(
         prompt_logprobs=logits,
         projection=dataclasses.replace(layout.projection, max_rows=0),
     )
-    spec = GraphSpec("prefill", "prefill", 1, tokens, tokens)
+    spec = GraphSpec("prefill", Phase.PREFILL, 1, tokens, tokens)
     module, specs = decoder_module(layout, spec)
     weights = [t for _, t in iter_rank_weights(model_dir, cfg, layout.storage, layout.par, 0)]
     inputs = representative_inputs(layout, spec, weights)
@@ -170,14 +178,22 @@ def eager_prefill(
     if observe is not None:
         positional = module.positional
 
-        def observed(q, k, layer, step):
+        def observed(
+            q: torch.Tensor, k: torch.Tensor, layer: int, step: Step
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             observe(layer, q, k, positional, step)
             return positional(q, k, layer, step)
 
-        module.positional = observed
+        # this instance's methods wrapped to watch them (mypy refuses assigning to a method)
+        module.positional = observed  # type: ignore[method-assign]
     seen: list[torch.Tensor] = []
-    head = module.logits
-    module.logits = lambda *args: seen.append(head(*args)) or seen[-1]  # the full [T, vocab]
+    logits_of = module.logits
+
+    def watched(x: torch.Tensor, head: torch.Tensor, rank: torch.Tensor | None) -> torch.Tensor:
+        seen.append(logits_of(x, head, rank))  # the full [T, vocab]
+        return seen[-1]
+
+    module.logits = watched  # type: ignore[method-assign]  # wrapped, as positional above
     with torch.no_grad():
         module(*inputs)  # writes every layer's K and V into the caches, in place
     caches = {name: inputs[index[name]] for name in names}

@@ -10,36 +10,25 @@ context bucket: `verify_b4_k4_c1024`.
 from __future__ import annotations
 
 from neffkit.compile.units import GraphSpec, Plan, ResolvedOptions
+from neffkit.contract.abi import GraphKey, Phase
 from neffkit.manifest import Manifest
-
-
-def graph_name(phase: str, bucket: int, context: int, rows: int = 1) -> str:
-    if phase == "decode":
-        return f"decode_b{bucket}_c{context}"
-    if phase == "verify":  # bucket: the draft tokens K
-        return f"verify_b{rows}_k{bucket}_c{context}"
-    return f"prefill_t{bucket}_c{context}" if rows == 1 else f"prefill_b{rows}_t{bucket}_c{context}"
 
 
 def make_plan(manifest: Manifest) -> Plan:
     b = manifest.buckets
     graphs = [
-        GraphSpec(graph_name("prefill", t, c, r), "prefill", r, t, c)
+        GraphSpec.of(GraphKey(Phase.PREFILL, r, t, c))
         for r in b.prefill_batch
         for t in b.prefill
         for c in b.context
         if t <= c
     ]
-    graphs += [
-        GraphSpec(graph_name("decode", n, c), "decode", n, 1, c)
-        for n in b.decode
-        for c in b.context
-    ]
+    graphs += [GraphSpec.of(GraphKey(Phase.DECODE, n, 1, c)) for n in b.decode for c in b.context]
     spec = manifest.speculation
     if spec is not None:
         k = spec.num_tokens
         graphs += [
-            GraphSpec(graph_name("verify", k, c, n), "verify", n, 1 + k, c)
+            GraphSpec.of(GraphKey(Phase.VERIFY, n, 1 + k, c))
             for n in b.decode
             if n <= spec.max_batch
             for c in b.context

@@ -31,16 +31,19 @@ class BuildResult:
     cluster_tasks: Counter[str] = field(default_factory=Counter)  # per Ray node (--cluster)
 
     def report(self) -> JsonObject:
-        cluster = {"cluster_tasks_by_node": dict(self.cluster_tasks)} if self.cluster_tasks else {}
+        # copies as JSON values (dict and list are invariant: a dict[str, int] is no JsonObject)
+        cluster: JsonObject = {}
+        if self.cluster_tasks:
+            cluster["cluster_tasks_by_node"] = dict(self.cluster_tasks)
         return {
             **cluster,
             "bundle": str(self.bundle) if self.bundle else None,
-            "counters": self.counters,
-            "seconds": self.seconds,
-            "graphs": self.graphs,
-            "warnings": self.warnings,
-            "peak_rss_mb": self.peak_rss_mb,
-            "peak_rss_mb_by_stage": self.peak_rss_mb_by_stage,
+            "counters": dict(self.counters),
+            "seconds": dict(self.seconds),
+            "graphs": list(self.graphs),
+            "warnings": list(self.warnings),
+            "peak_rss_mb": dict(self.peak_rss_mb),
+            "peak_rss_mb_by_stage": dict(self.peak_rss_mb_by_stage),
             "findings": [f.to_json() for f in self.findings],
         }
 
@@ -68,7 +71,7 @@ def report_row(u: GraphUnit) -> JsonObject:
         "name": u.stem,
         "cache": "hit" if u.cached else "miss",
         "miss_reason": u.miss_reason,
-        "seconds": u.seconds,
+        "seconds": dict(u.seconds),
         "graph_sha256": u.trace.graph_sha256,
     }
 
@@ -78,7 +81,7 @@ def dry_run_row(u: GraphUnit, caching: bool) -> JsonObject:
         "name": u.spec.name,
         "phase": u.spec.phase,
         "buckets": {"rows": u.spec.rows, "tokens": u.spec.tokens, "context": u.spec.context},
-        "options": u.options.inductor,
+        "options": dict(u.options.inductor),
         "flags": list(u.options.flags),
         "cache": ("hit" if u.cached else "miss") if caching else "disabled",
         "miss_reason": u.miss_reason,

@@ -9,7 +9,7 @@ the graphs are; its sha256 is the graph's identity (SPMD check, cache key, bundl
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.export import ExportedProgram
@@ -17,10 +17,14 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from neffkit.compile.layout import graph_inputs, uses_kernel
 from neffkit.compile.units import GraphSpec, LoweredGraph, ModelLayout, Traced, TraceResult
+from neffkit.contract import abi
 from neffkit.contract.abi import TensorSpec, graph_outputs
 from neffkit.contract.records import IoAlias, TensorRecord
 from neffkit.errors import BuildError
 from neffkit.models.registry import build_graph, graph_class
+
+if TYPE_CHECKING:  # the graph module's type, through the registry (never a family module)
+    from neffkit.models.registry import DecoderGraph
 
 
 def ensure_fake_process_group(rank: int, world_size: int) -> None:
@@ -80,9 +84,7 @@ def _anchor_model_source(layout: ModelLayout) -> None:
         register(fn)
 
 
-def decoder_module(
-    layout: ModelLayout, spec: GraphSpec
-) -> tuple[torch.nn.Module, list[TensorSpec]]:
+def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, list[TensorSpec]]:
     """The eager module of one graph and its flat input specs (what is traced, and the oracle
     `build --verify` compares artifacts against)."""
     shape, specs = graph_inputs(layout, spec)
@@ -204,6 +206,12 @@ def io_alias_map(program: ExportedProgram, contract_names: list[str]) -> tuple[I
             out.append(IoAlias(placeholder_to_name[spec.target], index))
         elif spec.kind != OutputKind.USER_OUTPUT:
             raise BuildError(f"unexpected output kind {spec.kind} in exported graph")
+    written = {a.input for a in out}
+    expected = {name for name in contract_names if abi.is_aliased(name)}
+    if written != expected:  # a state input left unwritten, or another input written in place
+        raise BuildError(
+            f"the graph updates {sorted(written)} in place; the ABI says {sorted(expected)}"
+        )
     return tuple(out)
 
 

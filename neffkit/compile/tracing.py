@@ -8,9 +8,9 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from neffkit.compile.cache.keys import trace_key
+from neffkit.compile.jobs.workers import trace_job
 from neffkit.compile.layout import projection_form
 from neffkit.compile.units import BuildContext, TraceResult, job_key
-from neffkit.compile.workers import trace_job
 
 if TYPE_CHECKING:
     from neffkit.compile.backends.base import Backend

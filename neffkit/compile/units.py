@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffkit.contract.abi import TensorSpec
+from neffkit.contract.abi import PHASES, GraphKey, Phase, TensorSpec
 from neffkit.contract.codec import JsonObject, OptionValue
 from neffkit.contract.records import (
     ArtifactMetadata,
@@ -65,20 +65,28 @@ class FormTiming:
 @dataclass(frozen=True)
 class GraphSpec:
     name: str
-    phase: str  # "prefill" | "decode" | "verify"
+    phase: Phase
     rows: int  # sequences per call
     tokens: int  # tokens per sequence (1 for decode)
     context: int  # context bucket: tokens attended at most
 
+    @classmethod
+    def of(cls, key: GraphKey) -> GraphSpec:
+        return cls(key.name, key.phase, key.rows, key.tokens, key.context)
+
+    @property
+    def key(self) -> GraphKey:
+        return GraphKey(self.phase, self.rows, self.tokens, self.context)
+
     @property
     def bucket(self) -> int:
         """The phase's own bucket value: tokens for prefill, batch for decode and verify."""
-        return self.tokens if self.phase == "prefill" else self.rows
+        return self.tokens if PHASES[self.phase].bucket == "tokens" else self.rows
 
     def matches(self, match: dict) -> bool:
         """Per-graph rule matching on phase and bucket values or [lo, hi] ranges."""
         values = {"phase": self.phase, "context": self.context, "batch": self.rows}
-        if self.phase == "prefill":
+        if PHASES[self.phase].bucket == "tokens":
             values["tokens"] = self.tokens
         for key, want in match.items():
             have = values.get(key)
@@ -245,7 +253,7 @@ class Compiled:
 
 
 # run_parallel(fn, argument tuples, names, progress, keys=None) → results in order
-# (compile/workers.py)
+# (compile/jobs/workers.py)
 RunParallel = Callable[..., list]
 
 

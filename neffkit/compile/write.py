@@ -78,7 +78,7 @@ def write_weights(
             names = write_tensors(stage / file, rank_weight_specs(*args), iter_rank_weights(*args))
             placed["cut"] += 1
             if cache is not None:
-                cache.store(key, stage / file, {"names": names}, link=True)
+                cache.store(key, stage / file, {"names": list(names)}, link=True)
         records.append(WeightsRecord(rank, file, tuple(names)))
     return records, placed
 
@@ -96,14 +96,7 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
     """The graph's record in bundle.json: deterministic (no build timings; cpu_kernel auto's
     measurement is kept per host), so rebuilds are identical."""
     spec, t = u.spec, u.trace
-    hlo = {}
-    if t.lowered is not None:
-        hlo = {
-            "hlo": f"ir/{u.stem}.hlo.pb",
-            "hlo_text": f"ir/{u.stem}.hlo.txt.zst",
-            "hlo_sha256": t.lowered.sha256,
-            "compiler": u.compiler,
-        }
+    lowered = t.lowered  # neuron graphs only: the HLO fields
     return GraphRecord(
         name=spec.name,
         phase=spec.phase,
@@ -125,7 +118,10 @@ def graph_record(u: GraphUnit, suffix: str, lower_only: bool, layout: ModelLayou
         projection=projection_form(layout, spec.rows * spec.tokens),
         kernel_timing=_kernel_timing(layout, spec.rows * spec.tokens),
         attention="kernel" if layout.projection.attends_in_kernel(spec.phase, spec.rows) else None,
-        **hlo,
+        hlo=None if lowered is None else f"ir/{u.stem}.hlo.pb",
+        hlo_text=None if lowered is None else f"ir/{u.stem}.hlo.txt.zst",
+        hlo_sha256=None if lowered is None else lowered.sha256,
+        compiler=None if lowered is None else u.compiler,
     )
 
 
@@ -269,4 +265,5 @@ def fp8_layout(block: tuple[int, ...]) -> str:
     """A scale block's common name."""
     if not block:
         return ""
-    return {(0, 0): "tensor", (1, 0): "channel"}.get(tuple(block), "block")
+    names: dict[tuple[int, ...], str] = {(0, 0): "tensor", (1, 0): "channel"}
+    return names.get(tuple(block), "block")

@@ -12,6 +12,7 @@ per layer and kind), the device-resident decode state, then the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 # ---------------------------------------------------------------------------------- names
@@ -27,11 +28,12 @@ TARGET_IDS = "target_ids"  # [B, T] prompt logprobs: the token after each positi
 # [lines, T, hidden] float32 (DeepSeek MTP): the hidden state each position's prediction starts
 # from (the target's last layer's output there, or the MTP layer's own at a recurrent step)
 PREVIOUS_HIDDEN = "previous_hidden"
+TEMPERATURE, TOP_K, TOP_P, SEED = "temperature", "top_k", "top_p", "seed"  # [B] each row's
 SAMPLING_INPUTS = (
-    ("temperature", "float32"),
-    ("top_k", "int64"),
-    ("top_p", "float32"),
-    ("seed", "int64"),
+    (TEMPERATURE, "float32"),
+    (TOP_K, "int64"),
+    (TOP_P, "float32"),
+    (SEED, "int64"),
 )
 SAMPLING_NAMES = tuple(name for name, _ in SAMPLING_INPUTS)
 # what a request does to the logits before sampling (kernels/logits.py), where the bundle has it:
@@ -66,7 +68,7 @@ PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"
 PAD_VALUES: dict[str, float] = {
     SLOT_MAPPING: -1,
     BLOCK_TABLES: -1,
-    "top_p": 1.0,
+    TOP_P: 1.0,
     TOKEN_BITMASK: -1,  # every token allowed
     PENALTY_IDS: -1,
     "repetition_penalty": 1.0,
@@ -74,6 +76,94 @@ PAD_VALUES: dict[str, float] = {
 }
 
 KV_KINDS = {"mha": ("k", "v"), "mla": ("kv",)}  # cache tensors per layer, by cache kind
+
+
+# ---------------------------------------------------------------------------------- phases
+class Phase(str, Enum):
+    """A graph's kind. A `str`, so bundle.json, graph names and manifest rules read it as the
+    plain name, and a phase read back from a bundle ("decode") equals and hashes as the member."""
+
+    PREFILL = "prefill"  # prompt chunks: `rows` sequences' T tokens packed in one row
+    DECODE = "decode"  # `rows` sequences, one token each
+    VERIFY = "verify"  # speculation: `rows` sequences of 1 + K tokens, every position sampled
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+@dataclass(frozen=True)
+class PhaseRule:
+    """What a phase's graph takes and returns, asked instead of the phase's name (by the plan,
+    the models, `build --verify` and the runtime alike)."""
+
+    packed: bool  # every sequence's tokens in one row (per-token sequence ids when rows > 1)
+    samples_every_position: bool  # each of a row's T positions sampled (drafts accepted in-graph)
+    one_token: bool  # T = 1: a row's next token only (MoE reads the routed experts only)
+    host_ids: bool  # input_ids come from the host even with device state (verify: the drafts)
+    name: str  # the graph's name; `packed_name` for a packed graph of several rows
+    packed_name: str = ""
+    bucket: str = "rows"  # what the phase's own bucket counts: "rows" or "tokens"
+
+
+PHASES: dict[str, PhaseRule] = {  # keyed by the members, which are strs
+    Phase.PREFILL: PhaseRule(
+        packed=True,
+        samples_every_position=False,
+        one_token=False,
+        host_ids=True,
+        name="prefill_t{tokens}_c{context}",
+        packed_name="prefill_b{rows}_t{tokens}_c{context}",
+        bucket="tokens",
+    ),
+    Phase.DECODE: PhaseRule(
+        packed=False,
+        samples_every_position=False,
+        one_token=True,
+        host_ids=False,
+        name="decode_b{rows}_c{context}",
+    ),
+    Phase.VERIFY: PhaseRule(
+        packed=False,
+        samples_every_position=True,
+        one_token=False,
+        host_ids=True,
+        name="verify_b{rows}_k{drafts}_c{context}",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """One graph's identity: its phase and static dims (rows, tokens per row, context). The
+    runtime finds a graph by it; the build names the graph by it."""
+
+    phase: Phase
+    rows: int
+    tokens: int
+    context: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "phase", Phase(self.phase))  # a name read from a bundle
+
+    @property
+    def rule(self) -> PhaseRule:
+        return PHASES[self.phase]
+
+    @property
+    def name(self) -> str:
+        """`prefill_t128_c1024`, `prefill_b4_t128_c1024`, `decode_b4_c1024`,
+        `verify_b4_k3_c1024`."""
+        rule = self.rule
+        form = rule.packed_name if rule.packed and self.rows > 1 else rule.name
+        return form.format(
+            rows=self.rows, tokens=self.tokens, drafts=self.tokens - 1, context=self.context
+        )
 
 
 # ---------------------------------------------------------------------------------- the slot rule
@@ -105,12 +195,12 @@ class TensorSpec:
 class GraphShape:
     """Static shape of one graph: B rows of T tokens attending to at most C context tokens."""
 
-    # "prefill": T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence
-    # ids; each sequence has its own block table, length, last token and sampling values), or
-    # "decode": `rows` sequences, one token each, or
-    # "verify" (speculative decoding): `rows` sequences of T = 1 + K tokens, the last sampled
-    # token and K draft tokens, each position sampled and the drafts accepted in the graph
-    phase: str
+    # prefill: T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence
+    # ids; each sequence has its own block table, length, last token and sampling values);
+    # decode: `rows` sequences, one token each; verify (speculative decoding): `rows` sequences
+    # of T = 1 + K tokens, the last sampled token and K drafts, every position sampled and the
+    # drafts accepted in the graph (PHASES says what each takes)
+    phase: Phase
     rows: int
     tokens: int
     context: int
@@ -132,18 +222,26 @@ class GraphShape:
     bias_tokens: int = 0
 
     @property
+    def rule(self) -> PhaseRule:
+        return PHASES[self.phase]
+
+    @property
     def packed(self) -> bool:
-        """A prefill of several sequences' tokens in one row."""
-        return self.phase == "prefill" and self.rows > 1
+        """Several sequences' tokens in one row (per-token sequence ids)."""
+        return self.rule.packed and self.rows > 1
+
+    @property
+    def lines(self) -> int:
+        """Rows of tokens the graph takes: one packed row, or one per sequence."""
+        return 1 if self.rule.packed else self.rows
 
 
 def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     """The host-built inputs, in order. With device state a decode graph takes no input_ids:
     `seq_slots` (each row's sequence's slot in `last_tokens`; 0 pads) says where its token is,
     and prefill takes `seq_slots` too, to store each sequence's sampled token there."""
-    b, t = shape.rows, shape.tokens
-    lines = 1 if shape.phase == "prefill" else b  # prefill: every sequence's tokens in one row
-    host_ids = shape.phase != "decode" or not shape.device_state  # verify: drafts from the host
+    b, t, lines, rule = shape.rows, shape.tokens, shape.lines, shape.rule
+    host_ids = rule.host_ids or not shape.device_state  # verify: drafts from the host
     specs = [TensorSpec(INPUT_IDS, (lines, t), "int64")] if host_ids else []
     specs += [
         TensorSpec(POSITIONS, (lines, t), "int64"),
@@ -153,13 +251,13 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     ]
     if shape.packed:
         specs.append(TensorSpec(SEQ_IDS, (1, t), "int64"))
-    if shape.phase == "prefill":
+    if rule.packed:
         specs.append(TensorSpec(LAST_TOKEN_INDEX, (b,), "int64"))
     if shape.device_state:
         specs.append(TensorSpec(SEQ_SLOTS, (b,), "int64"))
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
     specs += logit_inputs(shape)
-    if shape.phase == "prefill" and shape.prompt_logprobs:
+    if rule.packed and shape.prompt_logprobs:
         specs.append(TensorSpec(TARGET_IDS, (b, t), "int64"))
     if shape.hidden_in:
         specs.append(TensorSpec(PREVIOUS_HIDDEN, (lines, t, shape.hidden_in), "float32"))
@@ -170,7 +268,7 @@ def logit_inputs(shape: GraphShape) -> list[TensorSpec]:
     """The logit-processing inputs the shape has, in order (after the sampling values)."""
     b, specs = shape.rows, []
     if shape.bitmask_words:
-        lead = (b, shape.tokens) if shape.phase == "verify" else (b,)
+        lead = (b, shape.tokens) if shape.rule.samples_every_position else (b,)
         specs.append(TensorSpec(TOKEN_BITMASK, (*lead, shape.bitmask_words), "int32"))
     if shape.penalty_tokens:
         p = shape.penalty_tokens
@@ -189,17 +287,23 @@ def logit_inputs(shape: GraphShape) -> list[TensorSpec]:
 
 def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
     """The user outputs, in order (the K/V mutations precede them in an exported program)."""
-    b = shape.rows
     specs = _sampled_outputs(shape)
     if shape.hidden_out:
-        lead = {"decode": (b,), "verify": (b, shape.tokens), "prefill": (shape.tokens,)}
-        specs.append(TensorSpec(HIDDEN_STATES, (*lead[shape.phase], shape.hidden_out), "float32"))
+        specs.append(TensorSpec(HIDDEN_STATES, (*hidden_lead(shape), shape.hidden_out), "float32"))
     return specs
+
+
+def hidden_lead(shape: GraphShape) -> tuple[int, ...]:
+    """The `hidden_states` output's leading dims: every position of the packed row [T], every
+    position of each row [B, T] (verify), or each row's one [B]."""
+    if shape.rule.packed:
+        return (shape.tokens,)
+    return (shape.rows, shape.tokens) if shape.rule.samples_every_position else (shape.rows,)
 
 
 def _sampled_outputs(shape: GraphShape) -> list[TensorSpec]:
     b, n = shape.rows, shape.logprobs
-    if shape.phase == "verify":  # per position, the emitted ones first in each row
+    if shape.rule.samples_every_position:  # per position, the emitted ones first in each row
         t = shape.tokens
         return [
             TensorSpec(NEXT_TOKENS, (b, t), "int64"),
@@ -214,7 +318,7 @@ def _sampled_outputs(shape: GraphShape) -> list[TensorSpec]:
         TensorSpec(TOP_LOGPROB_IDS, (b, n), "int64"),
         TensorSpec(TOP_LOGPROBS, (b, n), "float32"),
     ]
-    if shape.phase == "prefill" and shape.prompt_logprobs:
+    if shape.rule.packed and shape.prompt_logprobs:
         t = shape.tokens
         specs += [
             TensorSpec(PROMPT_LOGPROBS, (t,), "float32"),
@@ -232,6 +336,13 @@ def kv_cache_names(num_layers: int, kv_kind: str) -> list[str]:
 
 def is_kv_cache(name: str) -> bool:
     return name.startswith(tuple(f"{kind}_cache." for kind in ("k", "v", "kv")))
+
+
+def is_aliased(name: str) -> bool:
+    """An input every phase's graph updates in place, so an output aliases it (the io-alias
+    map): each KV cache tensor and the device decode state. The map itself is read from the
+    exported program, never written by hand; the build checks it against this rule."""
+    return is_kv_cache(name) or name == LAST_TOKENS
 
 
 def kv_inputs(

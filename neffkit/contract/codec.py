@@ -59,7 +59,8 @@ class Record:
 
     @classmethod
     def from_json(cls: type[R], data: JsonObject) -> R:
-        hints, known = _field_hints(cls)
+        # mypy does not see a class object as Hashable (it checks the instances' unbound __hash__)
+        hints, known = _field_hints(cls)  # type: ignore[arg-type]
         return cls(**{k: _decode(hints[k], v) for k, v in data.items() if k in known})
 
 

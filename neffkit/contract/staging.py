@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from neffkit.contract.bundle import BUNDLE_JSON
+from neffkit.contract.tempdirs import owned_temp_dir
 from neffkit.errors import BundleError
-from neffkit.platform.tempdirs import owned_temp_dir
 
 
 @contextmanager

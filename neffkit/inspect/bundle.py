@@ -223,7 +223,8 @@ def diff_bundles(a: Bundle, b: Bundle) -> dict[str, Any]:
 def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
     """Cache kind, values and bytes per token (one rank, every layer); for MLA, the bytes a
     per-head K/V cache of the same model would take (what the latent cache saves)."""
-    lay, cfg = record.layout, record.model.config
+    lay = record.layout
+    cfg: dict[str, Any] = record.model.config  # JSON values: the dims below are numbers
     out: dict[str, Any] = {
         "kind": lay.kv_kind,
         "dtype": lay.kv_dtype,
@@ -232,8 +233,8 @@ def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
         "bytes_per_token": lay.kv_bytes_per_token,
     }
     if lay.kv_kind == "mla":
-        heads = int(cfg["num_heads"]) // lay.tp  # type: ignore[call-overload]
-        per_head = sum(int(cfg[k]) for k in ("qk_nope_head_dim", "head_dim", "v_head_dim"))  # type: ignore[call-overload]
+        heads = int(cfg["num_heads"]) // lay.tp
+        per_head = sum(int(cfg[k]) for k in ("qk_nope_head_dim", "head_dim", "v_head_dim"))
         out["mha_equivalent_bytes_per_token"] = lay.num_layers * heads * per_head * lay.kv_itemsize
     return out
 

@@ -209,7 +209,7 @@ def findings_table(findings: list[dict[str, Any]]) -> Any:
 
 
 def render_graph(d: dict) -> Any:
-    from rich.console import Group
+    from rich.console import Group, RenderableType
     from rich.table import Table
 
     io = Table(title=f"{d['name']} ({d['phase']}, ranks: {d['ranks']})")
@@ -232,7 +232,7 @@ def render_graph(d: dict) -> Any:
     ops.add_column("count")
     for op, n in d["op_histogram"].items():
         ops.add_row(op, str(n))
-    parts = [io, flags, ops]
+    parts: list[RenderableType] = [io, flags, ops]
     if d.get("hlo"):
         lines = [f"HLO module {d['hlo']} (sha256 {d['hlo_sha256'][:12]})"]
         pairs = d["hlo_input_output_alias"]

@@ -124,7 +124,15 @@ def packed_context_mask(
 FEW_QUERIES = 8
 
 
-def _few_queries(q, keys, values, mask, scale, softcap, bias) -> torch.Tensor:
+def _few_queries(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """paged_attention for 1 < T <= FEW_QUERIES, the queries of a KV head in one matmul."""
     rows, tokens, heads, dim = q.shape
     kv_heads = keys.shape[2]

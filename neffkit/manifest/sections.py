@@ -295,7 +295,8 @@ def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool, bool | None]:
             "kv_cache.rotate_keys: rotated keys need scales calibrated on them",
             hint="leave kv_cache.calibrate out (true), or rotate_keys out",
         )
-    return flags["prefix_caching"], flags["calibrate"], flags["rotate_keys"]
+    # a flag with a bool default is a bool here (anything else raised above)
+    return bool(flags["prefix_caching"]), bool(flags["calibrate"]), flags["rotate_keys"]
 
 
 LM_HEAD_DTYPES = ("float8_e4m3fn",)

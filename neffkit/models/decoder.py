@@ -10,7 +10,9 @@ host: shapes are static per graph.
 The parts, each a method a family overrides (mlc-llm's way: Mixtral over Llama replaces the MLP
 and nothing else): `embed`, `layer` (norm placement), `attention` (and its `qk_norm`, `sinks`
 hooks), `feed_forward`, `mlp` (and `activation`), `norm`, `logits`. As written here they are the
-dense Llama family's: pre-norm RMSNorm, GQA attention with RoPE, SwiGLU.
+dense Llama family's: pre-norm RMSNorm, GQA attention with RoPE, SwiGLU. What follows the
+layers (final norm and LM head through `norm` and `logits`, sampling, prompt logprobs, the verify
+step's acceptance) is the same for every family: sampling_head.py's `SamplingHead`, mixed in.
 """
 
 from __future__ import annotations
@@ -24,10 +26,8 @@ from neffkit.contract.abi import GraphShape
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
-from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
-from neffkit.kernels.sampling import sample, target_logprobs
 from neffkit.models.config import ModelConfig
 from neffkit.models.forms import PLAIN, ProjectionPolicy
 from neffkit.models.key_offsets import KeyOffsets
@@ -41,6 +41,7 @@ from neffkit.models.projection import (
     project_many,
 )
 from neffkit.models.rope_scaling import rope_frequencies
+from neffkit.models.sampling_head import SamplingHead
 from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ
 from neffkit.models.step import Span, Step
 from neffkit.targets import E4M3FN_MAX
@@ -55,7 +56,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table[ids // lanes, :, ids % lanes]  # [..., H]
 
 
-class DecoderGraph(KeyOffsets, torch.nn.Module):
+class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
     """forward(*flat_inputs) → the tensors `abi.graph_outputs` lists (next tokens and logprobs);
     K/V caches are mutated in place (io-aliased)."""
 
@@ -119,7 +120,7 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         if last_tokens is not None:  # the next decode step's input, stored on the device
             # padding rows all write the padding slot 0, which no sequence reads
             last = sampled[0]
-            if shape.phase == "verify":  # each row's last emitted token
+            if shape.rule.samples_every_position:  # each row's last emitted token
                 last = last.gather(1, (sampled[1] - 1).clamp(0, shape.tokens - 1).unsqueeze(1))
                 last = last.squeeze(1)
             last_tokens.index_put_((state_slots,), last)
@@ -130,8 +131,8 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         MTP layer predicts from): decode [B, H], verify [B, T, H], prefill [T, H]."""
         if not self.shape.hidden_out:
             return ()
-        phase = self.shape.phase
-        out = h[:, -1] if phase == "decode" else h[0] if phase == "prefill" else h
+        rule = self.shape.rule
+        out = h[0] if rule.packed else h if rule.samples_every_position else h[:, -1]
         return (out.float(),)
 
     def _step(self, m, w, rank, caches, dtype) -> Step:
@@ -144,7 +145,7 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         )  # [B, T, 1, D]
         spans = dict.fromkeys(self.span(layer) for layer in range(cfg.num_layers))  # in order
         masks: dict[Span, torch.Tensor] = {}  # per distinct span: [B, T, C] (packed [1, T, S*C])
-        bounds = None
+        bounds: dict[Span, tuple[torch.Tensor, ...]] | None = None
         if self.attention_kernel and seq_ids is not None:  # each token: its sequence's keys
             packed = (positions, seq_ids, context_lens, block_tables)
             bounds = {span: attn.packed_visible_keys(*packed, *span) for span in spans}
@@ -165,83 +166,6 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         if K_ROTATION in w:  # fp8 rotated keys: their offsets at the context's positions
             step.context = self.context_step(step, packed=seq_ids is not None)
         return step
-
-    def _sample(self, h, m, w, rank) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """The final norm and LM head where sampling needs them, then on-device sampling; prefill
-        with prompt logprobs runs the head on every position (TRT-LLM's context logits)."""
-        cfg, shape = self.cfg, self.shape
-        positions = m[abi.POSITIONS]
-        temperature, top_k, top_p, seed = (m[name] for name in abi.SAMPLING_NAMES)
-        head = w["lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"]
-        prompt: tuple[torch.Tensor, ...] = ()
-        if shape.phase == "verify":
-            return self._verify(h, m, w, rank, head), prompt
-        if shape.phase == "prefill":
-            tokens = positions.shape[1]
-            # [S]: each sequence's last token in the row; clamped like every index from the
-            # host (audit NK303: a gather past the chunk would be an out-of-bounds DMA on Neuron)
-            last = m[abi.LAST_TOKEN_INDEX].clamp(0, tokens - 1)
-            last_pos = positions[0].index_select(0, last)  # [S]
-            if shape.prompt_logprobs:
-                h_all = self.norm(h[0], w.get("model.norm.weight"))
-                all_logits = self.logits(h_all, head, rank)  # [T, vocab]
-                targets = m[abi.TARGET_IDS][0].clamp(0, cfg.vocab_size - 1)  # [T]
-                prompt = target_logprobs(all_logits, targets, shape.logprobs)
-                logits = all_logits.index_select(0, last)  # [1, vocab]
-            else:
-                h_last = self.norm(h[0].index_select(0, last), w.get("model.norm.weight"))
-                logits = self.logits(h_last, head, rank)  # [1, vocab]
-        else:
-            last_pos = positions[:, -1]  # [B]
-            h_last = self.norm(h[:, -1], w.get("model.norm.weight"))
-            logits = self.logits(h_last, head, rank)  # [B, vocab]
-        branches = self.projection.sampler_branches
-        masked, processed = process(logits, LogitInputs.of(m, abi.LOGIT_INPUTS), branches)
-        sampled = sample(
-            masked,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            last_pos,
-            self.max_top_k,
-            shape.logprobs,
-            processed,
-            branches,
-        )
-        return sampled, prompt
-
-    def _verify(self, h, m, w, rank, head) -> tuple[torch.Tensor, ...]:
-        """Speculative decoding's verify step: every position sampled as a decode step at that
-        position samples (the same seed and position, so the same token), and each row's drafts
-        (its input tokens after the first) accepted while they equal what was sampled before
-        them. A draft is a point mass, so this is rejection sampling exactly: a draft is kept
-        with the probability the target gives it, and a rejected one is replaced by a sample of
-        the target's distribution without it. Returns the sampled tokens [B, T], each row's
-        emitted count (accepted + 1) and the logprobs per position."""
-        rows, tokens, _ = h.shape
-        x = self.norm(h.reshape(rows * tokens, -1), w.get("model.norm.weight"))
-        logits = self.logits(x, head, rank)  # [B*T, vocab]
-        params = [m[name].repeat_interleave(tokens) for name in abi.SAMPLING_NAMES]
-        positions = m[abi.POSITIONS].reshape(-1)
-        inputs = LogitInputs.of(m, abi.LOGIT_INPUTS).per_position(tokens)
-        branches = self.projection.sampler_branches
-        masked, processed = process(logits, inputs, branches)
-        s = sample(
-            masked, *params, positions, self.max_top_k, self.shape.logprobs, processed, branches
-        )
-        sampled = s.next_tokens.view(rows, tokens)
-        drafts = m[abi.INPUT_IDS][:, 1:]  # -1 where a row proposes fewer than K
-        rejected = (sampled[:, :-1] != drafts).to(torch.int32)
-        ends = torch.ones_like(rejected[:, :1])  # every row stops at its last position
-        accepted = torch.argmax(torch.cat((rejected, ends), dim=1), dim=1)  # first rejection
-        return (
-            sampled,
-            accepted.to(torch.int64) + 1,
-            s.token_logprobs.view(rows, tokens),
-            s.top_logprob_ids.view(rows, tokens, -1),
-            s.top_logprobs.view(rows, tokens, -1),
-        )
 
     # ------------------------------------------------------------ parts a family overrides
     def prelude(
@@ -360,6 +284,7 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         if self.par.tp == 1:
             return lookup(table, ids)
         rows = out_features(table)
+        assert rank is not None  # tp > 1 graphs take their rank (needs_rank_input)
         local = ids - rank * rows
         inside = (local >= 0) & (local < rows)
         h = lookup(table, local.clamp(0, rows - 1)) * inside.unsqueeze(-1).to(table.dtype)
@@ -375,6 +300,7 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
         logits = self.project(x, head)  # [N, rows]
         if self.par.tp == 1:
             return logits
+        assert rank is not None  # tp > 1 graphs take their rank (needs_rank_input)
         mine = (torch.arange(self.par.tp, device=x.device) == rank).to(logits.dtype)
         spread = mine.unsqueeze(-1) * logits.unsqueeze(-2)  # [N, tp, rows]: zeros but ours
         return self.reduce(spread, None).flatten(-2)[..., : self.cfg.vocab_size]
@@ -404,5 +330,7 @@ class DecoderGraph(KeyOffsets, torch.nn.Module):
             import torch.distributed as dist
             from torch.distributed import _functional_collectives as fc
 
-            partial = fc.all_reduce(partial, "sum", dist.group.WORLD)  # string op: picklable
+            world = dist.group.WORLD  # set: tp > 1 runs in a process group (tracing: a fake one)
+            assert world is not None
+            partial = fc.all_reduce(partial, "sum", world)  # string op: picklable
         return partial if bias is None else partial + bias

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neffkit.contract import abi
+
 LANES = 16  # one AVX-512 float32 vector: the weight tile the row loop shares
 
 
@@ -49,8 +51,8 @@ class ProjectionPolicy:
         all the sequences' contexts side by side (S x C keys) where each token sees only its own
         sequence's. One sequence's prefill keeps the graph's form, a GEMM that wins once a token
         sees many keys."""
-        packed = phase == "prefill" and rows > 1
-        return self.attention_kernel and (phase in ("decode", "verify") or packed)
+        packed = abi.PHASES[phase].packed
+        return self.attention_kernel and (not packed or rows > 1)
 
     def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
         """The form `project` writes for `rows` activation rows and this weight layout

@@ -6,6 +6,7 @@ them; compile/calibrate.py measures them)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,10 +15,22 @@ from neffkit.kernels.rope import rope_cos_sin
 from neffkit.models.shards import K_ROTATION, ROPE_INV_FREQ
 from neffkit.models.step import Step
 
+if TYPE_CHECKING:
+    from neffkit.contract.abi import GraphShape
+
 
 class KeyOffsets:
     """Mixed into DecoderGraph: it supplies `positional`, `rope`, `rotary`,
     `rope_attention_factor` and `shape`."""
+
+    if TYPE_CHECKING:  # DecoderGraph's
+        shape: GraphShape
+        rope_attention_factor: float
+
+        @staticmethod
+        def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+        def rope(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]: ...
+        def positional(self, q, k, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     # `positional` is `rotary` with the layer's `rope` tables (not Llama 4's NoPE layers and L2
     # norms): the context's offset scores then come from the shared cos/sin table
@@ -27,6 +40,7 @@ class KeyOffsets:
         """q . offset(c) for every context key c [B, KV, G, T, C]: what paged_attention adds
         to the stored keys' scores (`q`: the query as RoPE left it)."""
         context = step.context
+        assert context is not None  # the caller's condition: rotated keys have a context step
         if not self.offsets_follow_rope:
             return offset_scores(q, self.key_offsets(layer, context))
         p = f"model.layers.{layer}.self_attn"

@@ -147,7 +147,8 @@ def _one_kernel_call(
 ) -> bool:
     """Do these weights take the kernel form at `rows`, all fp8 of one K block or all of one
     float dtype (what one call of one op reads)?"""
-    kinds = set()
+    kinds: set[tuple[str, int | torch.dtype]] = set()
+    kind: tuple[str, int | torch.dtype]
     for w in weights:
         if isinstance(w, BlockedFp8):
             nbytes, kind = w.weight.numel(), ("fp8", w.k_block)

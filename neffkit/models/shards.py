@@ -112,8 +112,10 @@ class Shards:
         yield from self.feed_forward_norm(p)
         yield from self.feed_forward(layer, p)
 
-    # the final norm has a weight (OLMo's has none)
-    final_norm = True
+    @property
+    def final_norm(self) -> bool:
+        """The final norm has a weight (OLMo's has none)."""
+        return True
 
     def kv_scale_tensors(self, p: str) -> Named:
         """The layer's fp8 KV cache scales, where the build asked for them (replicated), and

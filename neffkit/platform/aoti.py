@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from neffkit.platform.tempdirs import owned_temp_dir
+from neffkit.contract.tempdirs import owned_temp_dir
 
 _EXTRACTED: list[str] = []  # this process's extraction directory, once made
 

@@ -38,10 +38,10 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
         if v2.exists():
             quota, period = v2.read_text().split()[:2]
             return None if quota == "max" else int(quota) / int(period)
-        quota, period = root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us"
-        if quota.exists() and period.exists():
-            quota_us = int(quota.read_text())
-            return None if quota_us <= 0 else quota_us / int(period.read_text())
+        v1_quota, v1_period = root / "cpu" / "cpu.cfs_quota_us", root / "cpu" / "cpu.cfs_period_us"
+        if v1_quota.exists() and v1_period.exists():
+            quota_us = int(v1_quota.read_text())
+            return None if quota_us <= 0 else quota_us / int(v1_period.read_text())
     except (OSError, ValueError):
         return None
     return None

@@ -45,7 +45,7 @@ def compile_job(
     rank: int = 0,
 ) -> Compiled:
     """A compile worker: the graph's program (checked by its sha), compiled."""
-    from neffkit.compile.workers import quiet_warnings, traced_program
+    from neffkit.compile.jobs.workers import quiet_warnings, traced_program
 
     quiet_warnings()
     t0 = time.perf_counter()
@@ -54,7 +54,9 @@ def compile_job(
     return Compiled(out, round(time.perf_counter() - t0, 3), ArtifactMetadata(metadata))
 
 
-def aoti_compile(program: object, out: Path, options: dict[str, OptionValue]) -> dict[str, str]:
+def aoti_compile(
+    program: torch.export.ExportedProgram, out: Path, options: dict[str, OptionValue]
+) -> dict[str, str]:
     """Compile one exported program into an AOTInductor package; return its own metadata."""
     from torch._inductor import aoti_compile_and_package
 
@@ -156,7 +158,7 @@ class CpuBackend:
     def verify_runner(
         self, layout: ModelLayout, unit: GraphUnit, stage: Path
     ) -> tuple[Runner, str]:
-        from neffkit.compile.verify import aoti_runner
+        from neffkit.compile.verify.run import aoti_runner
 
         artifact = stage / "graphs" / f"{unit.stem}{self.artifact_suffix}"
         return aoti_runner(artifact, [i.name for i in unit.trace.inputs]), "aotinductor"

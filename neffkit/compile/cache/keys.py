@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neffkit.compile.units import CacheKey
-from neffkit.contract.codec import JsonObject
+from neffkit.contract.codec import JsonObject, JsonValue
 from neffkit.contract.records import FORMAT_VERSION
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def checkpoint_stamps(model_dir: Path) -> list[list[str | int]]:
+def checkpoint_stamps(model_dir: Path) -> list[JsonValue]:
     """(name, size, mtime_ns) of every file in the model directory: what the trace reads."""
     return [
         [p.name, st.st_size, st.st_mtime_ns]
@@ -82,8 +82,8 @@ def checkpoint_stamps(model_dir: Path) -> list[list[str | int]]:
     ]
 
 
-def _installed(names: tuple[str, ...]) -> dict[str, str]:
-    found = {}
+def _installed(names: tuple[str, ...]) -> JsonObject:
+    found: JsonObject = {}
     for name in names:
         try:
             found[name] = importlib.metadata.version(name)
@@ -155,7 +155,7 @@ def unit_key(u: GraphUnit, backend: Backend, host: JsonObject, manifest: Manifes
             "graph": u.trace.graph_sha256,
             "inputs": [i.to_json() for i in u.trace.inputs],
             "outputs": [o.to_json() for o in u.trace.outputs],
-            "options": u.options.inductor,
+            "options": dict(u.options.inductor),
             "flags": list(u.options.cache_flags()),
             "backend": f"{backend.name} {backend.version}",
             "torch": torch.__version__,

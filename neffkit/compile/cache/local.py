@@ -23,7 +23,7 @@ from pathlib import Path
 from neffkit.compile.units import CacheKey, TraceResult
 from neffkit.contract.bundle import sha256_file
 from neffkit.contract.codec import JsonObject
-from neffkit.platform.tempdirs import remove_stale_temp_dirs
+from neffkit.contract.tempdirs import remove_stale_temp_dirs
 
 log = logging.getLogger(__name__)
 KEY_JSON = "key.json"

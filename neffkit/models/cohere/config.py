@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neffkit.models.config import ModelConfig, common_fields
+from neffkit.models.config import common_fields
 from neffkit.models.llama.config import LlamaConfig
 
 
@@ -18,7 +18,7 @@ class CohereConfig(LlamaConfig):
     layer_norm_eps: float = 1e-5
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+    def from_hf(cls, raw: dict[str, Any], path: Path) -> CohereConfig:
         fields = common_fields(raw, path)
         fields["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", True))
         return cls(

@@ -62,7 +62,7 @@ class DeepseekV3Graph(MoeGraph):
         up = w[f"{a}.kv_b_proj.weight"].view(heads, nope + vdim, latent)
         up_k, up_v = up[:, :nope], up[:, nope:]  # [H, nope, latent], [H, v, latent]
         scale = mla_softmax_scale(cfg)
-        if self.shape.phase == "decode" and self.mla_decode == "absorbed":  # MQA over the latent
+        if self.shape.rule.one_token and self.mla_decode == "absorbed":  # MQA over the latent
             q_latent = torch.einsum("bthn,hnl->bthl", q[..., :nope], up_k)
             query = torch.cat((q_latent, q_rope), dim=-1)  # [B, T, H, latent + rope]
             out = paged_attention(query, context, context[..., :latent], mask, scale)

@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 from neffkit.models.config import (
     ACTIVATIONS,
     FieldRules,
-    ModelConfig,
     common_fields,
     frozen_rope,
     rope_parameters,
@@ -49,7 +48,7 @@ class GemmaConfig(LlamaConfig):
         return dict(self.local_rope) if self.local_rope else None
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+    def from_hf(cls, raw: dict[str, Any], path: Path) -> GemmaConfig:
         arch = (raw.get("architectures") or [""])[0]
         generation = GENERATIONS[arch]
         layers = int(raw["num_hidden_layers"])

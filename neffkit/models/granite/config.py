@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neffkit.models.config import ModelConfig
 from neffkit.models.llama.config import LlamaConfig, llama_fields
 
 
@@ -21,7 +20,7 @@ class GraniteConfig(LlamaConfig):
     logits_scaling: float = 1.0
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+    def from_hf(cls, raw: dict[str, Any], path: Path) -> GraniteConfig:
         return cls(
             **llama_fields(raw, path),
             embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),

@@ -122,7 +122,7 @@ class MoeGraph(LlamaGraph):
 
     def routed(self, num_tokens: int, local: int) -> bool:
         """Gather the routed experts (decode) when that reads fewer than all local experts."""
-        return self.shape.phase == "decode" and num_tokens * self.cfg.experts_per_token < local
+        return self.shape.rule.one_token and num_tokens * self.cfg.experts_per_token < local
 
 
 class MoeShards(LlamaShards):

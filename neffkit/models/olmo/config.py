@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from neffkit.errors import ModelError
-from neffkit.models.config import ModelConfig, common_fields
+from neffkit.models.config import common_fields
 from neffkit.models.llama.config import LlamaConfig
 from neffkit.models.parallel import Parallelism
 
@@ -36,7 +36,7 @@ class OlmoConfig(LlamaConfig):
             )
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+    def from_hf(cls, raw: dict[str, Any], path: Path) -> OlmoConfig:
         olmo2 = (raw.get("architectures") or [""])[0] == OLMO2
         clip = raw.get("clip_qkv")
         return cls(

@@ -27,6 +27,7 @@ class OlmoGraph(LlamaGraph):
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self.cfg.olmo2:  # RMSNorm, the weight applied in float32
+            assert weight is not None  # OLMo 2's norms all have weights
             return rms_norm(x, weight, self.cfg.rms_norm_eps, weight_in_float32=True)
         # OLMo: a LayerNorm without weight or bias, in float32
         shape = (x.shape[-1],)

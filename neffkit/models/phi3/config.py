@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from neffkit.errors import ModelError
-from neffkit.models.config import ModelConfig, common_fields
+from neffkit.models.config import common_fields
 from neffkit.models.llama.config import LlamaConfig
 
 
 @dataclass(frozen=True)
 class Phi3Config(LlamaConfig):
     @classmethod
-    def from_hf(cls, raw: dict[str, Any], path: Path) -> ModelConfig:
+    def from_hf(cls, raw: dict[str, Any], path: Path) -> Phi3Config:
         fields = common_fields(raw, path, uniform_window=True)
         if fields["fp8_block"]:  # the scales of a fused projection are not cut apart yet
             raise ModelError(

@@ -93,7 +93,7 @@ class NeuronBackend:
     def verify_runner(
         self, layout: ModelLayout, unit: GraphUnit, stage: Path
     ) -> tuple[Runner, str]:
-        from neffkit.compile.verify import xla_cpu_runner
+        from neffkit.compile.verify.run import xla_cpu_runner
 
         names = [i.name for i in unit.trace.inputs]
         runner = xla_cpu_runner(
@@ -102,7 +102,7 @@ class NeuronBackend:
         return runner, "xla-cpu (HLO)"
 
     def spmd_runner(self, unit: GraphUnit, ranks: int) -> tuple[SpmdRunner, str] | None:
-        from neffkit.compile.verify import xla_spmd_runner
+        from neffkit.compile.verify.run import xla_spmd_runner
 
         proto = _lowered(unit).proto
         names = [i.name for i in unit.trace.inputs]

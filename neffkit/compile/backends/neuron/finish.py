@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from neffkit.compile.backends.neuron import neuronx_cc
+from neffkit.compile.jobs.workers import worker_pool
 from neffkit.compile.progress import Progress
-from neffkit.compile.workers import worker_pool
 from neffkit.contract.bundle import write_bundle_json
-from neffkit.contract.codec import JsonObject
+from neffkit.contract.codec import JsonObject, JsonValue
 from neffkit.contract.read import read_bundle
 from neffkit.contract.staging import staging_dir
 from neffkit.errors import BundleError
@@ -46,14 +46,15 @@ def finish_bundle(
         raise neuronx_cc.missing_compiler_error()
     version = neuronx_cc.compiler_version(binary)
     dest = Path(output) if output else Path(path)
-    stems = [g.stem for g in record.graphs]
+    stems: list[JsonValue] = [g.stem for g in record.graphs]
     with worker_pool(jobs or usable_cpus()) as run_parallel, staging_dir(dest) as stage:
         shutil.copytree(bundle.root, stage, dirs_exist_ok=True)
         (stage / "bundle.json").unlink()
         spec = record.layout.speculation
         if spec is not None and spec.draft:  # a draft model's bundle inside: finished first
-            inner = finish_bundle(stage / spec.draft, jobs=jobs, progress=progress)
-            stems += [f"{spec.draft}/{stem}" for stem in inner["graphs"]]
+            inner = finish_bundle(stage / spec.draft, jobs=jobs, progress=progress)["graphs"]
+            assert isinstance(inner, list)  # its stems, as returned below
+            stems += [f"{spec.draft}/{stem}" for stem in inner]
         work = [(g.stem, g.flags) for g in record.graphs]
         done = neuronx_cc.compile_neffs(
             binary, version, record.neuron, work, stage, run_parallel, progress

@@ -1,6 +1,6 @@
 """Temp directories named after the process that owns them, so a later process can remove what
-a SIGKILLed one left behind (atexit and `finally` never run after SIGKILL). A leaf: the build's
-staging and cache and the runtime's package loader all use it."""
+a SIGKILLed one left behind (atexit and `finally` never run after SIGKILL). The build's staging
+and cache and the runtime's package loader all use it; stdlib only, so the contract holds it."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import torch
 from neffkit.compile.layout import graph_inputs, model_layout
 from neffkit.compile.trace import decoder_module
 from neffkit.compile.units import GraphSpec, ModelLayout, Runner, SpmdRunner
-from neffkit.compile.verify_inputs import representative_inputs
+from neffkit.compile.verify.inputs import representative_inputs
 from neffkit.contract.records import IoAlias, VerifyRecord
 from neffkit.errors import BuildError
 from neffkit.models.weights import iter_rank_weights

@@ -17,6 +17,7 @@ Ray is an optional dependency (`pip install 'neffkit[cluster]'`), imported only 
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,8 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from neffkit.compile.jobs.workers import build_threads
 from neffkit.compile.progress import Progress
-from neffkit.compile.workers import build_threads
 from neffkit.errors import BuildError
 
 GIB = 1 << 30
@@ -51,7 +52,7 @@ def _remote_call(
     import ray
     import torch
 
-    from neffkit.compile.workers import quiet_warnings
+    from neffkit.compile.jobs.workers import quiet_warnings
 
     quiet_warnings()
     torch.set_num_threads(threads)
@@ -79,12 +80,8 @@ def _remote_call(
     return value, data, node
 
 
-@contextmanager
-def ray_pool(
-    address: str, task_memory: int, nodes: Counter[str] | None = None
-) -> Iterator[Callable[..., list[Any]]]:
-    """Connect to the Ray cluster at `address` ("auto", "HOST:PORT", "ray://HOST:PORT") and
-    yield run(); `nodes` counts finished tasks per node address (the build report's)."""
+def _connect(address: str) -> Any:
+    """Ray, connected to the cluster at `address` ("auto", "HOST:PORT", "ray://HOST:PORT")."""
     try:
         import ray
     except ImportError:
@@ -93,11 +90,31 @@ def ray_pool(
             hint="pip install 'neffkit[cluster]'",
         ) from None
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     except Exception as exc:  # no cluster there, or a version mismatch: say which
         raise BuildError(
             f"--cluster {address}: cannot connect ({type(exc).__name__}: {exc})"
         ) from None
+    return ray
+
+
+def _land(value: Any, data: bytes | None) -> None:
+    """A job's file, back at the path the build expects (unless it is there already)."""
+    if data is None:
+        return
+    path = Path(value.artifact)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_bytes() != data:
+        path.write_bytes(data)
+
+
+@contextmanager
+def ray_pool(
+    address: str, task_memory: int, nodes: Counter[str] | None = None
+) -> Iterator[Callable[..., list[Any]]]:
+    """Connect to the Ray cluster at `address` and yield run(); `nodes` counts finished tasks
+    per node address (the build report's)."""
+    ray = _connect(address)
     remote = ray.remote(_remote_call).options(
         num_cpus=1, memory=task_memory, max_retries=RETRIES, retry_exceptions=False
     )
@@ -128,11 +145,7 @@ def ray_pool(
                     f"({type(exc).__name__}: {exc})",
                     hint="check the cluster's nodes (ray status)",
                 ) from None
-            if data is not None:  # the job's file, back at the path the build expects
-                path = Path(value.artifact)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if not path.exists() or path.read_bytes() != data:
-                    path.write_bytes(data)
+            _land(value, data)
             results[index] = value
             counts[node] += 1
             progress.done(names[index], getattr(value, "seconds", None))

@@ -138,11 +138,12 @@ class _Workers:
                 worker = idle.pop(0)
                 index = self._pick(worker, pending, keys)
                 pending.remove(index)
+                callback, error_callback = _reporters(done, worker)
                 self.pools[worker].apply_async(
                     _call,
                     ((fn, index, arg_list[index]),),
-                    callback=lambda value, w=worker: done.put((w, value, None)),
-                    error_callback=lambda exc, w=worker: done.put((w, None, exc)),
+                    callback=callback,
+                    error_callback=error_callback,
                 )
                 busy += 1
             worker, value, exc = _next(done)
@@ -170,6 +171,13 @@ class _Workers:
             pool.terminate() if terminate else pool.close()
         for pool in self.pools:
             pool.join()
+
+
+def _reporters(
+    done: queue.SimpleQueue, worker: int
+) -> tuple[Callable[[Any], None], Callable[[BaseException], None]]:
+    """A job's callbacks on `worker`: its value, or its exception, put on `done`."""
+    return lambda value: done.put((worker, value, None)), lambda exc: done.put((worker, None, exc))
 
 
 def _next(done: queue.SimpleQueue) -> tuple[int, Any, BaseException | None]:

@@ -13,12 +13,11 @@ from neffkit.contract import abi
 
 
 def greedy_sampling(rows: int) -> dict[str, np.ndarray]:
-    """Every row greedy: temperature 0, top_k 0 (off), top_p 1, seed 0."""
+    """Every row greedy: the ABI's padding values (temperature 0, top_k 0: off, top_p 1, seed
+    0), so a sampling input the ABI adds needs nothing here."""
     return {
-        "temperature": np.zeros(rows, np.float32),
-        "top_k": np.zeros(rows, np.int64),
-        "top_p": np.ones(rows, np.float32),
-        "seed": np.zeros(rows, np.int64),
+        name: np.full(rows, abi.PAD_VALUES.get(name, 0), dtype)
+        for name, dtype in abi.SAMPLING_INPUTS
     }
 
 
@@ -36,12 +35,12 @@ def representative_inputs(
     capacity = blocks_per_row * bs
     vocab = layout.config.vocab_size
     meta: dict[str, np.ndarray] = {abi.BLOCK_TABLES: tables}
-    t = spec.tokens
-    lines = 1 if spec.phase == "prefill" else spec.rows  # prefill: one (packed) row
-    if spec.phase == "prefill" and spec.rows > 1:
+    t, packed = spec.tokens, abi.PHASES[spec.phase].packed
+    lines = 1 if packed else spec.rows  # prefill: one (packed) row
+    if packed and spec.rows > 1:
         meta |= _packed_prefill(spec.rows, t, tables, bs)
     else:
-        if spec.phase == "prefill":
+        if packed:
             valid = max(1, min(t - t // 4, capacity))  # a quarter of the tokens are padding
             positions = np.where(np.arange(t) < valid, np.arange(t), 0)[None, :]
             lens = np.array([valid])
@@ -61,7 +60,7 @@ def representative_inputs(
         abi.INPUT_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
         **greedy_sampling(spec.rows),
         abi.TARGET_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
-        abi.SEQ_SLOTS: np.array([abi.state_slot(row) for row in tables]),
+        abi.SEQ_SLOTS: np.array([abi.state_slot(row.tolist()) for row in tables]),
         abi.LAST_TOKENS: torch.randint(0, vocab, (nb,), generator=gen).numpy(),
     }
     meta |= _logit_inputs(specs, vocab, gen)
