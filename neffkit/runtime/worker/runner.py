@@ -11,20 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from neffkit.contract import abi
-from neffkit.runtime.logit_inputs import fill_bitmasks, write_row
-from neffkit.runtime.scheduler import (
-    DecodeBatch,
-    PrefillBatch,
-    SchedulerConfig,
-    SequenceState,
-    StepOutput,
-)
-from neffkit.runtime.speculation import DraftProposer
-from neffkit.runtime.structured import Grammars
+from neffkit.contract.abi import GraphKey, Phase
+from neffkit.runtime.config import SchedulerConfig
+from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, SequenceState
+from neffkit.runtime.worker.logit_inputs import MaskFiller, fill_bitmasks, write_row
+from neffkit.runtime.worker.step_output import StepOutput
 
 # metadata arrays in the graph's input order → its user outputs in order (next tokens first);
 # the executor binds the rest
@@ -33,27 +29,38 @@ Executable = Callable[[list[np.ndarray]], list[np.ndarray]]
 OnRun = Callable[[int, dict[str, np.ndarray]], None]
 
 
+class DraftProposer(Protocol):
+    """A draft model's (or MTP layer's) graphs (spec_decode/), as the runner holds them and the
+    engine calls them."""
+
+    calls: int  # graph calls
+    prefill_s: float
+    propose_s: float
+
+    def prefill(self, batch: PrefillBatch, out: StepOutput) -> None: ...
+
+    def observe(self, batch: DecodeBatch, out: StepOutput) -> None: ...
+
+    def propose(self, rows: list[SequenceState], ks: list[int]) -> list[list[int]]: ...
+
+
 @dataclass(frozen=True)
 class GraphEntry:
     """One compiled graph as the runner sees it: its bucket and its metadata input order."""
 
     name: str
-    phase: str
-    rows: int
-    tokens: int
-    context: int
+    key: abi.GraphKey  # phase and static dims: how the scheduler's choice finds it
     meta_specs: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) in input order
     run: Executable
     outputs: tuple[str, ...] = (abi.NEXT_TOKENS,)  # names of what `run` returns, in order
 
     @property
-    def meta_inputs(self) -> tuple[str, ...]:
-        return tuple(name for name, _, _ in self.meta_specs)
+    def rows(self) -> int:
+        return self.key.rows
 
     @property
-    def key(self) -> tuple[str, int, int, int]:
-        """(phase, rows, tokens, context): how the scheduler's choice finds it."""
-        return (self.phase, self.rows, self.tokens, self.context)
+    def meta_inputs(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.meta_specs)
 
 
 @dataclass
@@ -104,7 +111,7 @@ class DecodeBuffers:
         for i in range(graph.rows):
             self._pad(i)
 
-    def fill(self, seqs: list[SequenceState], grammars: Grammars | None = None) -> int:
+    def fill(self, seqs: list[SequenceState], grammars: MaskFiller | None = None) -> int:
         bs = self.block_size
         rows_changed = logits_changed = False
         for i, seq in enumerate(seqs):
@@ -158,13 +165,10 @@ def padded_metadata(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> dict
 
 
 def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) -> None:
-    p = seq.params
-    meta["temperature"][row], meta["top_k"][row], meta["top_p"][row] = (
-        p.temperature,
-        p.top_k,
-        p.top_p,
-    )
-    meta["seed"][row] = seq.seed
+    """A row's sampling inputs: each the request's `SamplingParams` field of the input's name,
+    but the seed, which the engine draws for an unseeded request (the sequence's)."""
+    for name in abi.SAMPLING_NAMES:
+        meta[name][row] = seq.seed if name == abi.SEED else getattr(seq.params, name)
 
 
 class ModelRunner:
@@ -181,7 +185,7 @@ class ModelRunner:
         self.timings = Timings()
         self._decode_buffers: dict[str, DecodeBuffers] = {}
         self.draft: DraftProposer | None = None  # speculation.method draft: its own graphs
-        self.grammars: Grammars | None = None  # structured outputs: the engine sets it
+        self.grammars: MaskFiller | None = None  # structured outputs: the engine sets it
 
     def execute(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one graph on host metadata; returns its outputs by name."""
@@ -206,7 +210,7 @@ class ModelRunner:
 
     def prefill_metadata(self, batch: PrefillBatch) -> tuple[GraphEntry, dict[str, np.ndarray]]:
         """The prefill graph of the batch's buckets and its metadata."""
-        graph = self.graphs[("prefill", batch.batch, batch.tokens, batch.context)]
+        graph = self.graphs[GraphKey(Phase.PREFILL, batch.batch, batch.tokens, batch.context)]
         bs = self.config.block_size
         meta = padded_metadata(graph.meta_specs)
         at = 0
@@ -245,7 +249,7 @@ class ModelRunner:
     def decode(self, batch: DecodeBatch) -> StepOutput:
         if batch.drafts is not None:
             return self.verify(batch)
-        graph = self.graphs[("decode", batch.batch, 1, batch.context)]
+        graph = self.graphs[GraphKey(Phase.DECODE, batch.batch, 1, batch.context)]
         buffers = self._decode_buffers.get(graph.name)
         if buffers is None:
             buffers = self._decode_buffers[graph.name] = DecodeBuffers(
@@ -264,7 +268,7 @@ class ModelRunner:
         for the real ones; padding drafts are -1, never accepted, written to the null slot)."""
         assert batch.drafts is not None and self.config.speculation is not None
         k = self.config.speculation.num_tokens
-        graph = self.graphs[("verify", batch.batch, 1 + k, batch.context)]
+        graph = self.graphs[GraphKey(Phase.VERIFY, batch.batch, 1 + k, batch.context)]
         bs = self.config.block_size
         meta = padded_metadata(graph.meta_specs)
         for i, (seq, drafts) in enumerate(zip(batch.rows, batch.drafts, strict=True)):

@@ -97,9 +97,8 @@ def write_row(
         else:
             meta[abi.PENALTY_IDS][row] = penalties.ids
             meta[abi.PENALTY_COUNTS][row] = penalties.counts
-        meta["presence_penalty"][row] = p.presence_penalty
-        meta["frequency_penalty"][row] = p.frequency_penalty
-        meta["repetition_penalty"][row] = p.repetition_penalty
+        for name in abi.PENALTY_NAMES:  # presence, frequency, repetition
+            meta[name][row] = getattr(p, name)
     if abi.BIAS_IDS in meta:
         pairs = bias_pairs(seq, eos_token_ids)
         ids, values = meta[abi.BIAS_IDS][row], meta[abi.BIAS_VALUES][row]

@@ -22,8 +22,8 @@ import re
 import uuid
 from typing import Any
 
-from neffkit.runtime.request_constraints import ToolRequest
 from neffkit.runtime.sampling_params import StructuredSpec
+from neffkit.runtime.serve.request_constraints import ToolRequest
 
 PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"

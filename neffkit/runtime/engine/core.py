@@ -26,14 +26,16 @@ import numpy as np
 
 from neffkit.errors import RequestError
 from neffkit.platform.cpus import chosen_threads, resolve_threads
-from neffkit.runtime.governor import ThreadGovernor
-from neffkit.runtime.limits import output_budget
-from neffkit.runtime.logit_inputs import Penalties
-from neffkit.runtime.runner import ModelRunner
+from neffkit.runtime.engine.governor import ThreadGovernor
+from neffkit.runtime.engine.limits import output_budget
+from neffkit.runtime.engine.scheduler import Scheduler
+from neffkit.runtime.engine.structured import Grammars
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import Scheduler, SequenceState, TokenLogprobs
-from neffkit.runtime.speculation import Proposer, per_row
-from neffkit.runtime.structured import Grammars
+from neffkit.runtime.spec_decode.proposer import Proposer, per_row
+from neffkit.runtime.worker.batch import SequenceState
+from neffkit.runtime.worker.logit_inputs import Penalties
+from neffkit.runtime.worker.runner import ModelRunner
+from neffkit.runtime.worker.step_output import TokenLogprobs
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -225,7 +227,8 @@ def core_main(
 
         full = engine_threads(threads)
         torch.set_num_threads(full)
-        from neffkit.runtime.distributed import run_on_ranks
+        from neffkit.runtime.engine.loading import attach_proposer, grammars_of
+        from neffkit.runtime.worker.distributed import run_on_ranks
 
         def governor(loaded) -> ThreadGovernor | None:  # where nobody chose the count, one rank
             chosen = chosen_threads(threads) is not None
@@ -236,10 +239,10 @@ def core_main(
             bundle,
             lambda loaded: serve_engine(
                 EngineCore(
-                    loaded.runner,
+                    attach_proposer(loaded).runner,
                     prefix_caching,
                     speculation,
-                    grammars=loaded.grammars(),
+                    grammars=grammars_of(loaded),
                     governor=governor(loaded),
                 ),
                 conn,

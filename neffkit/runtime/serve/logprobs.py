@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from neffkit.contract.codec import JsonObject, JsonValue
-from neffkit.runtime.scheduler import TokenLogprobs
 from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.runtime.worker.step_output import TokenLogprobs
 
 WINDOW = 4  # preceding tokens that give a token its in-place text (spaces, merges)
 FLOOR = -9999.0  # -inf is not JSON; vLLM reports it as this

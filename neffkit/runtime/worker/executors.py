@@ -232,7 +232,8 @@ class NeuronExecutor:
             # only what changed since this graph's last call goes to the device: in steady
             # decode the block tables, sampling values and (device state) seq_slots stay
             for i, (tensor, value) in enumerate(zip(meta, values, strict=True)):
-                if sent[i] is None or not np.array_equal(sent[i], value):
+                held = sent[i]
+                if held is None or not np.array_equal(held, value):
                     tensor.write_from_numpy(value)
                     sent[i] = value.copy()
             model(inputs=inputs, outputs=outputs)

@@ -1,6 +1,6 @@
 """The server's side of the engine core: requests in, streamed text out, over the core's pipe.
 
-The engine core runs in its own process (runtime/core.py). This side validates requests against
+The engine core runs in its own process (engine/core.py). This side validates requests against
 the bundle's buckets before they are sent (a 400, not a failed sequence), bounds the queue (503),
 detokenises incrementally, applies stop strings, and records the latency metrics (TTFT,
 inter-token latency, end-to-end) next to the tokens they measure. A reader thread receives one
@@ -19,13 +19,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from neffkit.errors import BundleError, NeffkitError, RequestError
-from neffkit.runtime.core import FAILED, READY, STEP, CoreOutput
-from neffkit.runtime.detokenizer import IncrementalDetokenizer
-from neffkit.runtime.limits import check_fits
-from neffkit.runtime.metrics import Metrics
+from neffkit.runtime.config import SchedulerConfig
+from neffkit.runtime.engine.core import FAILED, READY, STEP, CoreOutput
+from neffkit.runtime.engine.detokenizer import IncrementalDetokenizer
+from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.engine.metrics import Metrics
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import SchedulerConfig, TokenLogprobs
 from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.runtime.worker.step_output import TokenLogprobs
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from neffkit.contract.read import read_bundle
 from neffkit.errors import NeffkitError, RequestError
 from neffkit.platform.cpus import usable_cpus
-from neffkit.runtime.loader import LoadedBundle, load
-from neffkit.runtime.runner import GraphEntry, ModelRunner
+from neffkit.runtime.worker.loader import LoadedBundle, load
+from neffkit.runtime.worker.runner import GraphEntry, ModelRunner
 
 log = logging.getLogger(__name__)
 STOP, RUN = 0, 1
@@ -165,7 +165,7 @@ def _init(backend: str, timeout_s: float) -> dist.ProcessGroup:
 
 
 def follower_main(bundle: str, backend: str, timeout_s: float) -> None:
-    """Entry point of a follower rank process (`python -m neffkit.runtime.follower`)."""
+    """Entry point of a follower rank process (`python -m neffkit.runtime.worker.follower`)."""
     control = _init(backend, timeout_s)
     try:
         loaded = load(bundle, rank=dist.get_rank(), world_size=dist.get_world_size())
@@ -189,7 +189,14 @@ def _start_followers(
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
     }
-    cmd = [sys.executable, "-m", "neffkit.runtime.follower", str(bundle), backend, str(timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "neffkit.runtime.worker.follower",
+        str(bundle),
+        backend,
+        str(timeout_s),
+    ]
     procs = [
         subprocess.Popen(cmd, env={**os.environ, **launch, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(1, world_size)

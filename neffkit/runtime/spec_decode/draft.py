@@ -19,10 +19,12 @@ import time
 import numpy as np
 
 from neffkit.contract import abi
+from neffkit.contract.abi import GraphKey, Phase
 from neffkit.contract.records import SpeculationRecord
-from neffkit.runtime.limits import smallest_fitting
-from neffkit.runtime.runner import GraphEntry, ModelRunner, padded_metadata
-from neffkit.runtime.scheduler import DecodeBatch, PrefillBatch, SequenceState, StepOutput
+from neffkit.runtime.config import smallest_fitting
+from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, SequenceState
+from neffkit.runtime.worker.runner import GraphEntry, ModelRunner, padded_metadata
+from neffkit.runtime.worker.step_output import StepOutput
 
 
 class GraphProposer:
@@ -95,7 +97,7 @@ class DraftModel(GraphProposer):
         for seq, toks in zip(seqs, tokens, strict=True):
             _keep_verified(seq, toks)
         proposed = self._catch_up(seqs, tokens, batch, context)
-        graph = self.runner.graphs[("decode", batch, 1, context)]
+        graph = self.runner.graphs[GraphKey(Phase.DECODE, batch, 1, context)]
         for step in range(1, max(counts)):  # draft `step` in, draft `step + 1` out
             meta = padded_metadata(graph.meta_specs)
             for row, (seq, k) in enumerate(zip(seqs, counts, strict=True)):
@@ -115,7 +117,7 @@ class DraftModel(GraphProposer):
     ) -> list[list[int]]:
         """Feed each row the tokens its draft cache lacks (at least the last one), 1 + K at a
         time; the first draft is the greedy token after the last of them."""
-        graph = self.runner.graphs[("verify", batch, 1 + self.k, context)]
+        graph = self.runner.graphs[GraphKey(Phase.VERIFY, batch, 1 + self.k, context)]
         width = 1 + self.k
         first = [0] * len(seqs)
         while True:
@@ -153,7 +155,7 @@ def fill_row(
     used = runner.config.blocks_for(at + n)
     meta[abi.BLOCK_TABLES][row, :used] = seq.blocks[:used]
     meta[abi.CONTEXT_LENS][row] = at + n
-    meta["temperature"][row] = 0.0  # greedy: a point-mass draft
+    meta[abi.TEMPERATURE][row] = 0.0  # greedy: a point-mass draft
 
 
 def _keep_verified(seq: SequenceState, tokens: list[int]) -> None:

@@ -6,13 +6,17 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import replace
+from typing import Any
 
-from neffkit.contract.codec import JsonObject
-from neffkit.runtime.core_client import Event
-from neffkit.runtime.logprobs import WINDOW, CompletionLogprobs, TokenNamer, chat_logprobs
-from neffkit.runtime.protocol import ApiRequest
+from neffkit.runtime.engine.core_client import Event
+from neffkit.runtime.serve.logprobs import WINDOW, CompletionLogprobs, TokenNamer, chat_logprobs
+from neffkit.runtime.serve.protocol import ApiRequest
+from neffkit.runtime.serve.tools import ToolStream, finish_reason, parse_calls
 from neffkit.runtime.tokenizer import Tokenizer
-from neffkit.runtime.tools import ToolStream, finish_reason, parse_calls
+from neffkit.runtime.worker.step_output import TokenLogprobs
+
+# an OpenAI response body or chunk, built here and sent as JSON as it is
+Body = dict[str, Any]
 
 
 def merge_events(events: list[Event]) -> Event:
@@ -41,14 +45,14 @@ class ChoiceShapes:
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.parsed.n]
 
-    def token_ids(self, index: int, e: Event) -> JsonObject:
+    def token_ids(self, index: int, e: Event) -> Body:
         """vLLM's `return_token_ids`: the prompt's ids (on a choice's first chunk) and the new
         ones."""
         if not self.parsed.return_token_ids:
             return {}
         first = index not in self._sent_prompt
         self._sent_prompt.add(index)
-        prompt: JsonObject = {"prompt_token_ids": list(self.prompt_of(index))} if first else {}
+        prompt: Body = {"prompt_token_ids": list(self.prompt_of(index))} if first else {}
         return {**prompt, "token_ids": list(e.token_ids)}
 
     def namer(self, index: int, history: list[int]) -> TokenNamer:
@@ -80,8 +84,9 @@ class CompletionChunks(ChoiceShapes):
             return given
         return self.tokenizer.decode(given) if self.tokenizer else ""
 
-    def _choice(self, index: int, e: Event) -> JsonObject:
-        text, ids, values = e.text, list(e.token_ids), list(e.logprobs or [])
+    def _choice(self, index: int, e: Event) -> Body:
+        text, ids = e.text, list(e.token_ids)
+        values: list[TokenLogprobs | None] = list(e.logprobs or [])
         if index not in self._started:  # the choice's first chunk
             prompt = self.prompt_of(index)
             echo = self.parsed.echo
@@ -91,7 +96,8 @@ class CompletionChunks(ChoiceShapes):
             if echo:
                 text = self._prompt_text(index) + text
                 ids = prompt + ids
-                values = [None, *(e.prompt_logprobs or [None] * (len(prompt) - 1)), *values]
+                given: list[TokenLogprobs | None] = [None] * (len(prompt) - 1)
+                values = [None, *(e.prompt_logprobs or given), *values]
         logprobs = self._started[index].add(ids, values) if self.logprobs else None
         choice = {
             "index": index,
@@ -101,19 +107,19 @@ class CompletionChunks(ChoiceShapes):
         }
         return choice | self.token_ids(index, e)
 
-    def first(self, index: int) -> JsonObject:
+    def first(self, index: int) -> Body:
         return {}
 
-    def chunks(self, index: int, e: Event) -> list[JsonObject]:
+    def chunks(self, index: int, e: Event) -> list[Body]:
         return [self.chunk(index, e)]
 
-    def chunk(self, index: int, e: Event) -> JsonObject:
+    def chunk(self, index: int, e: Event) -> Body:
         return {**self.base, "choices": [self._choice(index, e)]}
 
-    def usage(self, usage: JsonObject) -> JsonObject:
+    def usage(self, usage: Body) -> Body:
         return {**self.base, "choices": [], "usage": usage}
 
-    def whole(self, events: list[Event], usage: JsonObject) -> JsonObject:
+    def whole(self, events: list[Event], usage: Body) -> Body:
         choices = [self._choice(i, e) for i, e in enumerate(events)]
         return {**self.base, "choices": choices, "usage": usage}
 
@@ -139,28 +145,28 @@ class ChatChunks(ChoiceShapes):
         self.tool_parser = tool_parser  # the server's --tool-call-parser (tool_choice auto)
         self._tool_streams: dict[int, ToolStream] = {}
 
-    def _logprobs(self, index: int, e: Event) -> JsonObject | None:
+    def _logprobs(self, index: int, e: Event) -> Body | None:
         if not self.logprobs:
             return None
         namer = self.namer(index, self.prompt_of(index))
         return chat_logprobs(namer, list(e.token_ids), list(e.logprobs or []))
 
     def _delta(
-        self, index: int, delta: JsonObject, finish: str | None, logprobs: JsonObject | None = None
-    ) -> JsonObject:
+        self, index: int, delta: Body, finish: str | None, logprobs: Body | None = None
+    ) -> Body:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self.base, "object": "chat.completion.chunk", "choices": [choice]}
 
-    def first(self, index: int) -> JsonObject:
+    def first(self, index: int) -> Body:
         return self._delta(index, {"role": "assistant", "content": ""}, None)
 
-    def chunk(self, index: int, e: Event) -> JsonObject:
-        delta: JsonObject = {"content": e.text} if e.text else {}
+    def chunk(self, index: int, e: Event) -> Body:
+        delta: Body = {"content": e.text} if e.text else {}
         body = self._delta(index, delta, e.finish_reason, self._logprobs(index, e))
-        body["choices"][0] |= self.token_ids(index, e)  # type: ignore[index]
+        body["choices"][0] |= self.token_ids(index, e)
         return body
 
-    def chunks(self, index: int, e: Event) -> list[JsonObject]:
+    def chunks(self, index: int, e: Event) -> list[Body]:
         """The streamed bodies of an event: one, or with tools, the content and tool-call
         deltas it completes (a call's id and name, then its arguments: vLLM's order)."""
         req = self.parsed.tool_request
@@ -176,26 +182,26 @@ class ChatChunks(ChoiceShapes):
         if not deltas and finish is None and logprobs is None:
             return []
         bodies = [self._delta(index, d, None) for d in deltas] or [self._delta(index, {}, None)]
-        last = bodies[-1]["choices"][0]  # type: ignore[index]
+        last = bodies[-1]["choices"][0]
         last["finish_reason"], last["logprobs"] = finish, logprobs
         last |= self.token_ids(index, e)
         return bodies
 
-    def usage(self, usage: JsonObject) -> JsonObject:
+    def usage(self, usage: Body) -> Body:
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
-    def _message(self, e: Event) -> tuple[JsonObject, str | None]:
+    def _message(self, e: Event) -> tuple[Body, str | None]:
         """A whole choice's message (tool calls parsed out of it) and finish reason."""
         req = self.parsed.tool_request
         if req is None:
             return {"role": "assistant", "content": e.text}, e.finish_reason
         content, calls = parse_calls(req, self.tool_parser, e.text)
-        message: JsonObject = {"role": "assistant", "content": content}
+        message: Body = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
         return message, finish_reason(req, calls, e.finish_reason)
 
-    def whole(self, events: list[Event], usage: JsonObject) -> JsonObject:
+    def whole(self, events: list[Event], usage: Body) -> Body:
         choices = []
         for i, e in enumerate(events):
             message, finish = self._message(e)

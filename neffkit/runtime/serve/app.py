@@ -1,4 +1,6 @@
-"""OpenAI-compatible HTTP API over a bundle (FastAPI + uvicorn, as vLLM serves): routes only.
+"""The OpenAI-compatible FastAPI application over a running engine client (FastAPI, as vLLM
+serves): the App state, what each request goes through, the error bodies and the routes. The
+process around it (bundle, engine core, uvicorn, shutdown) is api_server.py's.
 
 Requests are parsed and validated in protocol.py, checked against the bundle's buckets and sent
 to the engine core by core_client.py; this module turns their events into responses.
@@ -7,19 +9,16 @@ POST /v1/completions and /v1/chat/completions (SSE streaming with `data: [DONE]`
 `stream_options.include_usage`), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM
 names). Bad requests get a 400 with an OpenAI-style error body naming the field; a full waiting
 queue gets a 503. A client that disconnects mid-request has its sequence and KV blocks freed.
-Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bearer KEY` on /v1.
+`api_key` requires `Authorization: Bearer KEY` on /v1.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,20 +26,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 import neffkit
 from neffkit.contract.bundle import Bundle
-from neffkit.contract.read import read_bundle
 from neffkit.errors import RequestError
-from neffkit.runtime.access import (
+from neffkit.runtime.engine.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
+from neffkit.runtime.engine.metrics import Metrics
+from neffkit.runtime.engine.structured import Grammars
+from neffkit.runtime.serve.access import (
     REQUEST_ID,
     AccessLog,
     UnknownFields,
     add_http_errors,
-    enable_access_log,
     error_body,
 )
-from neffkit.runtime.core import start_core
-from neffkit.runtime.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
-from neffkit.runtime.metrics import Metrics
-from neffkit.runtime.protocol import (
+from neffkit.runtime.serve.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     ApiRequest,
@@ -48,9 +45,7 @@ from neffkit.runtime.protocol import (
     parse_chat,
     parse_completion,
 )
-from neffkit.runtime.responses import ChatChunks, CompletionChunks, merge_events
-from neffkit.runtime.scheduler import SchedulerConfig
-from neffkit.runtime.structured import Grammars
+from neffkit.runtime.serve.responses import ChatChunks, CompletionChunks, merge_events
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -60,8 +55,12 @@ DISCONNECT_POLL_S = 0.5
 
 
 class App:
+    """The server's state over one engine client, and each request's life: its prompts encoded,
+    its constraints checked, its choices submitted, its answer whole or streamed."""
+
     def __init__(
         self,
+        *,
         bundle: Bundle,
         tokenizer: Tokenizer | None,
         engine_loop: EngineClient,
@@ -322,85 +321,3 @@ def _add_routes(api: FastAPI, s: App) -> None:
         s.unknown_fields.check(body, CHAT_FIELDS, request.scope.get(REQUEST_ID, "-"))
         parsed = parse_chat(body, s.model_name)
         return await s.respond(request, parsed, ChatChunks)
-
-
-def _graceful_server_class() -> type:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT once it has shut down, which kills the process
-        before `serve` stops the engine core (the core then sees its pipe break): here the
-        signal ends `run` and `serve` finishes its own shutdown, with exit status 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                yield
-                getattr(self, "_captured_signals", []).clear()
-
-    return GracefulServer
-
-
-def serve(
-    bundle_path: Path,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    model_name: str | None = None,
-    max_waiting: int = 256,
-    executor: str = "auto",
-    dist_timeout_s: float = 60.0,
-    prefix_caching: bool = True,
-    speculation: bool = True,
-    strict_requests: bool = False,
-    access_log: bool = True,
-    tool_parser: str | None = None,
-    compact_json: bool = False,
-    threads: int | None = None,
-) -> int:
-    """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
-    in-flight request got its 5xx). The engine core runs in its own process (runtime/core.py)."""
-    import uvicorn
-
-    _GracefulServer = _graceful_server_class()  # noqa: N806 - a class
-    bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
-    record = bundle.record
-    name = model_name or record.name
-    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
-    metrics = Metrics(name)
-    core, conn = start_core(
-        bundle_path, executor, dist_timeout_s, prefix_caching, speculation, threads
-    )
-    server: list[uvicorn.Server] = []  # the running server, for shut_down
-
-    def shut_down(detail: str) -> None:  # the reader thread: uvicorn polls should_exit
-        print(f"neffkit: the engine failed ({detail}); shutting down", file=sys.stderr, flush=True)
-        if server:
-            server[0].should_exit = True
-
-    layout = SchedulerConfig.of(record)
-    client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, shut_down)
-    try:
-        client.start()
-        app = App(
-            bundle,
-            tokenizer,
-            client,
-            metrics,
-            name,
-            api_key,
-            strict_requests,
-            access_log,
-            tool_parser,
-            compact_json,
-        )
-        if access_log:
-            enable_access_log()
-        api = create_app(app)
-        config = uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False)
-        server.append(_GracefulServer(config))
-        print(f"neffkit: serving {name!r} at http://{host}:{port}/v1", flush=True)
-        server[0].run()
-    finally:
-        client.stop()
-    return 1 if client.failure is not None else 0

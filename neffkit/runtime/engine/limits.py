@@ -4,72 +4,10 @@ is a 400 naming the field, not a failed sequence (the server and offline runs al
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from neffkit.contract.records import BundleRecord, SpeculationRecord
 from neffkit.errors import RequestError
-from neffkit.runtime.logit_inputs import Penalties, stop_count
+from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's view of a bundle: buckets, KV blocks, end-of-sequence ids."""
-
-    block_size: int  # tokens per KV block
-    num_blocks: int  # block 0 included (the null block, never handed out)
-    prefill_buckets: tuple[int, ...]  # tokens per prefill chunk
-    decode_buckets: tuple[int, ...]  # sequences per decode step
-    context_buckets: tuple[int, ...]  # tokens attended; the largest is max_model_len
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int  # prompt token ids must lie in [0, vocab_size)
-    max_top_k: int | None = None  # the bundle's candidates for top-k / top-p (None: no limit)
-    max_logprobs: int = 0  # top logprobs the graphs return per token
-    prompt_logprobs: bool = False  # prefill graphs return the prompt's own logprobs
-    prefill_batch: tuple[int, ...] = (1,)  # rows per prefill call (packed prompts)
-    prefix_caching: bool = True  # full prompt blocks shared across requests (kv_blocks.py)
-    speculation: SpeculationRecord | None = None  # verify graphs in the bundle (speculation.py)
-    # the sampling graphs' logit inputs (0: none): grammar bitmask words, penalty and bias pairs
-    bitmask_words: int = 0
-    penalty_tokens: int = 0
-    bias_tokens: int = 0
-
-    @classmethod
-    def of(cls, record: BundleRecord) -> SchedulerConfig:
-        lay = record.layout
-        return cls(
-            block_size=lay.block_size,
-            num_blocks=lay.num_blocks,
-            prefill_buckets=lay.buckets.prefill,
-            decode_buckets=lay.buckets.decode,
-            context_buckets=lay.buckets.context,
-            eos_token_ids=record.model.eos_token_ids,
-            vocab_size=record.model.vocab_size,
-            max_top_k=lay.max_top_k,
-            max_logprobs=lay.max_logprobs,
-            prompt_logprobs=lay.prompt_logprobs,
-            prefill_batch=lay.buckets.prefill_batch,
-            prefix_caching=lay.prefix_caching,
-            speculation=lay.speculation,
-            bitmask_words=lay.bitmask_words,
-            penalty_tokens=lay.penalty_tokens,
-            bias_tokens=lay.bias_tokens,
-        )
-
-    @property
-    def max_model_len(self) -> int:
-        return self.context_buckets[-1]
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-
-def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:
-    """The smallest bucket of `buckets` (ascending) that holds `need`, or None."""
-    i = bisect.bisect_left(buckets, need)
-    return buckets[i] if i < len(buckets) else None
+from neffkit.runtime.worker.logit_inputs import Penalties, stop_count
 
 
 def output_budget(config: SchedulerConfig, prompt_len: int, params: SamplingParams) -> int:
@@ -91,7 +29,7 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
             param="prompt",
         )
     cap = config.max_top_k
-    if cap is not None and params.top_k > cap:
+    if params.top_k > cap:
         raise RequestError(
             f"top_k {params.top_k} exceeds this bundle's sampling candidates "
             f"(sampling.max_top_k: {cap})",

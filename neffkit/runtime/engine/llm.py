@@ -10,15 +10,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from neffkit.contract.codec import JsonObject
 from neffkit.errors import RequestError
-from neffkit.runtime.core import EngineCore, engine_threads
-from neffkit.runtime.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
-from neffkit.runtime.limits import check_fits
-from neffkit.runtime.loader import LoadedBundle
+from neffkit.runtime.engine.core import EngineCore, engine_threads
+from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.engine.loading import attach_proposer, grammars_of
 from neffkit.runtime.sampling_params import OFFLINE, SamplingParams
-from neffkit.runtime.scheduler import SequenceState
+from neffkit.runtime.worker.batch import SequenceState
+from neffkit.runtime.worker.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
+from neffkit.runtime.worker.loader import LoadedBundle
 
 
 class LLM:
@@ -28,9 +29,9 @@ class LLM:
     def __init__(
         self, loaded: LoadedBundle, prefix_caching: bool = True, speculation: bool = True
     ) -> None:
-        self.loaded = loaded
+        self.loaded = attach_proposer(loaded)
         self.core = EngineCore(
-            loaded.runner, prefix_caching, speculation, grammars=loaded.grammars()
+            loaded.runner, prefix_caching, speculation, grammars=grammars_of(loaded)
         )
 
     def generate(
@@ -71,7 +72,7 @@ def run_offline(
     request: GenerateRequest,
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
     executor: str = "auto",
-) -> JsonObject | None:
+) -> dict[str, Any] | None:
     """Prompts run together (continuous batching); outputs come back in the order given.
 
     A bundle built for several ranks runs one process per rank (rank 0 returns the report, other
@@ -89,7 +90,7 @@ def run_offline(
     )
 
 
-def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
+def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
     import torch
 
     tok = loaded.tokenizer
@@ -132,7 +133,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> JsonObject:
     }
 
 
-def _speculation_report(llm: LLM) -> JsonObject | None:
+def _speculation_report(llm: LLM) -> dict[str, Any] | None:
     """vLLM's spec-decode counts and the mean acceptance length (None: no speculation)."""
     if llm.core.scheduler.config.speculation is None:
         return None

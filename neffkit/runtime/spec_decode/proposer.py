@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from neffkit.contract.records import SpeculationRecord
-from neffkit.runtime.limits import smallest_fitting
-from neffkit.runtime.ngram import propose
+from neffkit.runtime.config import smallest_fitting
+from neffkit.runtime.spec_decode.ngram import propose
+from neffkit.runtime.worker.batch import DraftState
 
 # a row whose drafts were all rejected this many verify steps in a row proposes nothing for the
 # next BACKOFF_STEPS steps (then tries again)
@@ -30,20 +31,6 @@ Proposer = Callable[[list[int], int], list[int]]
 # (the rows, at most k each) → each row's drafts: a draft model proposes for a batch at once
 # (rows are the scheduler's SequenceStates)
 BatchProposer = Callable[[list[Any], list[int]], list[list[int]]]
-
-
-class DraftProposer(Protocol):
-    """A draft model's graphs (runtime/draft.py), as the runner and the engine see them."""
-
-    calls: int  # graph calls
-    prefill_s: float
-    propose_s: float
-
-    def prefill(self, batch: Any, out: Any) -> None: ...
-
-    def observe(self, batch: Any, out: Any) -> None: ...
-
-    def propose(self, rows: list[Any], ks: list[int]) -> list[list[int]]: ...
 
 
 def method_proposer(spec: SpeculationRecord) -> Proposer:
@@ -61,21 +48,6 @@ def per_row(proposer: Proposer) -> BatchProposer:
         ]
 
     return batch
-
-
-@dataclass
-class DraftState:
-    """A sequence's speculation history: consecutive all-rejected steps and a pause; with a draft
-    model, the positions its KV cache holds and the drafts written past them."""
-
-    misses: int = 0
-    paused: int = 0
-    computed: int = 0  # draft model: positions 0 .. computed - 1 are in its cache
-    speculated: list[int] = field(default_factory=list)  # drafts whose K/V follows them
-    # MTP: the target's hidden states at positions computed, computed + 1, ... (not yet fed to
-    # the MTP layer), and the MTP layer's last (token, hidden state) output
-    hidden: list[Any] = field(default_factory=list)
-    head: tuple[int, Any] | None = None
 
 
 @dataclass

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from neffkit.contract import abi
+
 FLOOR = -9999.0
 
 
@@ -30,25 +32,25 @@ class StepOutput:
     def __init__(self, arrays: dict[str, np.ndarray], graph: str = "") -> None:
         self.arrays = arrays
         self.graph = graph  # the graph that ran (the thread governor times each apart)
-        self.tokens: list[int] = arrays["next_tokens"].tolist()
+        self.tokens: list[int] = arrays[abi.NEXT_TOKENS].tolist()
 
     def logprobs(self, row: int, top: int, position: int | None = None) -> TokenLogprobs:
         """Row `row`'s logprobs (a verify step's: at `position` of the row)."""
         a = self.arrays
         at = row if position is None else (row, position)
         return TokenLogprobs(
-            max(float(a["token_logprobs"][at]), FLOOR),
-            tuple(a["top_logprob_ids"][at][:top].tolist()),
-            _floor(a["top_logprobs"][at][:top].tolist()),
+            max(float(a[abi.TOKEN_LOGPROBS][at]), FLOOR),
+            tuple(a[abi.TOP_LOGPROB_IDS][at][:top].tolist()),
+            _floor(a[abi.TOP_LOGPROBS][at][:top].tolist()),
         )
 
     def prompt_logprobs(self, positions: range, top: int) -> list[TokenLogprobs]:
         """Chunk positions' logprobs of the prompt token after each (prefill graphs built with
         sampling.prompt_logprobs)."""
         a = self.arrays
-        chosen = a["prompt_logprobs"][positions.start : positions.stop].tolist()
-        ids = a["prompt_top_logprob_ids"][positions.start : positions.stop, :top].tolist()
-        values = a["prompt_top_logprobs"][positions.start : positions.stop, :top].tolist()
+        chosen = a[abi.PROMPT_LOGPROBS][positions.start : positions.stop].tolist()
+        ids = a[abi.PROMPT_TOP_LOGPROB_IDS][positions.start : positions.stop, :top].tolist()
+        values = a[abi.PROMPT_TOP_LOGPROBS][positions.start : positions.stop, :top].tolist()
         return [
             TokenLogprobs(c, tuple(i), tuple(v))
             for c, i, v in zip(chosen, ids, values, strict=True)

@@ -20,9 +20,11 @@ import time
 import numpy as np
 
 from neffkit.contract import abi
-from neffkit.runtime.draft import GraphProposer, fill_row
-from neffkit.runtime.runner import GraphEntry, padded_metadata
-from neffkit.runtime.scheduler import DecodeBatch, PrefillBatch, SequenceState, StepOutput
+from neffkit.contract.abi import GraphKey, Phase
+from neffkit.runtime.spec_decode.draft import GraphProposer, fill_row
+from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, SequenceState
+from neffkit.runtime.worker.runner import GraphEntry, padded_metadata
+from neffkit.runtime.worker.step_output import StepOutput
 
 
 class MtpProposer(GraphProposer):
@@ -71,7 +73,7 @@ class MtpProposer(GraphProposer):
         self._catch_up(seqs, batch, context)
         proposed = [[seq.drafting.head[0]] for seq in seqs]  # type: ignore[index]
         states = [seq.drafting.head[1] for seq in seqs]  # type: ignore[index]
-        graph = self.runner.graphs[("decode", batch, 1, context)]
+        graph = self.runner.graphs[GraphKey(Phase.DECODE, batch, 1, context)]
         for step in range(1, max(counts)):  # draft `step` in at position L - 2 + step
             meta = _metadata(graph)
             for row, (seq, k) in enumerate(zip(seqs, counts, strict=True)):
@@ -90,7 +92,7 @@ class MtpProposer(GraphProposer):
         """Feed each row the positions the target computed since the layer last ran (token
         p + 1 with the target's hidden state at p), 1 + K at a time; the layer's output at the
         last of them is the row's first draft and the state its next steps start from."""
-        graph = self.runner.graphs[("verify", batch, 1 + self.k, context)]
+        graph = self.runner.graphs[GraphKey(Phase.VERIFY, batch, 1 + self.k, context)]
         width = 1 + self.k
         while any(seq.drafting.hidden for seq in seqs):
             meta = _metadata(graph)

@@ -91,7 +91,9 @@ def add_http_errors(api: FastAPI) -> None:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         asked = f"{request.method} {request.url.path}"
         if exc.status_code == 404:
-            endpoints = _endpoints(r for r in api.routes if r.path != api.openapi_url)
+            endpoints = _endpoints(
+                r for r in api.routes if getattr(r, "path", None) != api.openapi_url
+            )
             message = f"{asked}: no such endpoint; this server has {endpoints}"
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-from neffkit.runtime.kv_blocks import BlockHash, BlockPool, extend_hashes
-from neffkit.runtime.limits import SchedulerConfig, check_fits, smallest_fitting
-from neffkit.runtime.logit_inputs import Penalties
-from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.speculation import (
+from neffkit.contract import abi
+from neffkit.runtime.config import SchedulerConfig, smallest_fitting
+from neffkit.runtime.engine.kv_blocks import BlockPool, extend_hashes
+from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.spec_decode.proposer import (
     BatchProposer,
-    DraftState,
     SpecCounters,
     draft_count,
     method_proposer,
@@ -41,84 +38,8 @@ from neffkit.runtime.speculation import (
     record_outcome,
     verify_batch_size,
 )
-from neffkit.runtime.step_output import StepOutput, TokenLogprobs
-
-
-@dataclass
-class SequenceState:
-    request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    num_prefilled: int = 0
-    num_cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
-    block_hashes: list[BlockHash] = field(default_factory=list)  # of its full blocks so far
-    num_registered: int = 0  # its leading blocks that are in the prefix cache
-    finish_reason: str | None = None
-    # with params.logprobs: one entry per output token
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # with params.prompt_logprobs: one entry per prompt token after the first
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    drafting: DraftState = field(default_factory=DraftState)  # speculation's back-off
-    # with penalties: its distinct tokens and output counts (logit_inputs.py)
-    penalties: Penalties | None = None
-    # with a constraint: its grammar matcher (structured.py), advanced by each output token
-    grammar: Any = None
-
-    @property
-    def processes_logits(self) -> bool:
-        """Penalties, biases or min_tokens: its logit inputs change as it generates."""
-        p = self.params
-        return self.penalties is not None or bool(p.logit_bias) or p.min_tokens > 0
-
-    @property
-    def may_draft(self) -> bool:
-        """A verify graph gives a row's values to every position: exact unless they change from
-        token to token (penalty counts, min_tokens until reached, a grammar's state)."""
-        fixed = self.penalties is None and self.grammar is None
-        return fixed and len(self.output_ids) >= self.params.min_tokens
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """`length` prompt tokens of `seq` from `start`: one sequence of a prefill call."""
-
-    seq: SequenceState
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """Chunks of distinct prompts packed into the one row of the (batch, tokens, context)
-    prefill graph: `batch` sequences (those past the chunks pad), `tokens` tokens in all."""
-
-    chunks: list[PrefillChunk]
-    batch: int
-    tokens: int
-    context: int
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """One token for each of `rows`, in the (batch, context) decode graph; rows past them pad.
-    With `drafts` (speculation), the (batch, K, context) verify graph instead: each row's last
-    token and its drafts (fewer than K: the rest pad)."""
-
-    rows: list[SequenceState]
-    batch: int
-    context: int
-    drafts: list[list[int]] | None = None
+from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, PrefillChunk, SequenceState
+from neffkit.runtime.worker.step_output import StepOutput
 
 
 class Scheduler:
@@ -169,7 +90,7 @@ class Scheduler:
         pool = self.allocator
         while self.waiting:
             seq = self.waiting[0]
-            need = self.config.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens)
+            need = self.config.blocks_for(len(seq.prompt_ids) + seq.max_tokens)
             hits = self._cached_prefix(seq)
             if need - len(hits) + pool.free_among(hits) > pool.num_free:
                 return
@@ -289,7 +210,7 @@ class Scheduler:
         if batch is None:
             return None
         ks = [
-            draft_count(spec, s.params.max_tokens - len(s.output_ids) - 1, s.drafting)
+            draft_count(spec, s.max_tokens - len(s.output_ids) - 1, s.drafting)
             if s.may_draft
             else 0
             for s in rows
@@ -315,8 +236,8 @@ class Scheduler:
         """Each row's emitted tokens (accepted drafts, then the one sampled after them), one at a
         time, so EOS, stop tokens and max_tokens end a run where they fall."""
         assert batch.drafts is not None
-        emitted = out.arrays["num_emitted"]
-        sampled = out.arrays["next_tokens"]
+        emitted = out.arrays[abi.NUM_EMITTED]
+        sampled = out.arrays[abi.NEXT_TOKENS]
         for row, (seq, drafts) in enumerate(zip(batch.rows, batch.drafts, strict=True)):
             n = int(emitted[row])
             accepted = n - 1
@@ -357,7 +278,7 @@ class Scheduler:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens:
+        elif len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = "length"
         if seq.finished:
             self._release(seq)

@@ -16,15 +16,17 @@ from pathlib import Path
 
 import torch
 
+from neffkit.contract import abi
+from neffkit.contract.abi import GraphKey, Phase
 from neffkit.contract.bundle import Bundle, rank_files, verify_files
 from neffkit.contract.read import read_bundle
-from neffkit.contract.records import SpeculationRecord
 from neffkit.contract.tensor_files import map_tensors
 from neffkit.errors import BundleError
 from neffkit.platform import host
 from neffkit.platform.cpu_kernels import load_library
-from neffkit.runtime.draft import DraftModel
-from neffkit.runtime.executors import (
+from neffkit.runtime.config import SchedulerConfig
+from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.runtime.worker.executors import (
     AotiExecutor,
     Executor,
     NeuronExecutor,
@@ -33,12 +35,8 @@ from neffkit.runtime.executors import (
     check_neff,
     choose_executor,
 )
-from neffkit.runtime.kv import allocate_kv_cache
-from neffkit.runtime.mtp import MtpProposer
-from neffkit.runtime.runner import GraphEntry, ModelRunner
-from neffkit.runtime.scheduler import SchedulerConfig
-from neffkit.runtime.structured import Grammars
-from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.runtime.worker.kv import allocate_kv_cache
+from neffkit.runtime.worker.runner import GraphEntry, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +95,8 @@ class LoadedBundle:
     runner: ModelRunner
     tokenizer: Tokenizer | None
     load_seconds: float
-
-    def grammars(self) -> Grammars | None:
-        """Structured-output grammars over the bundle's tokenizer (None: it has none)."""
-        config = self.runner.config
-        return Grammars.of(self.tokenizer, config.vocab_size, config.eos_token_ids)
+    verify: bool = True  # how it was loaded: a draft model's bundle inside loads alike
+    executor: str = "auto"
 
 
 def runtime_lnc(bundle: Bundle) -> int:
@@ -141,26 +136,8 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.kv_dtype), device)
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
     state = [torch.zeros(lay.num_blocks, dtype=torch.int64, device=device) for _ in lay.state_names]
-    names = ["rank"] * len(rank_input) + kv_names + lay.state_names + list(shard.names)
+    names = [abi.RANK] * len(rank_input) + kv_names + lay.state_names + list(shard.names)
     return rank_input + kv + state + weights, names
-
-
-def _load_draft(
-    bundle: Bundle, spec: SpeculationRecord, verify: bool, executor: str
-) -> DraftModel | MtpProposer:
-    """The draft model's (or MTP layer's) bundle inside this one; one block table must address
-    both caches."""
-    draft = load(bundle.path(spec.draft), verify=verify, executor=executor)
-    mine, its = bundle.record.layout, draft.bundle.record.layout
-    if (its.block_size, its.num_blocks) != (mine.block_size, mine.num_blocks):
-        raise BundleError(
-            f"{bundle.root}: the draft model's KV cache ({its.num_blocks} blocks of "
-            f"{its.block_size}) differs from the target's ({mine.num_blocks} of {mine.block_size})",
-            hint="rebuild the bundle: neffkit build derives the draft's cache from the target's",
-        )
-    if spec.method == "mtp":
-        return MtpProposer(draft.runner, spec)
-    return DraftModel(draft.runner, spec)
 
 
 def load(
@@ -208,14 +185,17 @@ def load(
     for g in (g for g in record.graphs if g.serves(rank)):
         meta = tuple((i.name, i.shape, i.dtype) for i in g.inputs if i.name not in statics)
         b = g.buckets
-        run = run_with.load(bundle, g, len(meta))
-        outputs = tuple(o.name for o in g.outputs)
-        entries.append(GraphEntry(g.name, g.phase, b.rows, b.tokens, b.context, meta, run, outputs))
+        entries.append(
+            GraphEntry(
+                name=g.name,
+                key=GraphKey(Phase(g.phase), b.rows, b.tokens, b.context),
+                meta_specs=meta,
+                run=run_with.load(bundle, g, len(meta)),
+                outputs=tuple(o.name for o in g.outputs),
+            )
+        )
     runner = ModelRunner(entries, SchedulerConfig.of(record))
-    spec = record.layout.speculation
-    if spec is not None and spec.draft:
-        if verify:  # its bundle.json names its files' hashes; this one names its bundle.json's
-            verify_files(bundle, [f"{spec.draft}/bundle.json"])
-        runner.draft = _load_draft(bundle, spec, verify, executor)
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
-    return LoadedBundle(bundle, runner, tokenizer, time.perf_counter() - t0)
+    return LoadedBundle(
+        bundle, runner, tokenizer, time.perf_counter() - t0, verify=verify, executor=executor
+    )

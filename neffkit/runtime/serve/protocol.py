@@ -9,17 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from neffkit.errors import RequestError
-from neffkit.runtime.request_constraints import (
-    GUIDED,
-    ToolRequest,
-    any_whitespace,
-    parse_constraint,
-    parse_logit_bias,
-    parse_tools,
-)
 from neffkit.runtime.sampling_params import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
@@ -29,7 +21,15 @@ from neffkit.runtime.sampling_params import (
     StructuredSpec,
     is_int,
 )
-from neffkit.runtime.tools import tool_constraint
+from neffkit.runtime.serve.request_constraints import (
+    GUIDED,
+    ToolRequest,
+    any_whitespace,
+    parse_constraint,
+    parse_logit_bias,
+    parse_tools,
+)
+from neffkit.runtime.serve.tools import tool_constraint
 
 MAX_CHOICES = 64  # prompts × n in one request (each holds its own KV blocks)
 # OpenAI/vLLM request fields this server does not implement (yet): a request that sets one to
@@ -85,9 +85,10 @@ CHAT_FIELDS = frozenset(
 # ---------------------------------------------------------------- OpenAI request bodies
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ApiRequest:
-    """A parsed /v1/completions or /v1/chat/completions body (the prompt not yet encoded)."""
+    """A parsed /v1/completions or /v1/chat/completions body (the prompt not yet encoded); built
+    by keyword only."""
 
     prompts: list[str | list[int]]  # completions: one or more prompts, text or token ids
     # chat: role/content pairs, content flattened (and tool calls / results, for the template)
@@ -213,7 +214,7 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
-def _is_prompt(value: Any) -> bool:
+def _is_prompt(value: Any) -> TypeGuard[str | list[int]]:
     return isinstance(value, str) or (
         isinstance(value, list) and bool(value) and all(map(is_int, value))
     )
@@ -222,7 +223,9 @@ def _is_prompt(value: Any) -> bool:
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     """A string, a list of token ids, or a list of either (one choice per prompt)."""
     prompt = body.get("prompt")
-    if _is_prompt(prompt) or prompt == []:
+    if prompt == []:
+        return [[]]
+    if _is_prompt(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(map(_is_prompt, prompt)):
         return list(prompt)
@@ -253,16 +256,22 @@ def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
     echo = _get(body, "echo", (bool,), False)
     logprobs = (top, top if echo else None)
     params = _sampling(body, "max_tokens", DEFAULT_MAX_TOKENS, logprobs, parse_constraint(body))
+    stop = _stop(body)
+    stream, include_usage = _stream_flags(body)
+    include_stop, n = _include_stop(body), _n(body, len(prompts))
+    return_token_ids, tokens_as_ids = _id_flags(body)
     return ApiRequest(
-        prompts,
-        None,
-        params,
-        _stop(body),
-        *_stream_flags(body),
-        _include_stop(body),
-        _n(body, len(prompts)),
-        echo,
-        *_id_flags(body),
+        prompts=prompts,
+        messages=None,
+        params=params,
+        stop=stop,
+        stream=stream,
+        include_usage=include_usage,
+        include_stop=include_stop,
+        n=n,
+        echo=echo,
+        return_token_ids=return_token_ids,
+        tokens_as_ids=tokens_as_ids,
     )
 
 
@@ -287,6 +296,45 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
 def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
     check_model(body, served)
     check_unsupported(body, {"echo": (None, False)})  # vLLM's chat echo is another feature
+    flat = _messages(body)
+    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    logprobs = (_chat_logprobs(body), None)
+    tools = parse_tools(body)
+    constraint = parse_constraint(body)
+    forced = tool_constraint(tools) if tools is not None else None
+    if forced is not None:
+        forced = replace(forced, any_whitespace=any_whitespace(body))
+    if forced is not None and constraint is not None:
+        raise RequestError(
+            f"tool_choice {body['tool_choice']!r} and {constraint.field} both "
+            "constrain the output; give one",
+            param="tool_choice",
+        )
+    # chat: up to the context limit, as vLLM
+    params = _sampling(body, field, None, logprobs, forced or constraint)
+    stop = _stop(body)
+    stream, include_usage = _stream_flags(body)
+    include_stop, n = _include_stop(body), _n(body, 1)
+    return_token_ids, tokens_as_ids = _id_flags(body)
+    return ApiRequest(
+        prompts=[],
+        messages=flat,
+        params=params,
+        stop=stop,
+        stream=stream,
+        include_usage=include_usage,
+        include_stop=include_stop,
+        n=n,
+        return_token_ids=return_token_ids,
+        tokens_as_ids=tokens_as_ids,
+        tools=tuple(body.get("tools") or ()),
+        tool_request=tools,
+    )
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat's messages as role/content pairs: content parts joined into one text, and each
+    message's tool calls or tool result id kept for the template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
@@ -308,34 +356,7 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string", param="messages")
         flat.append({"role": m["role"], "content": content, **_tool_fields(m, i)})
-    field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    logprobs = (_chat_logprobs(body), None)
-    tools = parse_tools(body)
-    constraint = parse_constraint(body)
-    forced = tool_constraint(tools) if tools is not None else None
-    if forced is not None:
-        forced = replace(forced, any_whitespace=any_whitespace(body))
-    if forced is not None and constraint is not None:
-        raise RequestError(
-            f"tool_choice {body['tool_choice']!r} and {constraint.field} both "
-            "constrain the output; give one",
-            param="tool_choice",
-        )
-    # chat: up to the context limit, as vLLM
-    params = _sampling(body, field, None, logprobs, forced or constraint)
-    return ApiRequest(
-        [],
-        flat,
-        params,
-        _stop(body),
-        *_stream_flags(body),
-        _include_stop(body),
-        _n(body, 1),
-        False,
-        *_id_flags(body),
-        tuple(body.get("tools") or ()),
-        tools,
-    )
+    return flat
 
 
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:

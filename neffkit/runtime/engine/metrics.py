@@ -37,75 +37,72 @@ _LATENCY_BUCKETS = (
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        r, label = self.registry, {"model_name": model_name}
-
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(
-                name, doc, ["model_name"], registry=r, buckets=_LATENCY_BUCKETS
-            ).labels(**label)
-
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between streamed tokens.")
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request arrival to last token.")
-        self.running = Gauge(
-            "vllm:num_requests_running",
-            "Sequences in the decode batch.",
-            ["model_name"],
-            registry=r,
-        ).labels(**label)
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Requests waiting for KV blocks or prefill.",
-            ["model_name"],
-            registry=r,
-        ).labels(**label)
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV-cache blocks in use (0-1).",
-            ["model_name"],
-            registry=r,
-        ).labels(**label)
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens admitted.", ["model_name"], registry=r
-        ).labels(**label)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Tokens generated.", ["model_name"], registry=r
-        ).labels(**label)
-        self.cache_queries = Counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in prompt tokens looked up.",
-            ["model_name"],
-            registry=r,
-        ).labels(**label)
-        self.cache_hits = Counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in prompt tokens found cached.",
-            ["model_name"],
-            registry=r,
-        ).labels(**label)
-        spec = [
-            ("num_drafts", "Rows that proposed draft tokens, per verify step."),
-            ("num_draft_tokens", "Draft tokens proposed."),
-            ("num_accepted_tokens", "Draft tokens accepted."),
-        ]
-        self.spec = [
-            Counter(f"vllm:spec_decode_{name}", doc, ["model_name"], registry=r).labels(**label)
-            for name, doc in spec
-        ]
-        self.spec_per_position = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position.",
-            ["model_name", "position"],
-            registry=r,
-        )
+        self._label = {"model_name": model_name}
+        self._add_latencies()
+        self._add_engine_gauges()
+        self._add_token_counters()
+        self._add_spec_decode()
         self._seen: dict[str, int] = {}  # the last running total of each counter series
         self._success = Counter(
             "vllm:request_success",
             "Finished requests by reason.",
             ["model_name", "finished_reason"],
-            registry=r,
+            registry=self.registry,
         )
-        self._label = label
+
+    def _add_latencies(self) -> None:
+        """Per-request latency histograms, observed by the engine client as tokens arrive."""
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(
+                name, doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS
+            ).labels(**self._label)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between streamed tokens.")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request arrival to last token.")
+
+    def _add_engine_gauges(self) -> None:
+        """The scheduler's state after each engine step (observe_stats)."""
+        self.running = self._gauge("vllm:num_requests_running", "Sequences in the decode batch.")
+        self.waiting = self._gauge(
+            "vllm:num_requests_waiting", "Requests waiting for KV blocks or prefill."
+        )
+        self.kv_usage = self._gauge(
+            "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."
+        )
+
+    def _add_token_counters(self) -> None:
+        """Tokens admitted and generated, and the prefix cache's lookups, in tokens."""
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens admitted.")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Tokens generated.")
+        self.cache_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."
+        )
+        self.cache_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."
+        )
+
+    def _add_spec_decode(self) -> None:
+        """Speculative decoding: drafts proposed and accepted, in total and by draft position."""
+        spec = [
+            ("num_drafts", "Rows that proposed draft tokens, per verify step."),
+            ("num_draft_tokens", "Draft tokens proposed."),
+            ("num_accepted_tokens", "Draft tokens accepted."),
+        ]
+        self.spec = [self._counter(f"vllm:spec_decode_{name}", doc) for name, doc in spec]
+        self.spec_per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(**self._label)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(**self._label)
 
     def observe_stats(
         self,

@@ -1,0 +1,120 @@
+"""The server process (`neffkit run --serve`): reads the bundle, starts the engine core in its own
+process and the engine client beside it, and runs the FastAPI application (app.py) under uvicorn
+until SIGINT/SIGTERM or the engine's death, then stops the core.
+
+Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bearer KEY` on /v1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from neffkit.contract.read import read_bundle
+from neffkit.runtime.config import SchedulerConfig
+from neffkit.runtime.engine.core import start_core
+from neffkit.runtime.engine.core_client import EngineClient
+from neffkit.runtime.engine.metrics import Metrics
+from neffkit.runtime.serve.access import enable_access_log
+from neffkit.runtime.serve.app import App, create_app
+from neffkit.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+
+def _graceful_server_class() -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has shut down, which kills the process
+        before `serve` stops the engine core (the core then sees its pipe break): here the
+        signal ends `run` and `serve` finishes its own shutdown, with exit status 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    return GracefulServer
+
+
+class _HttpServer:
+    """uvicorn on the main thread, until a signal, or until the engine client's reader thread
+    reports the engine dead (`shut_down`)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.server: uvicorn.Server | None = None  # once running, for shut_down
+
+    def shut_down(self, detail: str) -> None:  # the reader thread: uvicorn polls should_exit
+        print(f"neffkit: the engine failed ({detail}); shutting down", file=sys.stderr, flush=True)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def run(self, api: FastAPI, name: str) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            api, host=self.host, port=self.port, log_level="warning", access_log=False
+        )
+        self.server = _graceful_server_class()(config)
+        print(f"neffkit: serving {name!r} at http://{self.host}:{self.port}/v1", flush=True)
+        self.server.run()
+
+
+def serve(
+    bundle_path: Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_waiting: int = 256,
+    executor: str = "auto",
+    dist_timeout_s: float = 60.0,
+    prefix_caching: bool = True,
+    speculation: bool = True,
+    strict_requests: bool = False,
+    access_log: bool = True,
+    tool_parser: str | None = None,
+    compact_json: bool = False,
+    threads: int | None = None,
+) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
+    in-flight request got its 5xx). The engine core runs in its own process (engine/core.py)."""
+    bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
+    record = bundle.record
+    name = model_name or record.name
+    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
+    metrics = Metrics(name)
+    core, conn = start_core(
+        bundle_path, executor, dist_timeout_s, prefix_caching, speculation, threads
+    )
+    http = _HttpServer(host, port)
+    layout = SchedulerConfig.of(record)
+    client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, http.shut_down)
+    try:
+        client.start()
+        app = App(
+            bundle=bundle,
+            tokenizer=tokenizer,
+            engine_loop=client,
+            metrics=metrics,
+            model_name=name,
+            api_key=api_key,
+            strict_requests=strict_requests,
+            access_log=access_log,
+            tool_parser=tool_parser,
+            compact_json=compact_json,
+        )
+        if access_log:
+            enable_access_log()
+        http.run(create_app(app), name)
+    finally:
+        client.stop()
+    return 1 if client.failure is not None else 0

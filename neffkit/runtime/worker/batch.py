@@ -1,0 +1,116 @@
+"""A request as the worker and the proposers see it, and the batches the scheduler hands the runner.
+
+`SequenceState` is the scheduler's record of one request (tokens, blocks, sampling values, the
+logit-processing and speculation state that changes as it generates); `PrefillBatch` and
+`DecodeBatch` are one step's choice of rows and buckets. They live here, below the engine, so the
+runner and the speculative proposers read them without importing the scheduler (vLLM keeps its
+`CachedRequestState` in the worker's input batch for the same reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.worker.logit_inputs import Penalties
+from neffkit.runtime.worker.step_output import TokenLogprobs
+
+
+@dataclass
+class DraftState:
+    """A sequence's speculation history: consecutive all-rejected steps and a pause; with a draft
+    model, the positions its KV cache holds and the drafts written past them."""
+
+    misses: int = 0
+    paused: int = 0
+    computed: int = 0  # draft model: positions 0 .. computed - 1 are in its cache
+    speculated: list[int] = field(default_factory=list)  # drafts whose K/V follows them
+    # MTP: the target's hidden states at positions computed, computed + 1, ... (not yet fed to
+    # the MTP layer), and the MTP layer's last (token, hidden state) output
+    hidden: list[Any] = field(default_factory=list)
+    head: tuple[int, Any] | None = None
+
+
+@dataclass
+class SequenceState:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far
+    num_registered: int = 0  # its leading blocks that are in the prefix cache
+    finish_reason: str | None = None
+    # with params.logprobs: one entry per output token
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    drafting: DraftState = field(default_factory=DraftState)  # speculation's back-off
+    # with penalties: its distinct tokens and output counts (logit_inputs.py)
+    penalties: Penalties | None = None
+    # with a constraint: its grammar matcher (structured.py), advanced by each output token
+    grammar: Any = None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Penalties, biases or min_tokens: its logit inputs change as it generates."""
+        p = self.params
+        return self.penalties is not None or bool(p.logit_bias) or p.min_tokens > 0
+
+    @property
+    def may_draft(self) -> bool:
+        """A verify graph gives a row's values to every position: exact unless they change from
+        token to token (penalty counts, min_tokens until reached, a grammar's state)."""
+        fixed = self.penalties is None and self.grammar is None
+        return fixed and len(self.output_ids) >= self.params.min_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """Its output budget: the engine resolves an unset max_tokens before it queues it."""
+        if self.params.max_tokens is None:
+            raise ValueError(f"request {self.request_id} was queued without a max_tokens")
+        return self.params.max_tokens
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """`length` prompt tokens of `seq` from `start`: one sequence of a prefill call."""
+
+    seq: SequenceState
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Chunks of distinct prompts packed into the one row of the (batch, tokens, context)
+    prefill graph: `batch` sequences (those past the chunks pad), `tokens` tokens in all."""
+
+    chunks: list[PrefillChunk]
+    batch: int
+    tokens: int
+    context: int
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One token for each of `rows`, in the (batch, context) decode graph; rows past them pad.
+    With `drafts` (speculation), the (batch, K, context) verify graph instead: each row's last
+    token and its drafts (fewer than K: the rest pad)."""
+
+    rows: list[SequenceState]
+    batch: int
+    context: int
+    drafts: list[list[int]] | None = None
