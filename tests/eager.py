@@ -13,7 +13,7 @@ import torch
 from neffkit.compile.layout import graph_inputs
 from neffkit.compile.trace import decoder_module
 from neffkit.compile.units import GraphSpec, ModelLayout
-from neffkit.compile.verify_inputs import greedy_sampling
+from neffkit.compile.verify.inputs import greedy_sampling
 from neffkit.contract import abi
 
 

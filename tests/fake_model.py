@@ -13,12 +13,14 @@ prefixes, changes the tokens; `oracle` computes the right ones straight from the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from neffkit.contract.records import SpeculationRecord
-from neffkit.runtime.runner import GraphEntry, ModelRunner
-from neffkit.runtime.scheduler import SchedulerConfig
+from neffkit.contract.abi import GraphKey
+from neffkit.contract.records import BucketLists, LayoutRecord, ModelRecord, SpeculationRecord
+from neffkit.runtime.config import SchedulerConfig
+from neffkit.runtime.worker.runner import GraphEntry, ModelRunner
 
 VOCAB = 97
 EOS = 96
@@ -143,8 +145,43 @@ class PagedSumModel:
         name = f"{phase}_{rows}x{tokens}_c{context}"
         outputs = ("next_tokens", "num_emitted") if phase == "verify" else ("next_tokens",)
         return GraphEntry(
-            name, phase, rows, tokens, context, specs, lambda a: self.run(name, specs, a), outputs
+            name=name,
+            key=GraphKey(phase, rows, tokens, context),
+            meta_specs=specs,
+            run=lambda a: self.run(name, specs, a),
+            outputs=outputs,
         )
+
+
+def scheduler_config(
+    block_size: int,
+    num_blocks: int,
+    buckets: BucketLists,
+    eos: tuple[int, ...] = (EOS,),
+    speculation: SpeculationRecord | None = None,
+    **layout: Any,
+) -> SchedulerConfig:
+    """The scheduler's view of a made-up bundle: its layout and model records (one layer, the
+    fake model's vocabulary), as a built bundle records them."""
+    record = LayoutRecord(
+        world_size=1,
+        tp=1,
+        ep=1,
+        dtype="float32",
+        num_layers=1,
+        kv_heads_per_rank=1,
+        rank_input=False,
+        head_dim=1,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        buckets=buckets,
+        max_top_k=layout.pop("max_top_k", 1 << 30),  # by default a cap no request reaches
+        kv_dtype="float32",
+        speculation=speculation,
+        **layout,
+    )
+    model = ModelRecord("PagedSum", 1, VOCAB, eos, {})
+    return SchedulerConfig(record, model, record.prefix_caching, speculation)
 
 
 def fake_runner(
@@ -158,15 +195,11 @@ def fake_runner(
     speculation: SpeculationRecord | None = None,
     period: int | None = None,
 ) -> tuple[ModelRunner, PagedSumModel]:
-    layout = SchedulerConfig(
+    layout = scheduler_config(
         block_size,
         num_blocks,
-        prefill,
-        decode,
-        context,
-        eos,
-        VOCAB,
-        prefill_batch=prefill_batch,
+        BucketLists(prefill, decode, context, prefill_batch),
+        eos=eos,
         speculation=speculation,
     )
     model = PagedSumModel(layout, period=period)

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 
 from neffkit.contract.bundle import read_zst_text, write_zst_text
-from tests.conftest import REPO, run_cli
+from tests.support import REPO
+from tests.support.cli import run_cli
 
 
 def test_model_graphs_are_clean(bundle, tp_bundle):
@@ -25,7 +26,7 @@ def test_build_fails_on_audit_error_unless_waived(monkeypatch, hf_model_dir, tmp
     from neffkit.errors import BuildError
     from neffkit.kernels import kv
     from neffkit.manifest import load_manifest
-    from tests.conftest import write_manifest
+    from tests.support.models import write_manifest
 
     def unclamped(k_cache, v_cache, k, v, slot_mapping):
         block_size = k_cache.shape[1]

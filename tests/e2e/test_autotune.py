@@ -19,7 +19,7 @@ from neffkit.compile.layout import (
 from neffkit.contract.records import GraphRecord
 from neffkit.manifest import load_manifest
 from neffkit.platform import cpu_kernels
-from tests.conftest import write_manifest
+from tests.support.models import write_manifest
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-512")
 

@@ -17,7 +17,10 @@ import pytest
 
 from neffkit.compile.cache.local import KEY_JSON, ArtifactCache
 from neffkit.compile.units import CacheKey
-from tests.conftest import EXTRA, MODELS, REPO, artifact_cache, bundle_json, write_manifest
+from tests.support import REPO
+from tests.support.cache import artifact_cache
+from tests.support.cli import bundle_json
+from tests.support.models import EXTRA, MODELS, write_manifest
 
 
 def _build_cmd(manifest: Path, out: Path, cache: Path, *extra: str) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 from neffkit.compile.flags import BASE_NEURON_FLAGS
 from neffkit.contract.bundle import read_zst_text
 from neffkit.contract.read import read_bundle
-from tests.conftest import bundle_json, run_cli
+from tests.support.cli import bundle_json, run_cli
 from tests.unit.refusals import refused as _refused
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support import REPO
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ import torch
 
 from neffkit.models.projection import to_blocked
 from neffkit.platform import cpu_kernels, host
-from tests.conftest import REPO, bundle_json
+from tests.support import REPO
+from tests.support.cli import bundle_json
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-512")
 

@@ -16,7 +16,7 @@ from neffkit.kernels.attention import (
 )
 from neffkit.kernels.kv import gather_context
 from neffkit.platform import cpu_kernels
-from tests.conftest import bundle_json
+from tests.support.cli import bundle_json
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.supported(), reason="needs AVX-512")
 

@@ -23,18 +23,12 @@ from safetensors import safe_open
 
 from neffkit.models.forms import KEY_FORMS
 from neffkit.platform import cpu_kernels
-from tests.conftest import (
-    COMMON,
-    LONG,
-    MAX_NEW,
-    MIXED,
-    REPO,
-    SHORT,
-    build_session_bundle,
-    bundle_json,
-    cached_dir,
-)
-from tests.conftest import run_ids as _run
+from tests.support import REPO
+from tests.support.bundles import build_session_bundle
+from tests.support.cache import cached_dir
+from tests.support.cli import bundle_json
+from tests.support.cli import run_ids as _run
+from tests.support.models import COMMON, LONG, MAX_NEW, MIXED, SHORT
 
 # one decode graph: the scale layouts' projections run as mm in prefill and as the fused
 # reduction in decode either way (every graph costs a compile of the suite's budget); more
@@ -256,7 +250,7 @@ def test_fp8_kv_cache_builds_runs_and_stays_close(session_dir, hf_model_dir, bun
     agreement is printed)."""
     import jsonschema
 
-    from tests.conftest import bundle_json, run_json
+    from tests.support.cli import bundle_json, run_json
 
     kind = "llama_tied"
     result = build_session_bundle(
@@ -402,7 +396,7 @@ def test_fp8_kv_cache_reads_the_checkpoints_k_and_v_scales(channel_model, sessio
     equal)."""
     import jsonschema
 
-    from tests.conftest import bundle_json, run_json
+    from tests.support.cli import bundle_json, run_json
 
     fp8, exact = channel_model
     kv = {"block_size": 16, "dtype": "float8_e4m3fn"}
@@ -450,7 +444,7 @@ def test_fp8_kv_cache_with_rotated_keys_equals_hf_storing_them_alike(
     from safetensors.torch import load_file
     from scipy.linalg import hadamard
 
-    from tests.conftest import run_cli, run_json
+    from tests.support.cli import run_cli, run_json
 
     model = hf_model_dir("llama")
     kv = {"block_size": 16, "dtype": "float8_e4m3fn"}
@@ -505,7 +499,7 @@ def _schema() -> dict:
 
 
 def _lowered(session_dir: Path, model: Path, name: str, chip: str, **manifest) -> Path:
-    from tests.conftest import lowered_build
+    from tests.support.bundles import lowered_build
 
     neuron = {"neuron": {"target": chip, "lnc": 1}}
     return lowered_build(
@@ -516,7 +510,7 @@ def _lowered(session_dir: Path, model: Path, name: str, chip: str, **manifest) -
 def _xla_tokens(bundle: Path, prompts: list[list[int]]) -> list[list[int]]:
     import json
 
-    from tests.conftest import run_cli
+    from tests.support.cli import run_cli
 
     args = [arg for p in prompts for arg in ("--prompt-ids", ",".join(map(str, p)))]
     proc = run_cli(
@@ -553,7 +547,7 @@ def test_trn2_and_trn3_builds_differ_by_the_240_rescale_and_the_flag(
 
     from neffkit.contract.bundle import read_zst_text
     from neffkit.kernels.quant import dequantize_blocks
-    from tests.conftest import bundle_json
+    from tests.support.cli import bundle_json
 
     fp8, exact = fp8_model
     b3 = _lowered(session_dir, fp8, "fp8_trn3", "trn3")
@@ -614,7 +608,7 @@ def test_trn2_fp8_kv_cache_clamps_to_240_and_passes_the_audit(fp8_model, session
     neffkit's own graphs; the build would fail otherwise), and the HLO matches the eager graph
     on XLA:CPU (--verify)."""
     from neffkit.contract.bundle import read_zst_text
-    from tests.conftest import bundle_json, run_json
+    from tests.support.cli import bundle_json, run_json
 
     fp8, _ = fp8_model
     out = _lowered(
@@ -652,7 +646,7 @@ def test_fp8_kv_scales_are_calibrated_as_vllm_does_against_hf(tmp_path, hf_model
     from neffkit.manifest import load_manifest
     from neffkit.models.parallel import Parallelism
     from neffkit.models.weights import iter_rank_weights
-    from tests.conftest import write_manifest
+    from tests.support.models import write_manifest
 
     kv = {"block_size": 16, "dtype": "float8_e4m3fn"}
     model = hf_model_dir("llama")

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import (
-    BUNDLES_IN_TEST,
-    LONG,
-    MAX_NEW,
-    MIXED,
-    MODELS,
-    SHORT,
-    full_unless,
-    run_cli,
-    run_json,
-)
+from tests.support.bundles import BUNDLES_IN_TEST, full_unless
+from tests.support.cli import run_cli, run_json
+from tests.support.models import LONG, MAX_NEW, MIXED, MODELS, SHORT
 
 
 def _ids(prompt: list[int]) -> str:
@@ -113,7 +105,8 @@ def test_mla_latent_cache_bytes_per_token(bundle):
 def test_mla_expanded_decode_matches_hf(session_dir, hf_model_dir, hf_greedy):
     """`mla.decode: expanded` (per-head K/V from the latent every step, bench/mla.py's baseline)
     gives HF's tokens too; its prefill graph is the absorbed bundle's (a cache hit)."""
-    from tests.conftest import MODELS, build_session_bundle
+    from tests.support.bundles import build_session_bundle
+    from tests.support.models import MODELS
 
     model = hf_model_dir("deepseek")
     buckets = MODELS["deepseek"][2]

@@ -14,16 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (
-    LEAN_SAMPLING,
-    build_session_bundle,
-    cached_dir,
-    lowered_build,
-    model_digest,
-    prebuild,
-    run_cli,
-)
 from tests.e2e.test_speculation import _assert_equal_outputs, _generate, _random_workload
+from tests.support.bundles import build_session_bundle, lowered_build, prebuild
+from tests.support.cache import cached_dir
+from tests.support.cli import run_cli
+from tests.support.models import LEAN_SAMPLING, model_digest
 
 # max_batch 1: batches of 4 decode plainly while the MTP layer sits out, so single rows then
 # catch up on many positions (several 1 + K chunks)
@@ -186,10 +181,10 @@ def test_mtp_drafts_equal_an_eager_reference(mtp_bundle, mtp_model, monkeypatch)
     """Every proposal of a batch-1 and a batch-4 run (after prefills, verify steps and plain
     batch-4 steps the layer sat out) equals the eager recurrence on the same tokens. Random MTP
     weights are rejected every step, so the back-off is turned off: every step proposes."""
-    from neffkit.runtime import speculation
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
+    from neffkit.runtime.spec_decode import proposer as speculation
 
     loaded = load(mtp_bundle)
     proposer = loaded.runner.draft
@@ -222,9 +217,9 @@ def test_mtp_outputs_equal_plain_decoding(mtp_bundle, together, monkeypatch):
     """200 requests, stops and max_tokens inside what plain decoding generates: outputs equal
     the same bundle decoding plainly (batch 4 speculates once rows thin out to max_batch 1;
     the back-off is off so that every step proposes)."""
-    from neffkit.runtime import speculation
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
+    from neffkit.runtime.spec_decode import proposer as speculation
 
     monkeypatch.setattr(speculation, "MISSES_BEFORE_BACKOFF", 10**6)
     loaded = load(mtp_bundle)
@@ -249,8 +244,8 @@ def test_mtp_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, mtp_model, 
     for root in (bundle, bundle / "draft"):
         findings = json.loads(run_cli("inspect", str(root), "--json").stdout)["findings"]
         assert [f for f in findings if f["severity"] == "error"] == []
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [100, 200, 300]]

@@ -27,17 +27,11 @@ from neffkit.contract.neff import (
     parse_header,
 )
 from neffkit.contract.read import read_bundle
-from tests.conftest import (
-    LOWERED,
-    LOWERED_IN_TEST,
-    NEURON,
-    REPO,
-    artifact_cache,
-    bundle_json,
-    full_unless,
-    run_cli,
-    write_manifest,
-)
+from tests.support import REPO
+from tests.support.bundles import LOWERED, LOWERED_IN_TEST, NEURON, full_unless
+from tests.support.cache import artifact_cache
+from tests.support.cli import bundle_json, run_cli
+from tests.support.models import write_manifest
 
 STAND_IN = REPO / "tests" / "tools" / "neuronx-cc"
 
@@ -422,7 +416,7 @@ def test_neuron_executor_gives_each_rank_its_rank_and_world_size(
     monkeypatch.syspath_prepend(str(SPIKE_STAND_IN))
     import spike
 
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.loading import load
 
     spike.CALLS.clear()
     load(out, rank=1, world_size=2, executor="neuron")
@@ -434,7 +428,7 @@ def test_neuron_executor_gives_each_rank_its_rank_and_world_size(
 
 def test_neff_tensors_are_matched_by_position_or_refused() -> None:
     from neffkit.errors import BundleError
-    from neffkit.runtime.executors import by_position
+    from neffkit.runtime.worker.executors import by_position
 
     names = {"input2": 0, "input0": 0, "input1": 0}
     assert by_position(names, "input", 3, Path("g.neff")) == ["input0", "input1", "input2"]

@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from neffkit.compile.spmd import SPMDMismatchError
-from tests.conftest import LONG, MAX_NEW, MIXED, PARALLEL, REPO, SHORT, TP2_IN_TEST, write_manifest
-from tests.conftest import run_ids as _run
+from tests.support import REPO
+from tests.support.bundles import TP2_IN_TEST
+from tests.support.cli import run_ids as _run
+from tests.support.models import LONG, MAX_NEW, MIXED, PARALLEL, SHORT, write_manifest
 
 
 # tp=2 of llama in `make test` (TP2_IN_TEST); every other family's in `make test-all`
@@ -142,7 +144,10 @@ def test_a_dead_rank_fails_the_others_fast(tp_bundle):
     """torchrun-style launch; rank 1 joins then dies: rank 0 errors out instead of hanging."""
     bundle = tp_bundle("llama").bundle
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29651", "WORLD_SIZE": "2"}
-    die = "from neffkit.runtime.distributed import _init; import os; _init('gloo', 10); os._exit(1)"
+    die = (
+        "from neffkit.runtime.worker.distributed import _init; import os; "
+        "_init('gloo', 10); os._exit(1)"
+    )
     rank1 = subprocess.Popen([sys.executable, "-c", die], env={**env, "RANK": "1"}, cwd=REPO)
     t0 = time.time()
     rank0 = subprocess.run(

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.conftest import run_json
+from tests.support.cli import run_json
 
 BLOCK = 16  # the test bundles' kv_cache.block_size
 
@@ -37,7 +37,7 @@ def _workload(seed: int) -> list[tuple[list[int], dict, bool]]:
 
 
 def _serve(loaded, workload, caching: bool):
-    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.engine.core import EngineCore
     from neffkit.runtime.sampling_params import SamplingParams
 
     core = EngineCore(loaded.runner, prefix_caching=caching)
@@ -56,7 +56,7 @@ def _serve(loaded, workload, caching: bool):
 
 def test_outputs_are_the_same_with_and_without_the_cache(bundle):
     """17 blocks of 16 tokens (the llama bundle) hold far less than the workload: evictions."""
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.loading import load
 
     loaded = load(bundle("llama"))
     workload = _workload(seed=1)
@@ -80,7 +80,7 @@ def test_outputs_are_the_same_with_and_without_the_cache(bundle):
 def _one_after_another(loaded, prompts, tokens: int, caching: bool = True):
     """Each prompt once the one before has finished (requests admitted together cannot hit each
     other's blocks: none is cached before its prefill)."""
-    from neffkit.runtime.llm import LLM
+    from neffkit.runtime.engine.llm import LLM
     from neffkit.runtime.sampling_params import SamplingParams
 
     llm = LLM(loaded, prefix_caching=caching)
@@ -89,7 +89,7 @@ def _one_after_another(loaded, prompts, tokens: int, caching: bool = True):
 
 
 def test_a_hit_generates_hf_greedy_and_reports_cached_tokens(bundle, hf_model_dir, hf_greedy):
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.loading import load
 
     prefix = list(range(200, 240))  # 40 tokens: 2 full blocks
     prompts = [prefix + [7, 8], prefix + [9]]
@@ -114,7 +114,7 @@ def test_a_hit_generates_hf_greedy_and_reports_cached_tokens(bundle, hf_model_di
 
 
 def test_lowered_bundle_serves_a_cached_prefix_on_xla_cpu(lowered, hf_model_dir, hf_greedy):
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.loading import load
 
     prefix = list(range(300, 320))  # 20 tokens: one full block
     prompts = [prefix + [5], prefix + [6, 7]]

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import build_session_bundle, cached_dir, lowered_build, run_json
+from tests.support.bundles import build_session_bundle, lowered_build
+from tests.support.cache import cached_dir
+from tests.support.cli import run_json
 
 pytestmark = pytest.mark.full
 

@@ -7,15 +7,16 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO, run_cli
+from tests.support import REPO
+from tests.support.cli import run_cli
 
 
 def test_runtime_imports_no_compiler(bundle):
     code = f"""
 import sys, json
-from neffkit.runtime.loader import load
+from neffkit.runtime.engine.loading import load
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.llm import LLM
+from neffkit.runtime.engine.llm import LLM
 out = LLM(load({str(bundle("llama_tied"))!r})).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
 bad = [m for m in sys.modules if m.startswith(("neffkit.compile", "neffkit.models",
        "torch._dynamo", "torch._inductor"))]
@@ -37,8 +38,8 @@ def test_request_beyond_largest_context_lists_buckets(bundle):
 
 
 def test_stop_tokens_and_kv_blocks_are_released(bundle):
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     engine = LLM(load(bundle("llama_tied")))
@@ -54,8 +55,8 @@ def test_stop_tokens_and_kv_blocks_are_released(bundle):
 
 
 def test_more_prompts_than_largest_decode_bucket(bundle, hf_model_dir, hf_greedy):
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     engine = LLM(load(bundle("llama_tied")))
@@ -69,8 +70,8 @@ def test_decode_rows_taken_over_get_their_own_sampling_and_blocks(bundle, hf_mod
     """Decode metadata is updated in place: a row that passes to another sequence must not keep
     the previous one's temperature or block table. The sampled request finishes first, so the
     greedy ones move up into its row (and later into a smaller bucket); they must stay HF's."""
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     engine = LLM(load(bundle("llama_tied")))

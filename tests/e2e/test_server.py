@@ -22,7 +22,9 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import REPO, build_session_bundle, prebuild, run_cli, run_json
+from tests.support import REPO
+from tests.support.bundles import build_session_bundle, prebuild
+from tests.support.cli import run_cli, run_json
 
 # one worker runs this module, so its tests share one server (pytest-xdist --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("server")
@@ -569,7 +571,7 @@ def test_a_dead_follower_rank_stops_the_tp2_server(tp_bundle) -> None:
     srv = Server(tp_bundle("llama").bundle, "--served-model-name", "tiny", "--dist-timeout", "20")
     try:
         (core,) = _children(srv.proc.pid, "spawn_main")
-        (follower,) = _children(core, "neffkit.runtime.follower")
+        (follower,) = _children(core, "neffkit.runtime.worker.follower")
         os.kill(follower, signal.SIGKILL)
         thread, result = _post_in_background(
             srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 8}

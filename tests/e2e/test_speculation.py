@@ -11,17 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    LEAN_SAMPLING,
-    REPO,
-    build_session_bundle,
-    cached_dir,
-    lowered_build,
-    model_digest,
-    prebuild,
-    run_cli,
-    run_json,
-)
+from tests.support import REPO
+from tests.support.bundles import build_session_bundle, lowered_build, prebuild
+from tests.support.cache import cached_dir
+from tests.support.cli import run_cli, run_json
+from tests.support.models import LEAN_SAMPLING, model_digest
 
 SPEC = {"method": "ngram", "num_tokens": 3}
 BUCKETS = {"prefill": [16], "decode": [1, 4], "context": [64]}
@@ -124,7 +118,7 @@ def _generate(core, prompts, params, together: bool):
 
 
 def _references(loaded, prompts):
-    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.engine.core import EngineCore
     from neffkit.runtime.sampling_params import SamplingParams
 
     free = [
@@ -179,8 +173,8 @@ def _assert_equal_outputs(params, with_spec, plain) -> None:
 def test_outputs_equal_plain_decoding(spec_bundle, together):
     """200 requests through the verify graphs with drafts from the plain continuations (30% with
     a wrong token): outputs equal plain decoding's."""
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
 
     loaded = load(spec_bundle)
     prompts, references, params = _random_workload(loaded, together)
@@ -201,8 +195,8 @@ def test_sampled_tokens_are_distributed_as_plain_sampling(spec_bundle):
 
     from scipy.stats import chi2_contingency
 
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     loaded = load(spec_bundle)
@@ -273,8 +267,8 @@ def test_verify_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model
     )
     findings = json.loads(run_cli("inspect", str(bundle), "--json").stdout)["findings"]
     assert [f for f in findings if f["severity"] == "error"] == []
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [100, 200, 300]]
@@ -326,8 +320,8 @@ def test_draft_model_outputs_equal_plain_decoding(draft_bundle, together):
     """The same 200-request workload with drafts from the draft model's own graphs (the target's
     first layer): outputs equal the same bundle decoding plainly; some drafts are accepted at
     every position, some rejected."""
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
 
     loaded = load(draft_bundle)
     assert loaded.runner.draft is not None
@@ -395,8 +389,8 @@ def test_draft_model_graphs_lower_for_neuron_and_run_on_xla_cpu(
         findings = json.loads(run_cli("inspect", str(root), "--json").stdout)["findings"]
         assert [f for f in findings if f["severity"] == "error"] == []
     assert (bundle / "draft" / "ir").is_dir()
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [100, 200, 300]]

@@ -7,12 +7,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from neffkit.compile import verify
 from neffkit.compile.layout import target_layout
 from neffkit.compile.plan import make_plan
+from neffkit.compile.verify.run import run as verify
 from neffkit.manifest import load_manifest
 from neffkit.platform import cpu_kernels
-from tests.conftest import artifact_cache, bundle_json, run_cli
+from tests.support.cache import artifact_cache
+from tests.support.cli import bundle_json, run_cli
 
 
 def _setup(bundle_dir: Path, session_dir: Path):

@@ -12,7 +12,7 @@ from neffkit.audit.checks import audit_buckets, audit_graph
 from neffkit.audit.graph import GraphFacts
 from neffkit.compile.trace import canonical_text, ensure_fake_process_group, io_alias_map
 from neffkit.contract.records import IoAlias
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 
 def facts_of(

@@ -17,8 +17,8 @@ from neffkit.compile.cache import open_cache
 from neffkit.compile.cache.local import KEY_JSON, ArtifactCache
 from neffkit.compile.cache.remote import RemoteArtifactCache
 from neffkit.compile.units import CacheKey
+from neffkit.contract.tempdirs import owned_temp_dir
 from neffkit.errors import BuildError
-from neffkit.platform.tempdirs import owned_temp_dir
 
 KEY = CacheKey({"graph": "g", "flags": ["-O2"]})
 

@@ -11,7 +11,7 @@ import pytest
 
 from neffkit.errors import ManifestError, ModelError
 from neffkit.models.registry import read_model_config
-from tests.conftest import write_manifest
+from tests.support.models import write_manifest
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     # (test model, config.json changes, the field named, what else the error says)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 
 def test_a_missing_gguf_file_is_named(tmp_path):

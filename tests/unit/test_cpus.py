@@ -56,7 +56,7 @@ def test_asking_for_more_threads_than_cpus_warns_once(capsys, monkeypatch) -> No
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")
 def test_a_process_pinned_to_one_cpu_gets_one_thread() -> None:
     """As a container's CPU limit would: `taskset -c 0` → one engine thread by default."""
-    code = "from neffkit.runtime.core import engine_threads; print(engine_threads())"
+    code = "from neffkit.runtime.engine.core import engine_threads; print(engine_threads())"
     env = {k: v for k, v in os.environ.items() if k not in (cpus.ENV, "OMP_NUM_THREADS")}
     out = subprocess.run(
         ["taskset", "-c", "0", sys.executable, "-c", code],
@@ -74,8 +74,8 @@ def test_a_build_runs_with_the_usable_cpus_whatever_its_caller_set() -> None:
     count (an engine that ran before in the process), and the caller's count comes back."""
     import torch
 
+    from neffkit.compile.jobs.workers import worker_pool
     from neffkit.compile.progress import Progress
-    from neffkit.compile.workers import worker_pool
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

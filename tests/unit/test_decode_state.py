@@ -12,13 +12,14 @@ import torch
 
 from neffkit.compile.layout import graph_inputs, model_layout
 from neffkit.compile.units import GraphSpec
+from neffkit.contract.abi import GraphKey, Phase
 from neffkit.manifest import load_manifest
 from neffkit.models.weights import load_weights
-from neffkit.runtime.runner import DecodeBuffers, GraphEntry
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import SequenceState
-from tests.conftest import write_manifest
+from neffkit.runtime.worker.batch import SequenceState
+from neffkit.runtime.worker.runner import DecodeBuffers, GraphEntry
 from tests.eager import EagerGraphs
+from tests.support.models import write_manifest
 
 BS, CONTEXT = 16, 32
 PROMPTS = {1: [5, 17, 300, 42, 7], 3: [9, 8, 7, 6, 5, 4, 3]}  # first block → prompt
@@ -129,7 +130,8 @@ def test_manifest_decode_state_defaults_and_validation(hf_model_dir, tmp_path):
 def _entry(layout, rows: int) -> GraphEntry:
     _, specs = graph_inputs(layout, GraphSpec(f"decode_b{rows}_c32", "decode", rows, 1, 32))
     meta = tuple((s.name, s.shape, s.dtype) for s in specs if s.name in META_NAMES)
-    return GraphEntry(f"decode_b{rows}_c32", "decode", rows, 1, 32, meta, lambda m: [])
+    key = GraphKey(Phase.DECODE, rows, 1, 32)
+    return GraphEntry(name=key.name, key=key, meta_specs=meta, run=lambda m: [])
 
 
 META_NAMES = {

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from neffkit.runtime.detokenizer import IncrementalDetokenizer
+from neffkit.runtime.engine.detokenizer import IncrementalDetokenizer
 from neffkit.runtime.tokenizer import Tokenizer
-from tests.conftest import DEMO_MODEL
+from tests.support.models import DEMO_MODEL
 
 TEXT = (
     'def main(argv):\n    """Parse the arguments."""\n\n    return café(argv) + \'naïve\' 🙂\n\n'
@@ -66,7 +66,7 @@ def test_the_earliest_of_several_stop_strings_wins(tok) -> None:
 def test_tokens_of_one_step_stop_at_the_stop_string(tok) -> None:
     """A speculative step delivers several tokens at once: the ones after the token that
     completes a stop string are not reported (the text stops before the stop string)."""
-    from neffkit.runtime.core_client import EngineClient
+    from neffkit.runtime.engine.core_client import EngineClient
 
     ids = tok.encode(TEXT)
     stop = "return"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from neffkit.errors import NeffkitError
-from tests.conftest import REPO, run_cli
+from tests.support import REPO
+from tests.support.cli import run_cli
 from tests.unit.test_docs import NAMED, check
 
 PACKAGE = REPO / "neffkit"

@@ -17,7 +17,7 @@ from neffkit.compile.flags import (
 from neffkit.compile.plan import make_plan
 from neffkit.errors import ManifestError
 from neffkit.manifest import load_manifest
-from tests.conftest import DEMO_MODEL
+from tests.support.models import DEMO_MODEL
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 FP8_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"

@@ -4,7 +4,7 @@ quiet, and nothing at all with one thread."""
 
 from __future__ import annotations
 
-from neffkit.runtime import governor as g
+from neffkit.runtime.engine import governor as g
 
 
 class Clock:

@@ -59,10 +59,26 @@ def sources() -> list[Path]:
 FAMILY_MODULES = ("neffkit.models.decoder", "neffkit.models.shards") + tuple(
     f"neffkit.models.{p.name}" for p in (PACKAGE / "models").iterdir() if (p / "model.py").exists()
 )
+HTTP = ("fastapi", "starlette", "uvicorn", "httpx")
+RUNTIME_ROOMS = tuple(f"neffkit.runtime.{r}" for r in ("serve", "engine", "spec_decode", "worker"))
+ROOMS = sorted(
+    p.stem for p in PACKAGE.iterdir() if p.name != "__init__.py" and p.stem != "__main__"
+)
+CONTRACT_MAY = ("contract", "errors", "targets")
 RULES = [
     # (files, forbidden module prefixes)
-    ("runtime/*.py", ("neffkit.compile", "neffkit.models", "torch._dynamo", "torch._inductor")),
-    ("contract/*.py", ("neffkit.compile", "neffkit.runtime", "neffkit.models")),
+    ("runtime/**/*.py", ("neffkit.compile", "neffkit.models", "torch._dynamo", "torch._inductor")),
+    # the runtime's rooms (runtime/__init__.py): serve → engine → spec_decode → worker → the
+    # shared modules beside them; the engine and the worker never see HTTP
+    *[
+        (f"runtime/{room}/*.py", ("neffkit.runtime.serve", *HTTP))
+        for room in ("engine", "spec_decode", "worker")
+    ],
+    ("runtime/spec_decode/*.py", ("neffkit.runtime.engine",)),
+    ("runtime/worker/*.py", ("neffkit.runtime.engine", "neffkit.runtime.spec_decode")),
+    *[(f"runtime/{m}.py", RUNTIME_ROOMS) for m in ("config", "sampling_params", "tokenizer")],
+    # the contract is a leaf: errors and target names only
+    ("contract/*.py", tuple(f"neffkit.{room}" for room in ROOMS if room not in CONTRACT_MAY)),
     # the contract imports no torch (but the tensor files, which read and write tensors)
     *[(f"contract/{m}.py", ("torch",)) for m in ("abi", "bundle", "codec", "records", "pack")],
     ("manifest/*.py", ("neffkit.compile", "neffkit.runtime", "torch", *FAMILY_MODULES)),
@@ -91,6 +107,15 @@ def test_import_rules(pattern: str, forbidden: tuple[str, ...]) -> None:
         if any(name == p or name.startswith(p + ".") for p in forbidden)
     }
     assert not bad, sorted(bad)
+
+
+def test_no_folder_holds_more_than_15_modules() -> None:
+    crowded = {
+        str(d.relative_to(REPO)): n
+        for d in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]
+        if (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > 15
+    }
+    assert not crowded, crowded
 
 
 def test_no_import_cycle() -> None:

@@ -1,5 +1,5 @@
 """Penalties, logit_bias, min_tokens and grammar bitmasks in the graph (kernels/logits.py, laid out
-by runtime/logit_inputs.py) against a dense reference written from vLLM's rules: its
+by runtime/worker/logit_inputs.py) against a dense reference written from vLLM's rules: its
 `apply_penalties` (bin counts of the prompt and output tokens; repetition divides positive logits
 and multiplies the rest for tokens in either, frequency × output count and presence × seen in the
 output are subtracted), min_tokens and logit_bias before the penalties, and the bitmask before
@@ -15,10 +15,10 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels.logits import LogitInputs, process
 from neffkit.kernels.sampling import sample, top_by_chunks
-from neffkit.runtime.logit_inputs import Penalties, fill_bitmasks, write_row
-from neffkit.runtime.runner import padded_metadata
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.scheduler import SequenceState
+from neffkit.runtime.worker.batch import SequenceState
+from neffkit.runtime.worker.logit_inputs import Penalties, fill_bitmasks, write_row
+from neffkit.runtime.worker.runner import padded_metadata
 
 VOCAB = 300  # not a multiple of 32: the last bitmask word is partial
 EOS = (7,)

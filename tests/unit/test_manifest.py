@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from neffkit.manifest import load_manifest
-from tests.conftest import REPO, run_cli
+from tests.support import REPO
+from tests.support.cli import run_cli
 
 VALID = {
     "neffkit": 1,

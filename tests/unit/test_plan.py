@@ -5,14 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from neffkit.compile.plan import graph_name
 from neffkit.compile.units import GraphSpec
+from neffkit.contract.abi import GraphKey, Phase
 
 
 def test_graph_names():
-    assert graph_name("prefill", 128, 1024) == "prefill_t128_c1024"
-    assert graph_name("decode", 4, 1024) == "decode_b4_c1024"
-    assert graph_name("prefill", 128, 1024, rows=4) == "prefill_b4_t128_c1024"
+    assert GraphKey(Phase.PREFILL, 1, 128, 1024).name == "prefill_t128_c1024"
+    assert GraphKey(Phase.DECODE, 4, 1, 1024).name == "decode_b4_c1024"
+    assert GraphKey(Phase.PREFILL, 4, 128, 1024).name == "prefill_b4_t128_c1024"
+    assert GraphKey(Phase.VERIFY, 4, 1 + 3, 1024).name == "verify_b4_k3_c1024"
+    # a phase read back from bundle.json (a plain string) finds the same graph
+    assert GraphKey("decode", 4, 1, 1024) == GraphKey(Phase.DECODE, 4, 1, 1024)
+    assert {GraphKey(Phase.DECODE, 4, 1, 1024): 1}[GraphKey("decode", 4, 1, 1024)] == 1
 
 
 def test_rule_matching():

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from neffkit.runtime.core import EngineCore
-from neffkit.runtime.kv_blocks import ROOT_HASH, BlockPool, extend_hashes, hash_block
+from neffkit.runtime.engine.core import EngineCore
+from neffkit.runtime.engine.kv_blocks import ROOT_HASH, BlockPool, extend_hashes, hash_block
 from neffkit.runtime.sampling_params import SamplingParams
 from tests.fake_model import fake_runner, oracle
 
@@ -101,7 +101,8 @@ def test_prompt_logprobs_compute_every_position_and_sharing_counts_blocks_once()
     import dataclasses
 
     runner, _ = fake_runner(num_blocks=33)
-    runner.config = dataclasses.replace(runner.config, max_logprobs=2, prompt_logprobs=True)
+    layout = dataclasses.replace(runner.config.layout, max_logprobs=2, prompt_logprobs=True)
+    runner.config = dataclasses.replace(runner.config, layout=layout)
     core = EngineCore(runner)
     prompt = list(range(1, 17))
     core.add_request(prompt + [5], GREEDY)

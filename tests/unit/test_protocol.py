@@ -1,5 +1,5 @@
-"""Request parsing and validation (runtime/protocol.py): every bad field is a RequestError naming
-it, never an exception of another kind (which the server would turn into a 500)."""
+"""Request parsing and validation (runtime/serve/protocol.py): every bad field is a RequestError
+naming it, never an exception of another kind (which the server would turn into a 500)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from neffkit.errors import RequestError
-from neffkit.runtime.limits import check_fits
-from neffkit.runtime.protocol import parse_body, parse_chat, parse_completion
+from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.serve.protocol import parse_body, parse_chat, parse_completion
 from tests.fake_model import fake_runner
 
 OK = {"model": "m", "prompt": "hi"}
@@ -232,7 +232,7 @@ def test_tool_choices_become_constraints_and_calls() -> None:
 
     import jsonschema
 
-    from neffkit.runtime.tools import ToolStream, finish_reason, parse_calls
+    from neffkit.runtime.serve.tools import ToolStream, finish_reason, parse_calls
 
     required = parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": "required"}, "m")
     spec = required.params.structured

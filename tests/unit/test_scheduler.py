@@ -13,9 +13,9 @@ import math
 import pytest
 
 from neffkit.errors import RequestError
-from neffkit.runtime.core import EngineCore
-from neffkit.runtime.limits import check_fits
-from neffkit.runtime.llm import LLM
+from neffkit.runtime.engine.core import EngineCore
+from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.engine.llm import LLM
 from neffkit.runtime.sampling_params import SamplingParams
 from tests.fake_model import EOS, fake_runner, oracle
 
@@ -23,13 +23,12 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 class FakeLoaded:
-    """What LLM needs of a loaded bundle: its runner."""
+    """What LLM needs of a loaded bundle: its runner (no tokenizer: no structured outputs)."""
+
+    tokenizer = None
 
     def __init__(self, runner) -> None:
         self.runner = runner
-
-    def grammars(self) -> None:  # no tokenizer: no structured outputs
-        return None
 
 
 def drain(core: EngineCore, until=None, max_steps: int = 500) -> None:
@@ -212,7 +211,8 @@ def test_unset_max_tokens_runs_up_to_the_context_limit() -> None:
 
 def test_top_k_above_the_bundle_cap_is_refused() -> None:
     runner, _ = fake_runner()
-    capped = dataclasses.replace(runner.config, max_top_k=16)
+    config = runner.config
+    capped = dataclasses.replace(config, layout=dataclasses.replace(config.layout, max_top_k=16))
     check_fits(capped, [1, 2], SamplingParams(top_k=16))
     check_fits(capped, [1, 2], SamplingParams(top_k=0))  # unset: the cap's candidates
     with pytest.raises(RequestError) as err:
@@ -271,9 +271,13 @@ def test_packed_prefill_picks_the_smallest_buckets() -> None:
 def test_a_prompt_wanting_prompt_logprobs_prefills_alone() -> None:
     """Packed prefill graphs return no prompt logprobs (they are built for one-sequence
     graphs): such a prompt is never packed, and the others pack without it."""
-    from neffkit.runtime.scheduler import Scheduler, SchedulerConfig, SequenceState
+    from neffkit.contract.records import BucketLists
+    from neffkit.runtime.engine.scheduler import Scheduler
+    from neffkit.runtime.worker.batch import SequenceState
+    from tests.fake_model import scheduler_config
 
-    layout = SchedulerConfig(8, 33, (8, 16), (1, 4), (32, 64), (EOS,), 97, None, 5, True, (1, 4))
+    buckets = BucketLists((8, 16), (1, 4), (32, 64), prefill_batch=(1, 4))
+    layout = scheduler_config(8, 33, buckets, max_logprobs=5, prompt_logprobs=True)
     sched = Scheduler(layout)
     echo = SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY)
     plain = SamplingParams(max_tokens=1, **GREEDY)

@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 
 from neffkit.contract.records import SpeculationRecord
-from neffkit.runtime.core import EngineCore
-from neffkit.runtime.ngram import propose
+from neffkit.runtime.engine.core import EngineCore
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.speculation import BACKOFF_STEPS, MISSES_BEFORE_BACKOFF
+from neffkit.runtime.spec_decode.ngram import propose
+from neffkit.runtime.spec_decode.proposer import BACKOFF_STEPS, MISSES_BEFORE_BACKOFF
 from tests.fake_model import EOS, fake_runner, oracle
 
 PERIOD = 5
@@ -140,7 +140,7 @@ def _draft_core(batch: tuple[int, ...], draft_period: int | None, prefix_caching
     """A target fake that repeats with PERIOD and a draft model fake of its own (own cache,
     own verify-shaped and decode graphs): the same function proposes what the target emits;
     another proposes mostly wrong tokens."""
-    from neffkit.runtime.draft import DraftModel
+    from neffkit.runtime.spec_decode.draft import DraftModel
 
     spec = SpeculationRecord("draft", num_tokens=3, max_batch=4, draft="draft")
     shape = dict(decode=batch, context=(64, 128), num_blocks=129)

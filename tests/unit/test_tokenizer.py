@@ -10,7 +10,7 @@ import pytest
 
 from neffkit.errors import RequestError
 from neffkit.runtime.tokenizer import Tokenizer
-from tests.conftest import DEMO_MODEL
+from tests.support.models import DEMO_MODEL
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}\n"

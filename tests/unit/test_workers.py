@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from neffkit.compile.jobs.workers import worker_pool
 from neffkit.compile.progress import Progress
-from neffkit.compile.workers import worker_pool
 
 
 def test_a_keyed_job_runs_where_its_key_ran_and_idle_workers_take_the_rest() -> None:

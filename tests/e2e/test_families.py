@@ -11,8 +11,8 @@ import torch
 from neffkit.compile.layout import model_layout
 from neffkit.manifest import load_manifest
 from neffkit.models.weights import load_weights
-from tests.conftest import LONG, MAX_NEW, MIXED, MODELS, SHORT, write_manifest
 from tests.eager import eager_greedy
+from tests.support.models import LONG, MAX_NEW, MIXED, MODELS, SHORT, write_manifest
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
