@@ -105,8 +105,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
 
     dirs = {(label, d): bundle(d, label) for label in VARIANTS for d in DTYPES}
     engines = {key: EngineCore(load(path).runner) for key, path in dirs.items()}

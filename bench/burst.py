@@ -72,9 +72,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[4, 16])
     args = ap.parse_args()
 
-    from neffkit.runtime.core import engine_threads
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import engine_threads
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
 
     torch.set_num_threads(engine_threads())
     engines = {name: LLM(load(bundle(name, batch))) for name, batch in VARIANTS.items()}

@@ -26,8 +26,8 @@ from common import (  # noqa: E402
     write_result,
 )
 
-from neffkit.runtime.core import EngineCore  # noqa: E402
-from neffkit.runtime.loader import load  # noqa: E402
+from neffkit.runtime.engine.core import EngineCore  # noqa: E402
+from neffkit.runtime.engine.loading import load  # noqa: E402
 
 
 def main() -> None:

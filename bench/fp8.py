@@ -66,7 +66,7 @@ def kl_divergences() -> dict:
     """Mean next-token KL from HF float32 on SmolLM2 over the fixed text, per variant."""
     import torch
     import transformers
-    from llamacpp import MODEL, fp8_checkpoint
+    from llamacpp_build import MODEL, fp8_checkpoint
     from tokenizers import Tokenizer
 
     from neffkit.compile.calibrate import calibrated, eager_prefill
@@ -141,8 +141,8 @@ def main() -> None:
 
 
 def speed(args: argparse.Namespace) -> dict:
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     paths = {

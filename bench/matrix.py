@@ -40,8 +40,8 @@ def main() -> None:
     )
     bundle = ensure_bundle(manifest, WORK / "matrix-bundle")
 
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     llm = LLM(load(bundle))

@@ -88,8 +88,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 1920])
     args = ap.parse_args()
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
 
     engines = {form: EngineCore(load(bundle(form)).runner) for form in ("absorbed", "expanded")}
     rows = []

@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--label", default="after", help="after | before (an earlier checkout)")
     args = ap.parse_args()
-    from neffkit.runtime.core import EngineCore
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
 
     engines = {e: EngineCore(load(bundle(e)).runner) for e in (8, 64)}
     times: dict[int, list[float]] = {8: [], 64: []}

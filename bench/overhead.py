@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, ensure_bundle, write_result  # noqa: E402
 
-from neffkit.runtime.core import EngineCore  # noqa: E402
-from neffkit.runtime.loader import load  # noqa: E402
+from neffkit.runtime.engine.core import EngineCore  # noqa: E402
+from neffkit.runtime.engine.loading import load  # noqa: E402
 from neffkit.runtime.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -110,8 +110,8 @@ def neffkit_build_seconds(dtype: str) -> float:
 
 
 def neffkit_runs(dtype: str, repeats: int) -> dict:
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     llm = LLM(load(bundle(dtype)))

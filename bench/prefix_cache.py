@@ -37,9 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from neffkit.runtime.core import engine_threads
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import engine_threads
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(engine_threads())

@@ -76,8 +76,8 @@ def main() -> None:
 
     from safetensors import safe_open
 
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     with safe_open(str(bundle / "weights" / "rank0.safetensors"), "pt") as f:

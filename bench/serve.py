@@ -136,9 +136,9 @@ def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab
     ceiling the server is measured against (same intra-op threads as the server's engine core)."""
     import torch
 
-    from neffkit.runtime.core import engine_threads
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import engine_threads
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
     from neffkit.runtime.sampling_params import SamplingParams
 
     torch.set_num_threads(engine_threads())

@@ -48,7 +48,7 @@ OPEN = [
 
 def step_costs(loaded) -> dict[str, float]:
     from neffkit.runtime.sampling_params import SamplingParams
-    from neffkit.runtime.scheduler import DecodeBatch, SequenceState
+    from neffkit.runtime.worker.batch import DecodeBatch, SequenceState
 
     runner = loaded.runner
     bs = runner.config.block_size
@@ -75,7 +75,7 @@ def draft_step_ms(loaded) -> float:
     """A draft model's proposal for one sequence of 200 tokens: one catch-up call and K - 1
     decode steps (median of 40)."""
     from neffkit.runtime.sampling_params import SamplingParams
-    from neffkit.runtime.scheduler import SequenceState
+    from neffkit.runtime.worker.batch import SequenceState
 
     draft = loaded.runner.draft
     bs = loaded.runner.config.block_size
@@ -106,9 +106,9 @@ def tokens_per_s(llm, prompt: list[int]) -> tuple[float, list[int]]:
 def main() -> None:
     import torch
 
-    from neffkit.runtime.core import engine_threads
-    from neffkit.runtime.llm import LLM
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.core import engine_threads
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
 
     torch.set_num_threads(engine_threads())
     with_draft = "--draft" in sys.argv[1:]

@@ -30,9 +30,9 @@ with open(sys.argv[2] + "/weights/rank0.safetensors", "rb") as f:  # what readin
     while f.read(1 << 24):                                          # alone costs (the runtime
         pass                                                         # maps the file, then pages in)
 weights_s = time.time() - t0
-from neffkit.runtime.loader import load
+from neffkit.runtime.engine.loading import load
 from neffkit.runtime.sampling_params import SamplingParams
-from neffkit.runtime.llm import LLM
+from neffkit.runtime.engine.llm import LLM
 engine = LLM(load(sys.argv[2], verify=True))
 seq = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, temperature=0.0))[0]
 token = seq.output_ids[0]

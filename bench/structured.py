@@ -76,7 +76,8 @@ def step_times(loaded, batch: int, steps: int, constrained: bool) -> list[float]
     """Engine steps once every row decodes (their prompts prefilled first, not timed)."""
     import time
 
-    from neffkit.runtime.core import EngineCore
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import grammars_of
     from neffkit.runtime.sampling_params import SamplingParams, StructuredSpec
 
     spec = StructuredSpec("json", json.dumps(SCHEMA), any_whitespace=False)
@@ -87,7 +88,7 @@ def step_times(loaded, batch: int, steps: int, constrained: bool) -> list[float]
         ignore_eos=True,
         structured=spec if constrained else None,
     )
-    core = EngineCore(loaded.runner, prefix_caching=False, grammars=loaded.grammars())
+    core = EngineCore(loaded.runner, prefix_caching=False, grammars=grammars_of(loaded))
     rng = np.random.default_rng(batch)
     seqs = [core.add_request(rng.integers(100, VOCAB, 32).tolist(), params) for _ in range(batch)]
     while any(not s.output_ids for s in seqs):
@@ -108,7 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    from neffkit.runtime.loader import load
+    from neffkit.runtime.engine.loading import load
 
     loaded = {label: load(bundle(label)) for label in SAMPLING}
     cases = {

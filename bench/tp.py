@@ -19,8 +19,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
-from neffkit.runtime.core import EngineCore  # noqa: E402
-from neffkit.runtime.loader import load  # noqa: E402
+from neffkit.runtime.engine.core import EngineCore  # noqa: E402
+from neffkit.runtime.engine.loading import load  # noqa: E402
 
 BUCKETS = {"prefill": [32], "decode": [1], "context": [256]}
 ALL_REDUCE_BENCH = """
@@ -78,7 +78,7 @@ def main() -> None:
         for t in decode_step_times(engine, [list(range(1, 17))], args.steps)
     ]
 
-    from neffkit.runtime.distributed import run_ranks
+    from neffkit.runtime.worker.distributed import run_ranks
 
     t2 = run_ranks(
         tp2,

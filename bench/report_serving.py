@@ -1,0 +1,160 @@
+"""The performance page's sections on serving, each from its bench/results/*.json: the server
+under concurrent streams, shared prefixes and the prefix cache, speculation (n-gram and draft),
+structured outputs' cost, and the engine on a shared host. bench/report.py puts them in order.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report_format import bundle_name, table  # noqa: E402
+
+
+def serve(d: dict[str, Any]) -> str:
+    rows = []
+    for lv in d["levels"]:
+        engine = lv.get("engine_only_tokens_per_s")
+        rows.append(
+            [
+                lv["concurrency"],
+                f"{lv['output_tokens_per_s']:.0f}",
+                f"{lv['throughput_vs_first']:.2f}×",
+                f"{engine:.0f}" if engine else "-",
+                f"{lv['output_tokens_per_s'] / engine:.0%}" if engine else "-",
+                f"{lv['ttft']['median_ms']:.1f}",
+                f"{lv['tpot']['median_ms']:.2f}",
+                f"{lv['itl']['p99_ms']:.2f}",
+            ]
+        )
+    return (
+        f"**Serving** (`bench/serve.py`, bundle `{bundle_name(d['bundle'])}`): concurrent "
+        f"streaming clients against `neffkit run` ({d['input_len']}-token prompts, "
+        f"{d['output_len']} output "
+        "tokens, ignore_eos), vLLM "
+        "bench-serve definitions; *engine alone* is `LLM.generate` on the same work with no "
+        "HTTP, in the same run.\n\n"
+        + table(
+            [
+                "streams",
+                "output tok/s",
+                "vs 1 stream",
+                "engine alone tok/s",
+                "server/engine",
+                "TTFT median ms",
+                "TPOT median ms",
+                "ITL p99 ms",
+            ],
+            rows,
+        )
+    )
+
+
+def serve_prefix(d: dict[str, Any]) -> str:
+    rows = []
+    for on, off in zip(d["prefix_caching_on"], d["prefix_caching_off"], strict=True):
+        rows.append(
+            [
+                on["concurrency"],
+                f"{on['output_tokens_per_s']:.0f}",
+                f"{off['output_tokens_per_s']:.0f}",
+                f"{on['ttft']['median_ms']:.1f}",
+                f"{off['ttft']['median_ms']:.1f}",
+            ]
+        )
+    return (
+        f"**Serving a shared prefix** (`bench/serve.py --shared-prefix {d['shared_prefix']}`, "
+        f"bundle `{bundle_name(d['bundle'])}`): each prompt one of {d['prefixes']} shared "
+        f"{d['shared_prefix']}-token prefixes and {d['input_len']} tokens of its own, "
+        f"{d['output_len']} output tokens; the same requests against a server with prefix "
+        "caching and one with `--no-prefix-caching`, in one run.\n\n"
+        + table(
+            [
+                "streams",
+                "tok/s cached",
+                "tok/s uncached",
+                "TTFT median ms cached",
+                "TTFT median ms uncached",
+            ],
+            rows,
+        )
+    )
+
+
+def prefix_cache(d: dict[str, Any]) -> str:
+    return (
+        f"**Prefix cache hit** (`bench/prefix_cache.py`, `{bundle_name(d['bundle'])}`): a "
+        f"{d['question_tokens']}-token question after a {d['system_prompt_tokens']}-token "
+        f"system prompt, time to first token through the engine, median of {d['pairs']} "
+        f"alternating pairs: {d['ttft_cold_ms']:.0f} ms cold, {d['ttft_hit_ms']:.0f} ms with "
+        f"the system prompt cached ({d['speedup']:.1f}x); the hits' tokens equal uncached "
+        f"runs': {'yes' if d['hit_tokens_equal_uncached'] else 'no'}."
+    )
+
+
+def speculation(d: dict[str, Any]) -> str:
+    def group(name: str) -> str:
+        g = d[name]
+        lengths = ", ".join(f"{a:.2f}" for a in g["mean_acceptance_length"])
+        return (
+            f"{g['speedup_median']:.2f}x decode tokens/s (median of {g['prompts']} prompts; "
+            f"mean acceptance lengths {lengths})"
+        )
+
+    draft = d.get("draft")
+    title = "draft-model speculation" if draft else "n-gram speculation"
+    flag = " --draft" if draft else ""
+    proposing = (
+        f" The draft ({draft}) proposes K tokens in {d['draft_step_ms']:.1f} ms (one catch-up "
+        "call and K - 1 decode steps), counted in decode time."
+        if draft
+        else ""
+    )
+    return (
+        f"**{title}** (`bench/speculation.py{flag}`, `{bundle_name(d['bundle'])}`, batch 1, "
+        f"K = {d['num_tokens']}): a verify step costs {d['verify_step_ms']:.1f} ms against "
+        f"{d['decode_step_ms']:.1f} ms for a decode step ({d['verify_over_decode']:.2f}x)."
+        f"{proposing} Prompts that quote their input: {group('quoting')}; open questions: "
+        f"{group('open')}. Outputs with and without speculation are equal."
+    )
+
+
+def structured(d: dict[str, Any]) -> str:
+    rows = [
+        [
+            r["batch"],
+            *(f"{v:.2f}" for v in r["ms_per_step"].values()),
+            f"{r['unconstrained_rows_with_inputs_vs_plain']:.3f}x",
+            f"{r['json_schema_rows_vs_unconstrained']:.3f}x",
+        ]
+        for r in d["rows"]
+    ]
+    header = [
+        "batch",
+        "plain graphs ms",
+        "with logit inputs ms",
+        "JSON-schema rows ms",
+        "inputs / plain",
+        "schema / unconstrained",
+    ]
+    return (
+        f"**Structured outputs** (`bench/structured.py`, {d['model']}): what the token bitmask, "
+        "penalty and bias inputs cost rows that use none of them, and what following a JSON "
+        f"schema adds (llguidance's mask on the host, applied in the graph). {d['method']}.\n\n"
+        + table(header, rows)
+    )
+
+
+def threads(d: dict[str, Any]) -> str:
+    rows = [
+        [r["setting"], f"{r['quiet_tok_s']:.0f}", f"{r['contended_tok_s']:.0f}", f"{r['kept']:.0%}"]
+        for r in d["rows"]
+    ]
+    header = ["engine setting", "quiet tok/s", "beside a busy process tok/s", "kept"]
+    return (
+        f"**A shared host** (`bench/threads.py`, {d['model']}): {d['method']}. Under "
+        f"`taskset -c 0` the engine takes {d['taskset_c0_engine_threads']} thread(s) by "
+        "default.\n\n" + table(header, rows)
+    )
