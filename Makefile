@@ -51,7 +51,7 @@ demo: $(DEMO_STAMP)
 test: setup-test
 	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup -m "not full" --durations=25
 
-# tests/unit: nothing built, no server (manifest, plan, flags, audit rules, scheduler, ...)
+# tests/unit: nothing built, no server, no HF model run (manifest, plan, flags, audit rules, ...)
 test-fast: setup-test
 	$(PYTEST) tests/unit
 
@@ -65,9 +65,11 @@ $(GEMMA_STAMP): $(BASE_STAMP) models/requirements-gemma3.txt
 test-all: setup-test $(DEMO_STAMP) $(GEMMA_STAMP)
 	NEFFKIT_TEST_PREBUILD=1 $(PYTEST) -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
+# style and types: ruff's lint and formatter, mypy over the package (config in pyproject.toml)
 lint: setup-test
 	.venv/bin/ruff check neffkit tests bench tools
 	.venv/bin/ruff format --check neffkit tests bench tools
+	.venv/bin/mypy
 
 # lm-eval (its own venv: its pins are not neffkit's) on SmolLM2-135M-Instruct through
 # `neffkit run`, checked against HF on the same token ids
