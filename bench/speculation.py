@@ -52,7 +52,9 @@ def step_costs(loaded) -> dict[str, float]:
 
     runner = loaded.runner
     bs = runner.config.block_size
-    seq = SequenceState(-1, list(range(100, 300)), SamplingParams(max_tokens=16), 0, [7])
+    seq = SequenceState(
+        -1, list(range(100, 300)), SamplingParams(max_tokens=16), seed=0, output_ids=[7]
+    )
     seq.blocks = list(range(1, 2 + (seq.length + 8) // bs))
     plain, verify = DecodeBatch([seq], 1, 512), DecodeBatch([seq], 1, 512, [[11, 12, 13, 14]])
     times: dict[str, list[float]] = {"decode": [], "verify": []}
@@ -79,7 +81,9 @@ def draft_step_ms(loaded) -> float:
 
     draft = loaded.runner.draft
     bs = loaded.runner.config.block_size
-    seq = SequenceState(-1, list(range(100, 300)), SamplingParams(max_tokens=16), 0, [7])
+    seq = SequenceState(
+        -1, list(range(100, 300)), SamplingParams(max_tokens=16), seed=0, output_ids=[7]
+    )
     seq.blocks = list(range(1, 2 + (seq.length + 8) // bs))
     times = []
     for i in range(45):

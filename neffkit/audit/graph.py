@@ -73,7 +73,16 @@ def parse_canonical(text: str) -> list[Node]:
         else:
             target = body.split("(", 1)[0]
             name, refs = "", tuple(int(r) for r in re.findall(r"%(\d+)", body.split("(", 1)[-1]))
-        nodes.append(Node(int(index_part[1:]), target, name, refs, dtype, shape, line))
+        node = Node(
+            index=int(index_part[1:]),
+            target=target,
+            name=name,
+            refs=refs,
+            dtype=dtype,
+            shape=shape,
+            text=line,
+        )
+        nodes.append(node)
     return nodes
 
 

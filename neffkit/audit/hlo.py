@@ -145,7 +145,16 @@ def parse_hlo(text: str) -> list[Instruction]:
             continue
         args = rest[len(opcode) : _balanced(rest, len(opcode))]
         operands = tuple(re.findall(r"[\w.\-]+", args)) if opcode != "constant" else ()
-        out.append(Instruction(name, dtype, shape, opcode, operands, line, entry))
+        inst = Instruction(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            opcode=opcode,
+            operands=operands,
+            text=line,
+            entry=entry,
+        )
+        out.append(inst)
     return out
 
 

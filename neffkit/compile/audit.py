@@ -28,14 +28,14 @@ def audit_units(
         o = u.options
         hlo = u.trace.lowered.text if u.trace.lowered else None
         facts = GraphFacts(
-            u.spec.name,
-            u.spec.phase,
-            u.trace.canonical_text,
-            u.trace.io_alias,
-            o.flags,
-            o.flag_origins,
-            m.target,
-            neuron,
+            name=u.spec.name,
+            phase=u.spec.phase,
+            text=u.trace.canonical_text,
+            io_alias=u.trace.io_alias,
+            flags=o.flags,
+            flag_origins=o.flag_origins,
+            target=m.target,
+            neuron_target=neuron,
             hlo_text=hlo,
         )
         findings += audit_graph(facts, m.audit.waive)

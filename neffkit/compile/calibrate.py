@@ -39,7 +39,7 @@ from neffkit.contract import abi
 from neffkit.contract.abi import Phase
 from neffkit.kernels.kv import key_rotation, stored_keys
 from neffkit.models.forms import KEY_FORMS, Storage
-from neffkit.models.key_offsets import offsets_at
+from neffkit.models.key_offsets import Positional, offsets_at
 from neffkit.models.parallel import Parallelism
 from neffkit.models.weights import iter_rank_weights
 
@@ -62,8 +62,6 @@ def calibrated(manifest: Manifest, layout: ModelLayout) -> ModelLayout:
 
 
 Values = tuple[float, ...]
-# a layer's positional encoding of q and k (DecoderGraph.positional)
-Positional = Callable[[torch.Tensor, torch.Tensor, int, "Step"], tuple[torch.Tensor, torch.Tensor]]
 
 
 def kv_calibration(manifest: Manifest, storage: Storage) -> dict[str, Any]:

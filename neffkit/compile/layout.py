@@ -120,20 +120,21 @@ def _kernel_reads_fp8(manifest: Manifest, policy: ProjectionPolicy, storage: Sto
 
 def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
     return GraphShape(
-        spec.phase,
-        spec.rows,
-        spec.tokens,
-        spec.context,
-        layout.block_size,
-        layout.num_blocks,
-        layout.max_logprobs,
-        layout.prompt_logprobs and spec.rows == 1,  # a prompt wanting them prefills alone
-        layout.decode_state == "device",
-        layout.hidden_out,
-        layout.hidden_in,
-        layout.bitmask_words,
-        layout.penalty_tokens,
-        layout.bias_tokens,
+        phase=spec.phase,
+        rows=spec.rows,
+        tokens=spec.tokens,
+        context=spec.context,
+        block_size=layout.block_size,
+        num_blocks=layout.num_blocks,
+        logprobs=layout.max_logprobs,
+        # a prompt wanting them prefills alone
+        prompt_logprobs=layout.prompt_logprobs and spec.rows == 1,
+        device_state=layout.decode_state == "device",
+        hidden_out=layout.hidden_out,
+        hidden_in=layout.hidden_in,
+        bitmask_words=layout.bitmask_words,
+        penalty_tokens=layout.penalty_tokens,
+        bias_tokens=layout.bias_tokens,
     )
 
 

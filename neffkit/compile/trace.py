@@ -135,7 +135,16 @@ def trace_graph(layout: ModelLayout, spec: GraphSpec, rank: int = 0) -> Traced:
     outputs = user_outputs(program, graph_outputs(module.shape))
     digest = hashlib.sha256(text.encode()).hexdigest()
     sources = [node_source(n) for n in program.graph.nodes]
-    return Traced(spec, program, text, digest, io_alias, specs, outputs, sources)
+    return Traced(
+        spec=spec,
+        program=program,
+        canonical_text=text,
+        graph_sha256=digest,
+        io_alias=io_alias,
+        inputs=specs,
+        outputs=outputs,
+        sources=sources,
+    )
 
 
 def user_outputs(program: ExportedProgram, expected: list[TensorSpec]) -> list[TensorSpec]:

@@ -26,14 +26,14 @@ def _facts(bundle: Bundle, g: GraphRecord) -> GraphFacts:
     text = read_zst_text(bundle.path(g.ir))
     hlo = read_zst_text(bundle.path(g.hlo_text)) if g.hlo_text else None
     return GraphFacts(
-        g.name,
-        g.phase,
-        text,
-        g.io_alias,
-        g.flags,
-        g.flag_origins,
-        record.target,
-        neuron,
+        name=g.name,
+        phase=g.phase,
+        text=text,
+        io_alias=g.io_alias,
+        flags=g.flags,
+        flag_origins=g.flag_origins,
+        target=record.target,
+        neuron_target=neuron,
         hlo_text=hlo,
     )
 

@@ -24,14 +24,14 @@ def inspect_manifest(path: str) -> dict[str, Any]:
     for spec in plan.graphs:
         opts = resolve_options(m, spec)
         facts = GraphFacts(
-            spec.name,
-            spec.phase,
-            "",
-            (),
-            opts.flags,
-            opts.flag_origins,
-            m.target,
-            m.neuron.target if m.neuron else None,
+            name=spec.name,
+            phase=spec.phase,
+            text="",
+            io_alias=(),
+            flags=opts.flags,
+            flag_origins=opts.flag_origins,
+            target=m.target,
+            neuron_target=m.neuron.target if m.neuron else None,
             collectives=m.parallel.tp > 1,
         )  # no graph yet: tp > 1 means collectives
         found = [f for f in audit_graph(facts, m.audit.waive) if f.rule.startswith("NK2")]

@@ -388,4 +388,10 @@ def read_speculation(value: Any, buckets: Buckets) -> Speculation | None:
         raise ManifestError(
             f"speculation.prompt_lookup_min: {low} exceeds prompt_lookup_max ({high})"
         )
-    return Speculation(method, k, max_batch, low, high)
+    return Speculation(
+        method=method,
+        num_tokens=k,
+        max_batch=max_batch,
+        prompt_lookup_min=low,
+        prompt_lookup_max=high,
+    )

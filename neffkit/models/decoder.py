@@ -135,7 +135,14 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         out = h[0] if rule.packed else h if rule.samples_every_position else h[:, -1]
         return (out.float(),)
 
-    def _step(self, m, w, rank, caches, dtype) -> Step:
+    def _step(
+        self,
+        m: dict[str, torch.Tensor],
+        w: dict[str, torch.Tensor],
+        rank: torch.Tensor | None,
+        caches: tuple[torch.Tensor, ...],
+        dtype: torch.dtype,
+    ) -> Step:
         """RoPE, the masks (one per distinct window) and the slots every layer shares."""
         cfg, shape = self.cfg, self.shape
         positions, block_tables = m[abi.POSITIONS], m[abi.BLOCK_TABLES]
@@ -153,15 +160,24 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
             rows = (positions, context_lens, block_tables)
             bounds = {span: attn.visible_keys(*rows, *span) for span in spans}
         elif seq_ids is not None:  # packed: one row attending to every sequence's context
-            packed = (positions, seq_ids, context_lens, shape.context)
-            masks = {span: attn.packed_context_mask(*packed, *span) for span in spans}
+            packed_mask = (positions, seq_ids, context_lens, shape.context)
+            masks = {span: attn.packed_context_mask(*packed_mask, *span) for span in spans}
             block_tables = block_tables.reshape(1, -1)  # [1, S*C/bs]: the contexts side by side
         else:
-            rows = (positions, context_lens, shape.context)
-            masks = {span: attn.context_mask(*rows, *span) for span in spans}
+            row_mask = (positions, context_lens, shape.context)
+            masks = {span: attn.context_mask(*row_mask, *span) for span in spans}
         slots = m[abi.SLOT_MAPPING].reshape(-1)  # [B*T]
         step = Step(
-            w, rank, tuple(caches), cos, sin, masks, slots, block_tables, positions, bounds=bounds
+            w=w,
+            rank=rank,
+            caches=tuple(caches),
+            cos=cos,
+            sin=sin,
+            masks=masks,
+            slots=slots,
+            block_tables=block_tables,
+            positions=positions,
+            bounds=bounds,
         )
         if K_ROTATION in w:  # fp8 rotated keys: their offsets at the context's positions
             step.context = self.context_step(step, packed=seq_ids is not None)
@@ -228,11 +244,15 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         partial = self.project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel
         return self.reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
 
-    def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_norm(
+        self, q: torch.Tensor, k: torch.Tensor, w: dict[str, torch.Tensor], p: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norms on q and k before RoPE (none here; Qwen3's per-head RMSNorm in the family)."""
         return q, k
 
-    def positional(self, q, k, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def positional(
+        self, q: torch.Tensor, k: torch.Tensor, layer: int, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where positions enter q and k: RoPE on every layer here (Llama 4: NoPE layers)."""
         cos, sin = self.rope(layer, step)
         return self.rotary(q, cos, sin), self.rotary(k, cos, sin)
@@ -274,6 +294,10 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def final_norm(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The norm before the LM head (its weight where Shards.final_norm reads one)."""
+        return self.norm(x, w["model.norm.weight"])
 
     def embed(
         self, ids: torch.Tensor, w: dict[str, torch.Tensor], rank: torch.Tensor | None

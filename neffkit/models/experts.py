@@ -34,7 +34,9 @@ def local_slots(routing: Routing, local: int, first: torch.Tensor | int) -> Rout
     return Routing(ids.clamp(0, local - 1), weights)
 
 
-def dense_weights(routing: Routing, num_experts: int, first: torch.Tensor | int, local: int):
+def dense_weights(
+    routing: Routing, num_experts: int, first: torch.Tensor | int, local: int
+) -> torch.Tensor:
     """[N, local] routing weights of this rank's experts (0 where not routed)."""
     n = routing.ids.shape[0]
     full = torch.zeros(n, num_experts, dtype=routing.weights.dtype, device=routing.ids.device)

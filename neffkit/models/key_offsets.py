@@ -6,6 +6,7 @@ them; compile/calibrate.py measures them)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,9 @@ from neffkit.models.step import Step
 
 if TYPE_CHECKING:
     from neffkit.contract.abi import GraphShape
+
+# a layer's positional encoding of q and k (DecoderGraph.positional)
+Positional = Callable[[torch.Tensor, torch.Tensor, int, Step], tuple[torch.Tensor, torch.Tensor]]
 
 
 class KeyOffsets:
@@ -30,7 +34,9 @@ class KeyOffsets:
         @staticmethod
         def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
         def rope(self, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]: ...
-        def positional(self, q, k, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]: ...
+        def positional(
+            self, q: torch.Tensor, k: torch.Tensor, layer: int, step: Step
+        ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     # `positional` is `rotary` with the layer's `rope` tables (not Llama 4's NoPE layers and L2
     # norms): the context's offset scores then come from the shared cos/sin table
@@ -87,7 +93,9 @@ class KeyOffsets:
         return offsets_at(self.positional, layer, step, mean, first)
 
 
-def offsets_at(positional, layer: int, step: Step, mean: torch.Tensor, first: torch.Tensor):
+def offsets_at(
+    positional: Positional, layer: int, step: Step, mean: torch.Tensor, first: torch.Tensor
+) -> torch.Tensor:
     """The offsets [B, T, KV, D] at the step's positions from a layer's mean key before its
     positional encoding and its first key [KV, D], through `positional` (the layer's own; the
     calibration's before it watches the layer)."""

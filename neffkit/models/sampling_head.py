@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 
 class SamplingHead:
-    """Mixed into DecoderGraph: it supplies `cfg`, `shape`, `projection`, `max_top_k`, `norm`
-    and `logits`."""
+    """Mixed into DecoderGraph: it supplies `cfg`, `shape`, `projection`, `max_top_k`,
+    `final_norm` and `logits`."""
 
     if TYPE_CHECKING:  # DecoderGraph's
         cfg: ModelConfig
@@ -30,12 +30,18 @@ class SamplingHead:
         projection: ProjectionPolicy
         max_top_k: int
 
-        def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+        def final_norm(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor: ...
         def logits(
             self, x: torch.Tensor, head: torch.Tensor, rank: torch.Tensor | None
         ) -> torch.Tensor: ...
 
-    def _sample(self, h, m, w, rank) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    def _sample(
+        self,
+        h: torch.Tensor,
+        m: dict[str, torch.Tensor],
+        w: dict[str, torch.Tensor],
+        rank: torch.Tensor | None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """The final norm and LM head where sampling needs them, then on-device sampling; prefill
         with prompt logprobs runs the head on every position (TRT-LLM's context logits)."""
         cfg, shape = self.cfg, self.shape
@@ -52,17 +58,17 @@ class SamplingHead:
             last = m[abi.LAST_TOKEN_INDEX].clamp(0, tokens - 1)
             last_pos = positions[0].index_select(0, last)  # [S]
             if shape.prompt_logprobs:
-                h_all = self.norm(h[0], w.get("model.norm.weight"))
+                h_all = self.final_norm(h[0], w)
                 all_logits = self.logits(h_all, head, rank)  # [T, vocab]
                 targets = m[abi.TARGET_IDS][0].clamp(0, cfg.vocab_size - 1)  # [T]
                 prompt = target_logprobs(all_logits, targets, shape.logprobs)
                 logits = all_logits.index_select(0, last)  # [1, vocab]
             else:
-                h_last = self.norm(h[0].index_select(0, last), w.get("model.norm.weight"))
+                h_last = self.final_norm(h[0].index_select(0, last), w)
                 logits = self.logits(h_last, head, rank)  # [1, vocab]
         else:
             last_pos = positions[:, -1]  # [B]
-            h_last = self.norm(h[:, -1], w.get("model.norm.weight"))
+            h_last = self.final_norm(h[:, -1], w)
             logits = self.logits(h_last, head, rank)  # [B, vocab]
         branches = self.projection.sampler_branches
         masked, processed = process(logits, LogitInputs.of(m, abi.LOGIT_INPUTS), branches)
@@ -80,7 +86,14 @@ class SamplingHead:
         )
         return sampled, prompt
 
-    def _verify(self, h, m, w, rank, head) -> tuple[torch.Tensor, ...]:
+    def _verify(
+        self,
+        h: torch.Tensor,
+        m: dict[str, torch.Tensor],
+        w: dict[str, torch.Tensor],
+        rank: torch.Tensor | None,
+        head: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         """Speculative decoding's verify step: every position sampled as a decode step at that
         position samples (the same seed and position, so the same token), and each row's drafts
         (its input tokens after the first) accepted while they equal what was sampled before
@@ -89,7 +102,7 @@ class SamplingHead:
         the target's distribution without it. Returns the sampled tokens [B, T], each row's
         emitted count (accepted + 1) and the logprobs per position."""
         rows, tokens, _ = h.shape
-        x = self.norm(h.reshape(rows * tokens, -1), w.get("model.norm.weight"))
+        x = self.final_norm(h.reshape(rows * tokens, -1), w)
         logits = self.logits(x, head, rank)  # [B*T, vocab]
         temperature, top_k, top_p, seed = (
             m[name].repeat_interleave(tokens) for name in abi.SAMPLING_NAMES

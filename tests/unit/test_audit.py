@@ -21,28 +21,28 @@ def facts_of(
     """Export a small module the way neffkit does and describe it for the rules."""
     program = torch.export.export(module, inputs, strict=False).run_decompositions({})
     return GraphFacts(
-        "g",
-        phase,
-        canonical_text(program, names),
-        io_alias_map(program, names),
-        tuple(flags),
-        origins or {},
-        target,
-        neuron,
+        name="g",
+        phase=phase,
+        text=canonical_text(program, names),
+        io_alias=io_alias_map(program, names),
+        flags=tuple(flags),
+        flag_origins=origins or {},
+        target=target,
+        neuron_target=neuron,
     )
 
 
 def text_facts(lines: list[str], **kw) -> GraphFacts:
     """A small graph written directly in canonical text, for hazards export cannot produce."""
     return GraphFacts(
-        "g",
-        kw.pop("phase", "decode"),
-        "\n".join(lines) + "\n",
-        kw.pop("io_alias", ()),
-        tuple(kw.pop("flags", ())),
-        kw.pop("origins", {}),
-        kw.pop("target", "cpu"),
-        kw.pop("neuron", None),
+        name="g",
+        phase=kw.pop("phase", "decode"),
+        text="\n".join(lines) + "\n",
+        io_alias=kw.pop("io_alias", ()),
+        flags=tuple(kw.pop("flags", ())),
+        flag_origins=kw.pop("origins", {}),
+        target=kw.pop("target", "cpu"),
+        neuron_target=kw.pop("neuron", None),
     )
 
 
@@ -317,7 +317,17 @@ def _hlo(*body: str) -> str:
 
 
 def hlo_rules(text: str) -> list[str]:
-    facts = GraphFacts("g", "decode", "", (), (), {}, "neuron", "trn2", hlo_text=text)
+    facts = GraphFacts(
+        name="g",
+        phase="decode",
+        text="",
+        io_alias=(),
+        flags=(),
+        flag_origins={},
+        target="neuron",
+        neuron_target="trn2",
+        hlo_text=text,
+    )
     return [f.rule for f in audit_graph(facts) if f.rule.startswith("NK30")]
 
 
@@ -402,7 +412,17 @@ def test_nk305_names_opcodes_missing_from_the_documented_list():
         "x = u32[4]{0} xor(a, b)",
         "ROOT y = u32[4]{0} or(x, b)",
     )
-    facts = GraphFacts("g", "decode", "", (), (), {}, "neuron", "trn2", hlo_text=text)
+    facts = GraphFacts(
+        name="g",
+        phase="decode",
+        text="",
+        io_alias=(),
+        flags=(),
+        flag_origins={},
+        target="neuron",
+        neuron_target="trn2",
+        hlo_text=text,
+    )
     (finding,) = audit_graph(facts)
     assert finding.rule == "NK305" and finding.severity == "info"
     assert finding.message.endswith(": or, xor")

@@ -159,7 +159,10 @@ def test_decode_metadata_bytes_per_step(hf_model_dir, tmp_path):
     )
     host = model_layout(load_manifest(path), "cpu")
     params = SamplingParams(max_tokens=8)
-    seqs = [SequenceState(i, [1, 2, 3], params, 0, [4], [1 + 2 * i, 2 + 2 * i]) for i in range(4)]
+    seqs = [
+        SequenceState(i, [1, 2, 3], params, seed=0, output_ids=[4], blocks=[1 + 2 * i, 2 + 2 * i])
+        for i in range(4)
+    ]
     sent = {}
     device = dataclasses.replace(host, decode_state="device")
     for name, layout in (("host", host), ("device", device)):

@@ -210,3 +210,78 @@ def test_layout_error_names_the_manifest_field(tmp_path: Path) -> None:
     with pytest.raises(ManifestError) as err:
         parse_manifest(data, tmp_path)
     assert err.value.message.startswith("parallel.tp: 3 does not divide")
+
+
+MAX_POSITIONAL = 3  # a large dataclass's first few identity fields may go by position
+LARGE_DATACLASS = 6  # fields
+
+
+def _is_dataclass(node: ast.ClassDef) -> bool:
+    """@dataclass, @dataclass(...), @dataclasses.dataclass and @dataclasses.dataclass(...)."""
+    for d in node.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if (isinstance(target, ast.Name) and target.id == "dataclass") or (
+            isinstance(target, ast.Attribute) and target.attr == "dataclass"
+        ):
+            return True
+    return False
+
+
+def _own_fields(node: ast.ClassDef) -> int:
+    """Annotated class-level names, ClassVars left out (`x: ClassVar[int]`, `"ClassVar[int]"`)."""
+    return sum(
+        1
+        for s in node.body
+        if isinstance(s, ast.AnnAssign)
+        and isinstance(s.target, ast.Name)
+        and not ast.unparse(s.annotation).strip("'\"").startswith(("ClassVar", "typing.ClassVar"))
+    )
+
+
+def large_dataclasses() -> dict[str, int]:
+    """Every @dataclass class in neffkit/ with more than 6 fields, by name: its own annotated
+    fields plus those of the dataclasses it derives from (bases resolved by name)."""
+    classes: dict[str, ast.ClassDef] = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and _is_dataclass(node):
+                classes[node.name] = node
+
+    def count(name: str) -> int:
+        node = classes[name]
+        bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+        return _own_fields(node) + sum(count(b) for b in bases if b in classes and b != name)
+
+    sizes = {name: count(name) for name in classes}
+    return {name: n for name, n in sizes.items() if n > LARGE_DATACLASS}
+
+
+def test_large_dataclasses_are_built_by_keyword() -> None:
+    """A dataclass with more than 6 fields is built by keyword: a call in neffkit/ to one (by
+    name, `Name(...)` or `module.Name(...)`, or `cls(...)` in its own body) passes at most 3
+    arguments by position, and no `*args` splat (its length is unknown here)."""
+    large = large_dataclasses()
+    assert {"GraphShape", "SamplingParams", "SequenceState"} <= set(large), sorted(large)
+    bad = []
+    for path in sources():
+        tree = ast.parse(path.read_text())
+        owner = {  # `cls(...)` inside a large dataclass's methods builds that class
+            id(call): c.name
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name in large
+            for call in ast.walk(c)
+            if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Name)
+            and call.func.id == "cls"
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            name = owner.get(id(node), name)
+            splat = any(isinstance(a, ast.Starred) for a in node.args)
+            if name in large and (len(node.args) > MAX_POSITIONAL or splat):
+                n = "*" if splat else len(node.args)
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno} {name}({n} positional)")
+    assert not bad, bad

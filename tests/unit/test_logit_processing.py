@@ -101,13 +101,22 @@ def _rows(rng: np.random.Generator):
 def _meta(params, prompts, outputs, masks, width: int = 128, bias: int = 8):
     """The graph inputs the runtime writes for these rows (Penalties fed one token at a time)."""
     shape = GraphShape(
-        "decode", ROWS, 1, 64, 16, 8, 5, False, False, 0, 0, -(-VOCAB // 32), width, bias
+        phase="decode",
+        rows=ROWS,
+        tokens=1,
+        context=64,
+        block_size=16,
+        num_blocks=8,
+        logprobs=5,
+        bitmask_words=-(-VOCAB // 32),
+        penalty_tokens=width,
+        bias_tokens=bias,
     )
     specs = tuple((s.name, s.shape, s.dtype) for s in abi.logit_inputs(shape))
     meta = padded_metadata(specs)
     seqs = []
     for r, p in enumerate(params):
-        seq = SequenceState(r, prompts[r], p, 0)
+        seq = SequenceState(r, prompts[r], p, seed=0)
         if p.penalized:
             seq.penalties = Penalties(width, p, seq.prompt_ids)
         for t in outputs[r]:

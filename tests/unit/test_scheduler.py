@@ -281,7 +281,9 @@ def test_a_prompt_wanting_prompt_logprobs_prefills_alone() -> None:
     sched = Scheduler(layout)
     echo = SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY)
     plain = SamplingParams(max_tokens=1, **GREEDY)
-    seqs = [SequenceState(i, [1, 2, 3], p, 0) for i, p in enumerate([plain, echo, plain, plain])]
+    seqs = [
+        SequenceState(i, [1, 2, 3], p, seed=0) for i, p in enumerate([plain, echo, plain, plain])
+    ]
     for seq in seqs:
         sched.add(seq)
     sched.admit()

@@ -225,13 +225,13 @@ def _compare(
     logprob_tol = LOGPROB_TOLERANCE.get(layout.dtype, 0.25)
     equal = bool(np.array_equal(got[0], want[0]))
     return VerifyResult(
-        equal,
-        err,
-        KV_TOLERANCE.get(layout.dtype, 5e-2) * scale,
-        executor,
-        logprob_err,
-        logprob_tol,
-        0 if equal else near_ties(got[0], want, logprob_tol),
+        tokens_equal=equal,
+        max_kv_error=err,
+        tolerance=KV_TOLERANCE.get(layout.dtype, 5e-2) * scale,
+        executor=executor,
+        max_logprob_error=logprob_err,
+        logprob_tolerance=logprob_tol,
+        near_ties=0 if equal else near_ties(got[0], want, logprob_tol),
     )
 
 

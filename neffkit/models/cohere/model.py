@@ -31,7 +31,9 @@ class CohereGraph(LlamaGraph):
         x = self.norm(h, step.w[f"model.layers.{layer}.input_layernorm.weight"])
         return h + self.attention(x, layer, step) + self.feed_forward(x, layer, step)
 
-    def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_norm(
+        self, q: torch.Tensor, k: torch.Tensor, w: dict[str, torch.Tensor], p: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cfg.qk_norm:  # per-head weights [heads, head_dim]: this rank's heads
             return q, k
         eps = self.cfg.layer_norm_eps
@@ -40,7 +42,9 @@ class CohereGraph(LlamaGraph):
             layer_norm(k, w[f"{p}.self_attn.k_norm.weight"], eps),
         )
 
-    def logits(self, x, head, rank) -> torch.Tensor:
+    def logits(
+        self, x: torch.Tensor, head: torch.Tensor, rank: torch.Tensor | None
+    ) -> torch.Tensor:
         return super().logits(x, head, rank) * self.cfg.logit_scale
 
 

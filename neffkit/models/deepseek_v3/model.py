@@ -3,25 +3,42 @@ a latent cache, sigmoid group-limited routing, and shared experts beside the rou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from neffkit.contract import abi
+from neffkit.contract.abi import GraphShape
 from neffkit.kernels.attention import paged_attention
 from neffkit.kernels.kv import gather_context, write_cache
 from neffkit.kernels.rope import apply_rope, apply_rope_interleaved
 from neffkit.models.deepseek_v3.config import DeepseekV3Config, DeepseekV3MtpConfig
 from neffkit.models.experts import Routing
+from neffkit.models.forms import PLAIN, ProjectionPolicy
 from neffkit.models.moe.model import MoeGraph, MoeShards, W
+from neffkit.models.parallel import Parallelism
 from neffkit.models.rope_scaling import yarn_mscale
 from neffkit.models.shards import Named
 from neffkit.models.step import Step
+from neffkit.targets import E4M3FN_MAX
 
 
 class DeepseekV3Graph(MoeGraph):
     cfg: DeepseekV3Config
 
-    def __init__(self, *args, mla_decode: str = "absorbed", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        cfg: DeepseekV3Config,
+        shape: GraphShape,
+        weight_names: list[str],
+        max_top_k: int,
+        par: Parallelism | None = None,
+        projection: ProjectionPolicy = PLAIN,
+        fp8_max: float = E4M3FN_MAX,
+        *,
+        mla_decode: str = "absorbed",
+    ) -> None:
+        super().__init__(cfg, shape, weight_names, max_top_k, par, projection, fp8_max)
         # MLA decode graphs: latent-space attention ("absorbed"), or per-head K/V expanded from
         # the latent context every step ("expanded", HF's form; for comparison)
         self.mla_decode = mla_decode
@@ -198,7 +215,15 @@ class DeepseekV3MtpShards(DeepseekV3Shards):
 
     cfg: DeepseekV3MtpConfig
 
-    def __init__(self, cfg, par, rank, get, available, kv_scales=False) -> None:
+    def __init__(
+        self,
+        cfg: DeepseekV3MtpConfig,
+        par: Parallelism,
+        rank: int,
+        get: Callable[[str], torch.Tensor],
+        available: set[str],
+        kv_scales: bool = False,
+    ) -> None:
         src = f"model.layers.{cfg.source_layer}"
         special = {
             "model.norm.weight": f"{src}.shared_head.norm.weight",

@@ -13,7 +13,9 @@ from neffkit.models.step import Step
 class GraniteGraph(LlamaGraph):
     cfg: GraniteConfig
 
-    def embed(self, ids, w, rank) -> torch.Tensor:
+    def embed(
+        self, ids: torch.Tensor, w: dict[str, torch.Tensor], rank: torch.Tensor | None
+    ) -> torch.Tensor:
         return super().embed(ids, w, rank) * self.cfg.embedding_multiplier
 
     def attention_scale(self) -> float:
@@ -26,7 +28,9 @@ class GraniteGraph(LlamaGraph):
         x = self.norm(h, w[f"{p}.post_attention_layernorm.weight"])
         return h + self.feed_forward(x, layer, step) * r
 
-    def logits(self, x, head, rank) -> torch.Tensor:
+    def logits(
+        self, x: torch.Tensor, head: torch.Tensor, rank: torch.Tensor | None
+    ) -> torch.Tensor:
         return super().logits(x, head, rank) / self.cfg.logits_scaling
 
 

@@ -14,7 +14,9 @@ from neffkit.models.shards import Named, Shards
 class LlamaGraph(DecoderGraph):
     cfg: LlamaConfig
 
-    def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_norm(
+        self, q: torch.Tensor, k: torch.Tensor, w: dict[str, torch.Tensor], p: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cfg.qk_norm:
             return q, k
         return (

@@ -38,7 +38,9 @@ class Llama4Graph(MoeGraph):
 
     offsets_follow_rope = False  # NoPE layers and L2 norms: offsets built per layer
 
-    def positional(self, q, k, layer: int, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def positional(
+        self, q: torch.Tensor, k: torch.Tensor, layer: int, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE then L2 norms on the RoPE layers; on NoPE layers, temperature-tuned queries."""
         cfg = self.cfg
         if cfg.rope_layers[layer]:

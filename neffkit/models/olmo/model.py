@@ -33,7 +33,12 @@ class OlmoGraph(LlamaGraph):
         shape = (x.shape[-1],)
         return torch.nn.functional.layer_norm(x.float(), shape, eps=OLMO_LAYER_NORM_EPS).to(x.dtype)
 
-    def qk_norm(self, q, k, w, p) -> tuple[torch.Tensor, torch.Tensor]:
+    def final_norm(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.norm(x, w.get("model.norm.weight"))  # OLMo: no weight (OlmoShards)
+
+    def qk_norm(
+        self, q: torch.Tensor, k: torch.Tensor, w: dict[str, torch.Tensor], p: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cfg.olmo2:
             return q, k
         return (

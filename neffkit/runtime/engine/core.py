@@ -20,7 +20,7 @@ import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from neffkit.runtime.worker.batch import SequenceState
 from neffkit.runtime.worker.logit_inputs import Penalties
 from neffkit.runtime.worker.runner import ModelRunner
 from neffkit.runtime.worker.step_output import TokenLogprobs
+
+if TYPE_CHECKING:  # loading a bundle imports torch: the core process does it when it starts
+    from neffkit.runtime.worker.loader import LoadedBundle
 
 # messages core → server
 READY, STEP, FAILED = "ready", "step", "failed"
@@ -98,7 +101,12 @@ class EngineCore:
         if params.max_tokens is None:  # up to the context limit (check_fits refuses <= 0)
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
-        seq = SequenceState(next(REQUEST_IDS), list(prompt_ids), params, seed & 0xFFFFFFFF)
+        seq = SequenceState(
+            request_id=next(REQUEST_IDS),
+            prompt_ids=list(prompt_ids),
+            params=params,
+            seed=seed & 0xFFFFFFFF,
+        )
         if params.structured is not None:  # compiled before it is queued: a bad one queues nothing
             if self.grammars is None:
                 raise RequestError(
@@ -230,7 +238,8 @@ def core_main(
         from neffkit.runtime.engine.loading import attach_proposer, grammars_of
         from neffkit.runtime.worker.distributed import run_on_ranks
 
-        def governor(loaded) -> ThreadGovernor | None:  # where nobody chose the count, one rank
+        # a governor where nobody chose the count, one rank
+        def governor(loaded: LoadedBundle) -> ThreadGovernor | None:
             chosen = chosen_threads(threads) is not None
             ranks = loaded.bundle.record.layout.world_size
             return None if chosen or ranks > 1 else ThreadGovernor(full, torch.set_num_threads)

@@ -160,7 +160,13 @@ class EngineClient:
                 if self.tokenizer
                 else None
             )
-            stream = Stream(next(self._ids), list(prompt_ids), params, emit, detok)
+            stream = Stream(
+                rid=next(self._ids),
+                prompt_ids=list(prompt_ids),
+                params=params,
+                emit=emit,
+                detok=detok,
+            )
             self._live[stream.rid] = stream
             self.conn.send(("add", stream.rid, stream.prompt_ids, params))
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -250,14 +256,14 @@ class EngineClient:
             self.metrics.generation_tokens.inc(len(new_ids))
             stream.output_ids += new_ids
         event = Event(
-            delta,
-            new_ids,
-            finish,
-            len(stream.prompt_ids),
-            len(stream.output_ids),
-            logprobs,
-            out.prompt_logprobs,
-            out.cached_tokens,
+            text=delta,
+            token_ids=new_ids,
+            finish_reason=finish,
+            prompt_tokens=len(stream.prompt_ids),
+            completion_tokens=len(stream.output_ids),
+            logprobs=logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+            cached_tokens=out.cached_tokens,
         )
         if finish is not None:
             if stopped:

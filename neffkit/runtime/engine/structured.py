@@ -65,7 +65,9 @@ class Grammars:
     """Compiled grammars of one tokenizer: checked (for the server's 400s) and turned into
     matchers (for the engine), cached by source."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids

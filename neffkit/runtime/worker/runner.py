@@ -176,7 +176,7 @@ class ModelRunner:
 
     def __init__(
         self, graphs: list[GraphEntry], config: SchedulerConfig, on_run: OnRun | None = None
-    ):
+    ) -> None:
         self.config = config
         self.graph_list = list(graphs)
         self.graphs = {g.key: g for g in graphs}
