@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from neffkit.compile.layout import target_layout
 from neffkit.compile.plan import make_plan
-from neffkit.compile.verify.run import run as verify
+from neffkit.compile.verify import run as verify
 from neffkit.manifest import load_manifest
 from neffkit.platform import cpu_kernels
 from tests.support.cache import artifact_cache
