@@ -76,7 +76,36 @@ def _parse_ids(text: str) -> list[int]:
 @click.option(
     "--api-key",
     envvar="NEFFKIT_API_KEY",
-    help="Server: require `Authorization: Bearer KEY` on /v1 (env NEFFKIT_API_KEY).",
+    help="Server: require `Authorization: Bearer KEY` on every route but /health "
+    "(env NEFFKIT_API_KEY).",
+)
+@click.option(
+    "--public-metrics",
+    "public_metrics",
+    is_flag=True,
+    help="Server: with --api-key, leave /metrics open too (a Prometheus scraper without the key).",
+)
+@click.option(
+    "--max-request-bytes",
+    default=16 * 2**20,  # HttpLimits' defaults (serve/access.py), here and below
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Server: a request body over this many bytes gets 413.",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Server: seconds a client has to send a request's line and headers whole (from the "
+    "connection's opening or the previous response's end) before the connection is closed.",
+)
+@click.option(
+    "--timeout-keep-alive",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Server: seconds an idle keep-alive connection stays open.",
 )
 @click.option(
     "--served-model-name", help="Server: the model id clients use (default: bundle name)."
@@ -115,6 +144,14 @@ def _parse_ids(text: str) -> list[int]:
     is_flag=True,
     help="Server: JSON constraints allow no whitespace between tokens unless a request asks "
     "(structured_outputs.disable_any_whitespace: false); small models wander in whitespace.",
+)
+@click.option(
+    "--grammar-timeout",
+    default=5.0,  # GrammarLimits.timeout_s (engine/structured.py)
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Server: seconds a new structured-output grammar may take to compile; slower ones get "
+    "a 400 naming the field.",
 )
 def run(
     bundle: Path,
@@ -181,8 +218,14 @@ def _serve(
 ) -> int:
     """Serve until stopped; the exit status. `server`: the server-only options, by click's
     names (host, port, api_key, ..., strict_requests)."""
+    from neffkit.runtime.serve.access import HttpLimits
     from neffkit.runtime.serve.api_server import serve
 
+    limits = HttpLimits(
+        max_request_bytes=server["max_request_bytes"],
+        header_timeout_s=server["header_timeout"],
+        keep_alive_s=server["timeout_keep_alive"],
+    )
     return serve(
         bundle,
         executor=executor,
@@ -198,5 +241,8 @@ def _serve(
         access_log=not server["no_access_log"],
         tool_parser=server["tool_parser"],
         compact_json=server["compact_json"],
+        grammar_timeout_s=server["grammar_timeout"],
         threads=server["threads"],
+        http_limits=limits,
+        public_metrics=server["public_metrics"],
     )

@@ -63,7 +63,10 @@ class Tokenizer:
         return tok.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, as transformers calls it: the same ids, and it releases the GIL while it
+        # works (encode holds it: a prompt of megabytes stalled the server's event loop for
+        # seconds even from a worker thread)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

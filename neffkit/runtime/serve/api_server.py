@@ -2,11 +2,16 @@
 process and the engine client beside it, and runs the FastAPI application (app.py) under uvicorn
 until SIGINT/SIGTERM or the engine's death, then stops the core.
 
-Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bearer KEY` on /v1.
+Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bearer KEY` on every
+route but /health. uvicorn runs with the limits of `HttpLimits`
+(docs/serving.md#http-limits-and-the-api-key): an idle connection's keep-alive, the size of a
+request head, the time a request head may take to arrive (uvicorn has no such timeout:
+`_head_deadline_protocol` adds it), the graceful shutdown's bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -18,7 +23,8 @@ from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.engine.core import start_core
 from neffkit.runtime.engine.core_client import EngineClient
 from neffkit.runtime.engine.metrics import Metrics
-from neffkit.runtime.serve.access import enable_access_log
+from neffkit.runtime.engine.structured import GrammarLimits
+from neffkit.runtime.serve.access import HttpLimits, enable_access_log
 from neffkit.runtime.serve.app import App, create_app
 from neffkit.runtime.tokenizer import Tokenizer
 
@@ -44,12 +50,52 @@ def _graceful_server_class() -> type:
     return GracefulServer
 
 
+def _head_deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline on each request head: from the connection's
+    opening, or the end of the previous response on it, the client has `timeout_s` to send the
+    request line and headers whole, else the connection is closed. uvicorn alone waits forever
+    for a head sent a byte at a time (slowloris: its keep-alive timer restarts on every byte)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._watch_head()
+
+        def handle_events(self) -> None:  # every byte received and every response's end
+            super().handle_events()
+            self._watch_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _watch_head(self) -> None:
+            waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+            if waiting and self.head_timer is None:
+                self.head_timer = self.loop.call_later(timeout_s, self._head_late)
+            elif not waiting and self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _head_late(self) -> None:
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadline
+
+
 class _HttpServer:
     """uvicorn on the main thread, until a signal, or until the engine client's reader thread
     reports the engine dead (`shut_down`)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, limits: HttpLimits) -> None:
+        self.host, self.port, self.limits = host, port, limits
         self.server: uvicorn.Server | None = None  # once running, for shut_down
 
     def shut_down(self, detail: str) -> None:  # the reader thread: uvicorn polls should_exit
@@ -60,8 +106,17 @@ class _HttpServer:
     def run(self, api: FastAPI, name: str) -> None:
         import uvicorn
 
+        limits = self.limits
         config = uvicorn.Config(
-            api, host=self.host, port=self.port, log_level="warning", access_log=False
+            api,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            http=_head_deadline_protocol(limits.header_timeout_s),
+            timeout_keep_alive=limits.keep_alive_s,
+            h11_max_incomplete_event_size=limits.max_header_bytes,
+            timeout_graceful_shutdown=limits.graceful_shutdown_s,
         )
         self.server = _graceful_server_class()(config)
         print(f"neffkit: serving {name!r} at http://{self.host}:{self.port}/v1", flush=True)
@@ -83,7 +138,10 @@ def serve(
     access_log: bool = True,
     tool_parser: str | None = None,
     compact_json: bool = False,
+    grammar_timeout_s: float = GrammarLimits.timeout_s,
     threads: int | None = None,
+    http_limits: HttpLimits | None = None,
+    public_metrics: bool = False,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
     in-flight request got its 5xx). The engine core runs in its own process (engine/core.py)."""
@@ -95,7 +153,8 @@ def serve(
     core, conn = start_core(
         bundle_path, executor, dist_timeout_s, prefix_caching, speculation, threads
     )
-    http = _HttpServer(host, port)
+    limits = http_limits or HttpLimits()
+    http = _HttpServer(host, port, limits)
     layout = SchedulerConfig.of(record)
     client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, http.shut_down)
     try:
@@ -111,6 +170,9 @@ def serve(
             access_log=access_log,
             tool_parser=tool_parser,
             compact_json=compact_json,
+            grammar_limits=GrammarLimits(timeout_s=grammar_timeout_s),
+            max_request_bytes=limits.max_request_bytes,
+            public_metrics=public_metrics,
         )
         if access_log:
             enable_access_log()

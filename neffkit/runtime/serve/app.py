@@ -9,7 +9,10 @@ POST /v1/completions and /v1/chat/completions (SSE streaming with `data: [DONE]`
 `stream_options.include_usage`), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM
 names). Bad requests get a 400 with an OpenAI-style error body naming the field; a full waiting
 queue gets a 503. A client that disconnects mid-request has its sequence and KV blocks freed.
-`api_key` requires `Authorization: Bearer KEY` on /v1.
+`api_key` requires `Authorization: Bearer KEY` on every route but /health (access.py), and a body
+over `max_request_bytes` gets a 413. What costs CPU in proportion to a request's size (parsing its
+JSON, its fields, tokenizing its prompts and checking their length) runs on worker threads, so a
+large request never stalls the event loop: /health and other streams keep answering.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -28,14 +31,19 @@ import neffkit
 from neffkit.contract.bundle import Bundle
 from neffkit.errors import RequestError
 from neffkit.runtime.engine.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
+from neffkit.runtime.engine.limits import check_fits
 from neffkit.runtime.engine.metrics import Metrics
-from neffkit.runtime.engine.structured import Grammars
+from neffkit.runtime.engine.structured import GrammarLimits, Grammars
 from neffkit.runtime.serve.access import (
     REQUEST_ID,
     AccessLog,
+    ApiKey,
+    BodyRefused,
+    HttpLimits,
     UnknownFields,
     add_http_errors,
     error_body,
+    read_body,
 )
 from neffkit.runtime.serve.protocol import (
     CHAT_FIELDS,
@@ -49,6 +57,8 @@ from neffkit.runtime.serve.responses import ChatChunks, CompletionChunks, merge_
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
+ParseBody = Callable[[dict[str, Any], str], ApiRequest]
 
 
 # ---------------------------------------------------------------- the app
@@ -71,17 +81,45 @@ class App:
         access_log: bool = True,
         tool_parser: str | None = None,
         compact_json: bool = False,
+        grammar_limits: GrammarLimits | None = None,
+        max_request_bytes: int = HttpLimits.max_request_bytes,
+        public_metrics: bool = False,
     ) -> None:
         self.loop, self.metrics = engine_loop, metrics
+        self.max_request_bytes, self.public_metrics = max_request_bytes, public_metrics
         self.tool_parser = tool_parser
         self.compact_json = compact_json  # JSON constraints without whitespace unless asked
         config = engine_loop.config
-        self.grammars = Grammars.of(tokenizer, config.vocab_size, config.eos_token_ids)
+        self.grammars = Grammars.of(
+            tokenizer, config.vocab_size, config.eos_token_ids, grammar_limits
+        )
         self.unknown_fields, self.access_log = UnknownFields(strict_requests), access_log
         self.model_name, self.api_key = model_name, api_key
         self.tokenizer = tokenizer
         self.created = int(time.time())
         self.digest = bundle.digest
+
+    async def parse(self, request: Request, known: frozenset[str], parse: ParseBody) -> ApiRequest:
+        """The body read (415 unless JSON, 413 over the limit), then on a worker thread: its
+        JSON parsed, its unknown fields logged or refused, its fields parsed."""
+        raw = await read_body(request, self.max_request_bytes)
+        request_id = request.scope.get(REQUEST_ID, "-")
+
+        def work() -> ApiRequest:
+            body = parse_body(raw)
+            self.unknown_fields.check(body, known, request_id)
+            return parse(body, self.model_name)
+
+        return await asyncio.to_thread(_shallow, work)
+
+    def checked_prompts(self, request: ApiRequest) -> list[list[int]]:
+        """Each prompt as token ids, each checked against the bundle (too long, ids outside the
+        vocabulary: a 400) before it reaches the engine client, whose own check is then cheap.
+        Run on a worker thread: a prompt of megabytes takes seconds to tokenize."""
+        prompts = self.prompt_ids(request)
+        for ids in prompts:
+            check_fits(self.loop.config, ids, request.params)
+        return prompts
 
     def prompt_ids(self, request: ApiRequest) -> list[list[int]]:
         """Each prompt as token ids: encoded text, given ids, or the rendered chat template."""
@@ -166,7 +204,7 @@ class App:
     async def respond(self, request: Request, parsed: ApiRequest, kind: ChunksKind) -> Response:
         """Submit, then stream (SSE) or wait for the whole answer."""
         parsed = await self.check_constraints(parsed)
-        prompts = self.prompt_ids(parsed)
+        prompts = await asyncio.to_thread(_shallow, lambda: self.checked_prompts(parsed))
         choices = self.submit(parsed, prompts)
         shape = (
             ChatChunks(self.model_name, self.tokenizer, parsed, prompts, self.tool_parser)
@@ -241,24 +279,33 @@ Chunks = CompletionChunks | ChatChunks
 ChunksKind = type[CompletionChunks] | type[ChatChunks]
 
 
+def _shallow(work: Callable[[], T]) -> T:
+    """`work()`, with a body nested deeper than Python recurses a 400, not a 500: beside the
+    JSON parser (100,000 `[`), whatever walks a value of the body (a template, a schema)."""
+    try:
+        return work()
+    except RecursionError:
+        raise RequestError(
+            "request body is nested too deeply to process (arrays and objects within each "
+            "other, more than Python's recursion limit allows)",
+            hint="flatten the body",
+        ) from None
+
+
 def create_app(app_state: App) -> FastAPI:
     api = FastAPI(title="neffkit", version=neffkit.__version__, docs_url=None, redoc_url=None)
     _add_errors(api, app_state)
     add_http_errors(api)
     _add_routes(api, app_state)
+    if app_state.api_key:
+        open_paths = {"/health", "/metrics"} if app_state.public_metrics else {"/health"}
+        api.add_middleware(ApiKey, key=app_state.api_key, open_paths=frozenset(open_paths))
     api.add_middleware(AccessLog, log=app_state.access_log)  # outermost: every answer logged
     return api
 
 
 def _add_errors(api: FastAPI, s: App) -> None:
-    """Authentication, and each error kind as an OpenAI error body with its status."""
-
-    @api.middleware("http")
-    async def auth(request: Request, call_next: Callable) -> Response:
-        if s.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {s.api_key}":
-                return error_body("invalid or missing API key", "authentication_error", code=401)
-        return await call_next(request)
+    """Each error kind as an OpenAI error body with its status."""
 
     @api.exception_handler(ServerBusy)
     async def busy(request: Request, exc: ServerBusy) -> Response:
@@ -272,6 +319,11 @@ def _add_errors(api: FastAPI, s: App) -> None:
     async def bad_request(request: Request, exc: RequestError) -> Response:
         hint = f" ({exc.own_hint})" if exc.own_hint else ""  # not the docs page: a client's
         return error_body(exc.message + hint, "invalid_request_error", exc.param)
+
+    @api.exception_handler(BodyRefused)
+    async def body_refused(request: Request, exc: BodyRefused) -> Response:
+        message = f"{exc.message} ({exc.own_hint})" if exc.own_hint else exc.message
+        return error_body(message, "invalid_request_error", code=exc.status)
 
 
 def _add_routes(api: FastAPI, s: App) -> None:
@@ -310,14 +362,10 @@ def _add_routes(api: FastAPI, s: App) -> None:
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body())
-        s.unknown_fields.check(body, COMPLETION_FIELDS, request.scope.get(REQUEST_ID, "-"))
-        parsed = parse_completion(body, s.model_name)
+        parsed = await s.parse(request, COMPLETION_FIELDS, parse_completion)
         return await s.respond(request, parsed, CompletionChunks)
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = parse_body(await request.body())
-        s.unknown_fields.check(body, CHAT_FIELDS, request.scope.get(REQUEST_ID, "-"))
-        parsed = parse_chat(body, s.model_name)
+        parsed = await s.parse(request, CHAT_FIELDS, parse_chat)
         return await s.respond(request, parsed, ChatChunks)
