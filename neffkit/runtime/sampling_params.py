@@ -27,10 +27,41 @@ OFFLINE_TEMPERATURE = 0.0
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the graphs read sampling values as float32
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM (and the parser here) clamp finite biases to it
+# What one request may ask to be stopped by. vLLM has no hard limits; these are far above what
+# clients send (OpenAI takes 4 stop strings, lm-eval a handful) and keep a request's cost bounded:
+# every generated token is checked against each stop string (and the text held back for a partial
+# match is as long as the longest), and min_tokens writes each stop id into the graph's bias pairs.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shown(value: Any, text: str | None = None) -> str:
+    """A request value (or its `text`) for an error message, short whatever its size."""
+    if text is None and is_int(value) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if text is None else text
+    return text if len(text) <= 64 else f"{text[:48]}… ({len(text)} characters)"
+
+
+def check_int(value: Any, name: str, lo: int = 0, hi: int = INT64_MAX) -> None:
+    """An integer within [lo, hi] (a JSON true is not one), else a RequestError naming `name`:
+    every integer a request gives reaches a graph's int64 input, an index or a loop bound."""
+    if is_int(value) and lo <= value <= hi:
+        return
+    if (lo, hi) == (INT64_MIN, INT64_MAX):
+        wanted = "a 64-bit integer"
+    elif hi == INT64_MAX:
+        wanted = f">= {lo}, a 64-bit integer"
+    else:
+        wanted = f"an integer in [{lo}, {hi}]"
+    param = name.split("[")[0]
+    raise RequestError(f"{name} must be {wanted}, got {shown(value)}", param=param)
 
 
 # what a grammar may be given as (structured.py compiles them with llguidance)
@@ -85,33 +116,32 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # 0 generates nothing: a prompt's own logprobs (echo), what lm-eval's loglikelihood asks
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
-            raise RequestError(
-                f"max_tokens must be >= 0, got {self.max_tokens!r}", param="max_tokens"
-            )
+        if self.max_tokens is not None:
+            check_int(self.max_tokens, "max_tokens")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 0):
-                raise RequestError(f"{name} must be >= 0, got {value!r}", param=name)
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name)
         if not math.isfinite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise RequestError(
                 f"temperature must be >= 0 and finite, got {self.temperature}", param="temperature"
             )
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if not is_int(self.top_k) or not INT64_MIN <= self.top_k <= INT64_MAX:
-            raise RequestError(f"top_k must be a 64-bit integer, got {self.top_k!r}", param="top_k")
-        if self.seed is not None and not (
-            is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX
-        ):
-            raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}", param="seed")
-        if not all(is_int(t) for t in self.stop_token_ids):
-            raise RequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
+        check_int(self.top_k, "top_k", INT64_MIN)
+        if self.seed is not None:
+            check_int(self.seed, "seed", INT64_MIN)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(
+                f"stop_token_ids: {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+                param="stop_token_ids",
+            )
+        for i, token in enumerate(self.stop_token_ids):  # the vocabulary: limits.check_fits
+            check_int(token, f"stop_token_ids[{i}]")
         self._check_processing()
 
     def _check_processing(self) -> None:
-        """vLLM's ranges: penalties in [-2, 2] and > 0, biases clamped to [-100, 100] by the
-        parser, min_tokens within max_tokens."""
+        """vLLM's ranges: penalties in [-2, 2] and > 0, biases in [-100, 100] (the parser clamps
+        finite ones to it), min_tokens within max_tokens."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -122,19 +152,18 @@ class SamplingParams:
                 f"repetition_penalty must be > 0 and finite, got {value}",
                 param="repetition_penalty",
             )
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise RequestError(
-                f"min_tokens must be >= 0, got {self.min_tokens!r}", param="min_tokens"
-            )
+        check_int(self.min_tokens, "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens",
             )
         for token, bias in self.logit_bias:
-            if not is_int(token) or token < 0 or not math.isfinite(bias):
+            check_int(token, "logit_bias")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN too
                 raise RequestError(
-                    f"logit_bias: {token!r}: {bias!r} is not a token id and a finite bias",
+                    f"logit_bias[{token}]: the bias must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {shown(bias)}",
                     param="logit_bias",
                 )
         spec = self.structured

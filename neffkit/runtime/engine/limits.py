@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from neffkit.errors import RequestError
 from neffkit.runtime.config import SchedulerConfig
-from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.sampling_params import SamplingParams, shown
 from neffkit.runtime.worker.logit_inputs import Penalties, stop_count
 
 
@@ -21,13 +21,7 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
     """Refuse what no bucket can serve, with the buckets in the message."""
     if not prompt_ids:
         raise RequestError("prompt is empty: at least one token is needed", param="prompt")
-    bad = next((i for i, t in enumerate(prompt_ids) if not 0 <= t < config.vocab_size), None)
-    if bad is not None:
-        raise RequestError(
-            f"prompt[{bad}]: token id {prompt_ids[bad]} is outside the vocabulary "
-            f"[0, {config.vocab_size})",
-            param="prompt",
-        )
+    _check_vocabulary(config, prompt_ids, params)
     cap = config.max_top_k
     if params.top_k > cap:
         raise RequestError(
@@ -55,6 +49,27 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
             f"{config.num_blocks - 1}",
             param="prompt",
         )
+
+
+def _check_vocabulary(
+    config: SchedulerConfig, prompt_ids: list[int], params: SamplingParams
+) -> None:
+    """Every token id a request gives lies in [0, vocab): the prompt's (an embedding gather),
+    the stop ids and logit_bias keys (bias pairs the graph scatters into the logits)."""
+    vocab = config.vocab_size
+    fields = (
+        ("prompt", prompt_ids),
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    )
+    for field, ids in fields:
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            where = field if field == "logit_bias" else f"{field}[{bad}]"
+            raise RequestError(
+                f"{where}: token id {shown(ids[bad])} is outside the vocabulary [0, {vocab})",
+                param=field,
+            )
 
 
 def _check_logprobs(config: SchedulerConfig, params: SamplingParams) -> None:
@@ -102,12 +117,6 @@ def _check_logit_processing(
                 f"track {config.penalty_tokens} (sampling.max_penalty_tokens)",
                 hint="lower max_tokens, or build with a larger sampling.max_penalty_tokens",
                 param=name,
-            )
-    for t, _ in params.logit_bias:
-        if t >= config.vocab_size:
-            raise RequestError(
-                f"logit_bias: token id {t} is outside the vocabulary [0, {config.vocab_size})",
-                param="logit_bias",
             )
     pairs = len(params.logit_bias) + stop_count(params, config.eos_token_ids)
     if pairs > config.bias_tokens:

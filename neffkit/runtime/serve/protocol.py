@@ -17,9 +17,15 @@ from neffkit.runtime.sampling_params import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
     SamplingParams,
     StructuredSpec,
+    check_int,
     is_int,
+    shown,
 )
 from neffkit.runtime.serve.request_constraints import (
     GUIDED,
@@ -27,6 +33,7 @@ from neffkit.runtime.serve.request_constraints import (
     any_whitespace,
     parse_constraint,
     parse_logit_bias,
+    parse_messages,
     parse_tools,
 )
 from neffkit.runtime.serve.tools import tool_constraint
@@ -106,11 +113,33 @@ class ApiRequest:
     tool_request: ToolRequest | None = None  # chat: what tool_choice asks (tools.py)
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def _huge_int(text: str) -> int | float:
+    """A JSON integer; one too long for Python to read (over 4300 digits) is ±infinity, as json
+    reads 1e400, so the field that holds it refuses it by name."""
     try:
-        body = json.loads(raw)
+        return int(text)
+    except ValueError:
+        return float("-inf") if text.startswith("-") else float("inf")
+
+
+def _loads(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except ValueError:  # an integer too long to read: again, with those as infinities
+        return json.loads(raw, parse_int=_huge_int)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object, or a 400. JSON's numbers reach the fields as Python reads them: 1e400 and
+    NaN / Infinity (which Python's json writes) as floats, -0 as 0, each field checks its own."""
+    try:
+        body = _loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # app.py's _shallow says the same of what walks the body later
+        raise RequestError("request body is nested too deeply to read") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     return body
@@ -123,7 +152,8 @@ def _get(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any)
     # bool is an int in Python; a JSON true is never a valid number here
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = "/".join("number" if k is float else k.__name__ for k in kinds)
-        raise RequestError(f"{name} must be {names}, got {json.dumps(value)}", param=name)
+        got = shown(value, json.dumps(value))
+        raise RequestError(f"{name} must be {names}, got {got}", param=name)
     return value
 
 
@@ -132,7 +162,7 @@ def _float(body: dict[str, Any], name: str, default: float) -> float:
     try:
         return float(value)
     except OverflowError:  # a JSON integer too large for a float
-        raise RequestError(f"{name} is out of range, got {value}", param=name) from None
+        raise RequestError(f"{name} is out of range, got {shown(value)}", param=name) from None
 
 
 def check_unsupported(body: dict[str, Any], also: dict[str, tuple[object, ...]]) -> None:
@@ -189,14 +219,22 @@ def _sampling(
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    """Up to MAX_STOP_STRINGS strings of up to MAX_STOP_STRING_CHARS characters (empty ones are
+    ignored, as the detokenizer drops them)."""
     value = body.get("stop")
     if value is None:
         return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise RequestError("stop must be a string or a list of strings", param="stop")
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(v, str) for v in stop):
+        raise RequestError("stop must be a string or a list of strings", param="stop")
+    longest = max(map(len, stop), default=0)
+    if len(stop) > MAX_STOP_STRINGS or longest > MAX_STOP_STRING_CHARS:
+        raise RequestError(
+            f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_STRING_CHARS} "
+            f"characters each; got {len(stop)}, the longest of {longest}",
+            param="stop",
+        )
+    return tuple(stop)
 
 
 def _include_stop(body: dict[str, Any]) -> bool:
@@ -221,18 +259,28 @@ def _is_prompt(value: Any) -> TypeGuard[str | list[int]]:
 
 
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
-    """A string, a list of token ids, or a list of either (one choice per prompt)."""
+    """A string, a list of token ids, or a list of either (one choice per prompt); ids within
+    int64 here, within the vocabulary in limits.check_fits."""
     prompt = body.get("prompt")
     if prompt == []:
         return [[]]
     if _is_prompt(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(map(_is_prompt, prompt)):
-        return list(prompt)
-    raise RequestError(
-        "prompt must be a string, a list of token ids, or a list of strings or token-id lists",
-        param="prompt",
-    )
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(map(_is_prompt, prompt)):
+        prompts = list(prompt)
+    else:
+        raise RequestError(
+            "prompt must be a string, a list of token ids, or a list of strings or token-id lists",
+            param="prompt",
+        )
+    for ids in prompts:
+        if isinstance(ids, list) and not INT64_MIN <= min(ids) <= max(ids) <= INT64_MAX:
+            bad = next(t for t in ids if not INT64_MIN <= t <= INT64_MAX)
+            raise RequestError(
+                f"prompt: token id {shown(bad)} is outside the vocabulary (and int64)",
+                param="prompt",
+            )
+    return prompts
 
 
 def _n(body: dict[str, Any], prompts: int) -> int:
@@ -288,15 +336,15 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     top = _get(body, "top_logprobs", (int,), None)
     if top is not None and not wanted:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    if top is not None and top < 0:
-        raise RequestError(f"top_logprobs must be >= 0, got {top}", param="top_logprobs")
+    if top is not None:
+        check_int(top, "top_logprobs")
     return (top or 0) if wanted else None
 
 
 def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
     check_model(body, served)
     check_unsupported(body, {"echo": (None, False)})  # vLLM's chat echo is another feature
-    flat = _messages(body)
+    flat = parse_messages(body)
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     logprobs = (_chat_logprobs(body), None)
     tools = parse_tools(body)
@@ -330,51 +378,3 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
         tools=tuple(body.get("tools") or ()),
         tool_request=tools,
     )
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Chat's messages as role/content pairs: content parts joined into one text, and each
-    message's tool calls or tool result id kept for the template."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", param="messages")
-    flat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
-        content = m.get("content", "")
-        if content is None:
-            content = ""
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise RequestError(
-                    f"messages[{i}].content parts must be objects with a text string",
-                    param="messages",
-                )
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string", param="messages")
-        flat.append({"role": m["role"], "content": content, **_tool_fields(m, i)})
-    return flat
-
-
-def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
-    """An assistant's earlier tool calls and a tool result's id, for the chat template; call
-    arguments given as JSON text become objects, as templates expect (vLLM does the same)."""
-    out = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
-    calls = message.get("tool_calls")
-    if calls is None:
-        return out
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise RequestError(f"messages[{i}].tool_calls must be a list of objects", param="messages")
-    parsed = []
-    for c in calls:
-        fn = dict(c.get("function") or {})
-        if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except json.JSONDecodeError:
-                pass  # a template that wants text gets text
-        parsed.append({**c, "function": fn})
-    return out | {"tool_calls": parsed}

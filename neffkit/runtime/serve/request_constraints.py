@@ -1,6 +1,7 @@
 """The request fields that shape the logits, parsed: OpenAI's `response_format`, vLLM's
 `structured_outputs` and its older `guided_*` fields into one StructuredSpec; `logit_bias`;
-`tools` and `tool_choice` (tools.py turns them into a constraint and parses calls back).
+`tools` and `tool_choice` (tools.py turns them into a constraint and parses calls back), and the
+chat messages that carry earlier tool calls and their results.
 
 Exactly one constraint may be given; a malformed one is a RequestError naming its field. The
 grammar itself is compiled later (structured.py), where a source that does not compile is a 400
@@ -10,25 +11,33 @@ naming the same field. Imports no torch.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from neffkit.errors import RequestError
-from neffkit.runtime.sampling_params import StructuredSpec
+from neffkit.runtime.sampling_params import (
+    INT64_MAX,
+    LOGIT_BIAS_LIMIT,
+    StructuredSpec,
+    is_int,
+    shown,
+)
 
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range; vLLM clamps to it
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")  # a token id as OpenAI's logit_bias keys spell it
 
 
 def _schema_text(value: Any, field: str) -> str:
     """A JSON schema given as an object (or, vLLM's guided_json, as JSON text)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"{field} is not valid JSON: {exc}", param=field) from None
-    if not isinstance(value, dict | bool):
+    try:
+        value = json.loads(value) if isinstance(value, str) else value
+        text = json.dumps(value) if isinstance(value, dict | bool) else None
+    except (ValueError, RecursionError) as exc:  # an integer too long, nesting too deep
+        raise RequestError(f"{field} is not valid JSON: {exc}", param=field) from None
+    if text is None:
         raise RequestError(f"{field} must be a JSON schema object", param=field)
-    return json.dumps(value)
+    return text
 
 
 def _one(kind: str, value: Any, field: str) -> StructuredSpec:
@@ -124,23 +133,29 @@ def parse_constraint(body: dict[str, Any]) -> StructuredSpec | None:
 
 
 def parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """{"token id": bias} → sorted (id, bias) pairs, biases clamped to [-100, 100] (vLLM)."""
+    """{"token id": bias} → sorted (id, bias) pairs, finite biases clamped to [-100, 100] and the
+    last of keys naming one id kept (vLLM); a key that is not a decimal token id in [0, 2**63)
+    or a bias that is not a finite number is a 400 (the vocabulary: limits.check_fits)."""
     if value is None:
         return ()
     if not isinstance(value, dict):
         raise RequestError("logit_bias must be an object of token id → bias", param="logit_bias")
-    pairs = []
+    biases: dict[int, float] = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
+        token = int(key) if isinstance(key, str) and _TOKEN_KEY.fullmatch(key) else -1
+        if not 0 <= token <= INT64_MAX:
             raise RequestError(
-                f"logit_bias: key {key!r} is not a token id", param="logit_bias"
-            ) from None
-        if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise RequestError(f"logit_bias[{key!r}] must be a number", param="logit_bias")
-        pairs.append((token, max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))))
-    return tuple(sorted(pairs))
+                f"logit_bias: key {shown(key)} is not a token id (a decimal integer >= 0)",
+                param="logit_bias",
+            )
+        if not (is_int(bias) or isinstance(bias, float) and math.isfinite(bias)):
+            raise RequestError(
+                f"logit_bias[{shown(key)}] must be a finite number, got {shown(bias)}",
+                param="logit_bias",
+            )
+        # compared before float(): an integer bias may be too large for a float
+        biases[token] = float(max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, bias)))
+    return tuple(sorted(biases.items()))
 
 
 @dataclass(frozen=True)
@@ -195,3 +210,51 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
             f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
         )
     return ToolRequest(tuple(tools), "named", name, parallel)
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat's messages as role/content pairs: content parts joined into one text, and each
+    message's tool calls or tool result id kept for the template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+        content = m.get("content", "")
+        if content is None:
+            content = ""
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise RequestError(
+                    f"messages[{i}].content parts must be objects with a text string",
+                    param="messages",
+                )
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string", param="messages")
+        flat.append({"role": m["role"], "content": content, **_tool_fields(m, i)})
+    return flat
+
+
+def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant's earlier tool calls and a tool result's id, for the chat template; call
+    arguments given as JSON text become objects, as templates expect (vLLM does the same)."""
+    out = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+    calls = message.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise RequestError(f"messages[{i}].tool_calls must be a list of objects", param="messages")
+    parsed = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except (ValueError, RecursionError):
+                pass  # a template that wants text gets text (not JSON, or not readable)
+        parsed.append({**c, "function": fn})
+    return out | {"tool_calls": parsed}
