@@ -17,17 +17,18 @@ import itertools
 import multiprocessing
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from neffkit.errors import RequestError
 from neffkit.platform.cpus import chosen_threads, resolve_threads
 from neffkit.runtime.engine.governor import ThreadGovernor
-from neffkit.runtime.engine.limits import output_budget
+from neffkit.runtime.engine.limits import check_fits, output_budget
 from neffkit.runtime.engine.scheduler import Scheduler
 from neffkit.runtime.engine.structured import Grammars
 from neffkit.runtime.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ READY, STEP, FAILED = "ready", "step", "failed"
 # request ids, unique in the process: the runner's decode buffers tell rows apart by them, and
 # several engines may drive one loaded bundle in turn
 REQUEST_IDS = itertools.count()
+COMPILE_POLL_S = 0.01  # an engine with nothing but grammars compiling looks for news this often
 
 
 class CoreOutput(NamedTuple):
@@ -90,13 +92,17 @@ class EngineCore:
         if proposer is not None and config.speculation is not None:
             self.scheduler.proposer = per_row(proposer)
         self._seed_rng = np.random.default_rng()
+        # requests whose grammar is compiling on a grammar thread, queued once it is done
+        self._compiling: list[tuple[SequenceState, Future[Any]]] = []
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
-        """Queue a request (RequestError if no bucket can serve it); unseeded ones get a seed."""
+        """Queue a request (RequestError if no bucket can serve it); unseeded ones get a seed.
+        A grammar not compiled yet compiles on a grammar thread: the request is queued when it
+        is done (`step`), so no step waits on a compile."""
         layout = self.scheduler.config
         if params.max_tokens is None:  # up to the context limit (check_fits refuses <= 0)
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
@@ -107,26 +113,58 @@ class EngineCore:
             params=params,
             seed=seed & 0xFFFFFFFF,
         )
-        if params.structured is not None:  # compiled before it is queued: a bad one queues nothing
+        if params.structured is not None:
             if self.grammars is None:
                 raise RequestError(
                     "structured outputs need the bundle's tokenizer", param=params.structured.field
                 )
-            seq.grammar = self.grammars.matcher(params.structured)
-        self.scheduler.add(seq)  # checks what the bundle can serve
-        if params.penalized:  # as wide as the bundle's pairs, which add checked it fits
-            seq.penalties = Penalties(layout.penalty_tokens, params, seq.prompt_ids)
+            check_fits(layout, seq.prompt_ids, params)  # what the bundle can serve, first
+            compiled = self.grammars.prepare(params.structured)
+            if not compiled.done():
+                self._compiling.append((seq, compiled))
+                return seq
+            seq.grammar = compiled.result().deep_copy()  # a refused one queues nothing
+        self._queue(seq)
         return seq
+
+    def _queue(self, seq: SequenceState) -> None:
+        self.scheduler.add(seq)  # checks what the bundle can serve
+        if seq.params.penalized:  # as wide as the bundle's pairs, which add checked it fits
+            seq.penalties = Penalties(
+                self.scheduler.config.penalty_tokens, seq.params, seq.prompt_ids
+            )
+
+    def _compiled(self) -> None:
+        """Queue the requests whose grammar is compiled (a refused one ends with "error": the
+        server checked it first, so only a safety net); with nothing else to do, wait a little
+        for one."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_work():
+            wait([f for _, f in self._compiling], COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+        still = []
+        for seq, compiled in self._compiling:
+            if seq.finished:  # aborted while it compiled
+                continue
+            if not compiled.done():
+                still.append((seq, compiled))
+            elif compiled.exception() is not None:
+                seq.finish_reason = "error"
+            else:
+                seq.grammar = compiled.result().deep_copy()
+                self._queue(seq)
+        self._compiling = still
 
     def abort(self, seq: SequenceState, reason: str = "abort") -> None:
         self.scheduler.abort(seq, reason)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def step(self) -> list[SequenceState]:
-        """Admit what fits, run one prefill call (packed chunks) and one decode step; return the
-        touched sequences."""
+        """Queue the requests whose grammar compiled, admit what fits, run one prefill call
+        (packed chunks) and one decode step; return the touched sequences."""
+        self._compiled()
         sched, touched = self.scheduler, []
         sched.admit()
         prefill = sched.next_prefill()
