@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from neffkit.contract.bundle import Bundle, is_pack, read_bundle_dir
-from neffkit.contract.pack import unpack_bundle
+from neffkit.contract.pack import PackLimits, unpack_bundle
 
 
-def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
-    """Open a bundle directory or a packed bundle; check its format and (by default) every
-    file's sha256."""
+def read_bundle(path: str | Path, verify: bool = True, limits: PackLimits | None = None) -> Bundle:
+    """Open a bundle directory or a packed bundle; check its format, its paths and (by default)
+    every file's sha256. `limits`: what extracting a pack may write (default PackLimits())."""
     root = Path(path)
     if is_pack(root):
-        root = unpack_bundle(root)
+        root = unpack_bundle(root, limits)
     return read_bundle_dir(root, verify)

@@ -3,6 +3,7 @@ whole builds through a cache, an S3-compatible one included)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from neffkit.compile.cache import open_cache
 from neffkit.compile.cache.local import KEY_JSON, ArtifactCache
 from neffkit.compile.cache.remote import RemoteArtifactCache
-from neffkit.compile.units import CacheKey
+from neffkit.compile.units import CacheKey, TraceResult
 from neffkit.contract.tempdirs import owned_temp_dir
 from neffkit.errors import BuildError
 
@@ -141,12 +142,14 @@ def test_remote_traces_and_labels(tmp_path, remote):
     fs, base = fsspec.core.url_to_fs(url)
     cache = RemoteArtifactCache(url, mirror=mirror)
     assert cache.lookup_trace(KEY) is None and cache.previous_factors("m/g") is None
-    cache.store_trace(KEY, {"graph": "traced"})
+    text = "%0 = output() : \n"
+    traced = TraceResult(hashlib.sha256(text.encode()).hexdigest(), text, (), (), (), ("",), 1.0)
+    cache.store_trace(KEY, traced)
     cache.remember("m/g", KEY)
-    assert cache.lookup_trace(KEY) == {"graph": "traced"}
+    assert cache.lookup_trace(KEY) == traced
     assert cache.previous_factors("m/g") == KEY.factors
-    # a damaged trace object (truncated) is a miss, not an unpickling error
-    path = f"{base}/traces/{KEY.digest}.pkl"
+    # a damaged trace object (truncated) is a miss, not an error
+    path = f"{base}/traces/{KEY.digest}.json.zst"
     fs.pipe_file(path, fs.cat_file(path)[:-5])
     assert cache.lookup_trace(KEY) is None
 

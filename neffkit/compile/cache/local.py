@@ -5,8 +5,10 @@ and the artifact's sha256). Entries are written into `tmp/` and renamed into pla
 build never leaves a half-written entry and builds sharing one directory are safe (if two builds
 race to the same key, the first rename wins and the second discards its copy). `labels/` remembers
 the factors each graph was last compiled with, so a miss can say which factor changed. `traces/`
-holds the early key's entries (keys.py). Trace entries are pickles: the cache is trusted as much
-as the compiled artifacts it holds, which are executable code.
+holds the early key's entries (keys.py) as data (traces.py): reading an entry runs no code.
+key.json's artifact name is a plain file name of its entry (no `/`, no `..`), else the entry is
+corrupt; the cache is still trusted as much as the compiled artifacts it holds, which are
+executable code (docs/builds.md#what-must-be-trusted).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 from pathlib import Path
 
+from neffkit.compile.cache.traces import TRACE_SUFFIX, decode_trace, encode_trace
 from neffkit.compile.units import CacheKey, TraceResult
 from neffkit.contract.bundle import sha256_file
 from neffkit.contract.codec import JsonObject
@@ -56,10 +58,15 @@ class ArtifactCache:
             return None
         try:
             meta = json.loads(meta_path.read_text())
-            artifact = entry / meta["artifact"]
-            if sha256_file(artifact) == meta["artifact_sha256"]:
+            name = meta["artifact"]
+            artifact = entry / name if plain_name(name) else None
+            if (
+                artifact is not None
+                and not artifact.is_symlink()
+                and sha256_file(artifact) == meta["artifact_sha256"]
+            ):
                 return artifact
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass
         log.warning("cache entry %s is corrupt; recompiling", entry.name)
         if not self.readonly:
@@ -97,12 +104,12 @@ class ArtifactCache:
         return self._entry(key) / artifact.name
 
     def lookup_trace(self, key: CacheKey) -> TraceResult | None:
-        """The trace stored under an early key, or None (a missing or unreadable entry)."""
+        """The trace stored under an early key, or None (a missing or unsound entry)."""
         try:
-            data = (self.traces / f"{key.digest}.pkl").read_bytes()
-            return pickle.loads(data)  # noqa: S301 (our own cache; see the module docstring)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            data = (self.traces / f"{key.digest}{TRACE_SUFFIX}").read_bytes()
+        except OSError:
             return None
+        return decode_trace(data, key.digest)
 
     def store_trace(self, key: CacheKey, trace: TraceResult) -> None:
         """Write a trace entry atomically: a temp file renamed into place."""
@@ -110,8 +117,8 @@ class ArtifactCache:
             return
         fd, tmp = tempfile.mkstemp(prefix=f"{os.getpid()}-", dir=self.tmp)
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(trace, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, self.traces / f"{key.digest}.pkl")
+            f.write(encode_trace(trace))
+        os.replace(tmp, self.traces / f"{key.digest}{TRACE_SUFFIX}")
 
     def _label_path(self, label: str) -> Path:
         return self.labels / (hashlib.sha256(label.encode()).hexdigest()[:32] + ".json")
@@ -131,6 +138,16 @@ class ArtifactCache:
         with os.fdopen(fd, "w") as f:
             json.dump({"label": label, "factors": key.factors}, f, sort_keys=True)
         os.replace(tmp, path)
+
+
+def plain_name(value: object) -> bool:
+    """A file name that stays in the directory it is joined to: no `/`, `\\`, NUL, `.` or `..`
+    (what key.json may name, local or remote)."""
+    return (
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and not any(c in value for c in "/\\\0")
+    )
 
 
 def link_or_copy(src: Path, dst: Path) -> str:

@@ -10,7 +10,12 @@ checks its sha256 before using it, so an interrupted upload (an object with no k
 key.json whose object is short or missing) is a miss, never a wrong artifact. Two writers of one
 key each upload their own object and write a key.json naming it: whichever key.json lands last
 names a complete object, so racing writers are harmless. Traces and labels are single objects
-(`traces/<digest>.pkl` behind a sha256 line, `labels/<h>.json`): one PUT each.
+(`traces/<digest>.json.zst`, data only (traces.py), and `labels/<h>.json`): one PUT each.
+
+Whoever can write the store is not trusted with the builder's files or process: key.json's
+`artifact` and `object` must be plain file names (else the entry is ignored), a download lands
+in a fresh temporary directory and is deleted when its hash is wrong, and no entry is ever
+unpickled. What such a writer can still do is in docs/builds.md#what-must-be-trusted.
 
 Downloaded artifacts are kept in a local mirror (an ArtifactCache under
 $NEFFKIT_CACHE_MIRROR, else ~/.cache/neffkit-remote/<url hash>), used again while the remote
@@ -24,13 +29,13 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neffkit.compile.cache.local import KEY_JSON, ArtifactCache
+from neffkit.compile.cache.local import KEY_JSON, ArtifactCache, plain_name
+from neffkit.compile.cache.traces import TRACE_SUFFIX, decode_trace, encode_trace
 from neffkit.compile.units import CacheKey
 from neffkit.contract.bundle import sha256_file
 from neffkit.contract.codec import JsonObject
@@ -101,6 +106,15 @@ class RemoteArtifactCache:
         except (ValueError, KeyError, TypeError):
             log.warning("cache entry %s: unreadable %s; recompiling", key.digest[:12], KEY_JSON)
             return None
+        if not (plain_name(name) and plain_name(obj) and isinstance(want, str)):
+            log.warning(
+                "cache entry %s: %s names %r / %r, not files of the entry; ignoring it",
+                key.digest[:12],
+                KEY_JSON,
+                name,
+                obj,
+            )
+            return None
         local = self.mirror.lookup(key)
         if local is not None and _stored_sha(local) == want:
             return local
@@ -112,6 +126,7 @@ class RemoteArtifactCache:
                 log.warning("cache entry %s: object missing; recompiling", key.digest[:12])
                 return None
             if sha256_file(tmp / name) != want:
+                (tmp / name).unlink()  # (the whole directory goes below; this first)
                 log.warning("cache entry %s: object damaged or half-written", key.digest[:12])
                 return None
             if local is not None:  # the mirror held another compile of this key
@@ -149,23 +164,14 @@ class RemoteArtifactCache:
     # ------------------------------------------------------------ traces and labels
 
     def lookup_trace(self, key: CacheKey) -> TraceResult | None:
-        raw = self._read(self._path("traces", f"{key.digest}.pkl"))
-        if raw is None:
-            return None
-        sha, _, payload = raw.partition(b"\n")
-        if hashlib.sha256(payload).hexdigest().encode() != sha:
-            return None
-        try:
-            return pickle.loads(payload)  # noqa: S301 (our own cache; see cache.py's docstring)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-            return None
+        """The trace stored under an early key, or None: data only, checked (traces.py)."""
+        raw = self._read(self._path("traces", f"{key.digest}{TRACE_SUFFIX}"))
+        return decode_trace(raw, key.digest) if raw is not None else None
 
     def store_trace(self, key: CacheKey, trace: TraceResult) -> None:
         if self.readonly:
             return
-        payload = pickle.dumps(trace, protocol=pickle.HIGHEST_PROTOCOL)
-        data = hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
-        self._write(self._path("traces", f"{key.digest}.pkl"), data)
+        self._write(self._path("traces", f"{key.digest}{TRACE_SUFFIX}"), encode_trace(trace))
 
     def _label_path(self, label: str) -> str:
         return self._path("labels", hashlib.sha256(label.encode()).hexdigest()[:32] + ".json")
