@@ -21,6 +21,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -59,6 +60,9 @@ FIELDS = (
     "tool_choice",
     "parallel_tool_calls",
     "user",
+    "top_logprobs",
+    "prompt_logprobs",
+    "priority",
 )
 SCHEMAS = [
     {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]},
@@ -81,6 +85,10 @@ TOOL = {
 }
 
 
+# the fuzzer sends integers longer than Python's default conversion limit (the server must not)
+sys.set_int_max_str_digits(0)
+
+
 def junk(rng: random.Random, depth: int = 0) -> Any:
     """Any JSON value, hostile ones included."""
     kinds = ["null", "bool", "int", "huge", "float", "nan", "str", "list", "dict"]
@@ -89,7 +97,9 @@ def junk(rng: random.Random, depth: int = 0) -> Any:
         "null": lambda: None,
         "bool": lambda: rng.random() < 0.5,
         "int": lambda: rng.randint(-5, 40),
-        "huge": lambda: rng.choice([2**63, -(2**63) - 1, 10**30, 2**64, 9223372036854775807]),
+        "huge": lambda: rng.choice(
+            [2**63, -(2**63) - 1, 10**30, 2**64, 9223372036854775807, 10**5000]
+        ),
         "float": lambda: rng.choice([0.0, 0.5, 1.0, -1.0, 1e308, 1e-320, 3.5e38]),
         "nan": lambda: rng.choice([float("nan"), float("inf"), float("-inf")]),
         "str": lambda: rng.choice(["", "hi", "def main(", "\n\n", "\x00", "é" * 3, "🙂"]),
@@ -111,6 +121,8 @@ def plausible(rng: random.Random, field: str, vocab: int) -> Any:
                 [1, vocab],
                 [-1, 2],
                 [[3, 4, 5]],
+                [[2**63]],
+                [2**64, 1],
                 ["a", "b"],
             ]
         )
@@ -128,9 +140,11 @@ def plausible(rng: random.Random, field: str, vocab: int) -> Any:
         "temperature": lambda: rng.choice([0, 0.0, 0.7, 2, -0.1]),
         "top_p": lambda: rng.choice([1, 0.9, 0.0, 1.5]),
         "top_k": lambda: rng.choice([0, -1, 1, 5, 1000]),
-        "seed": lambda: rng.randint(0, 2**32),
-        "stop": lambda: rng.choice(["\n", ["a", "b"], []]),
-        "stop_token_ids": lambda: [rng.randrange(vocab)],
+        "seed": lambda: rng.choice([rng.randint(0, 2**32), 2**64, -1, True, 1.5]),
+        "stop": lambda: rng.choice(["\n", ["a", "b"], [], ["x" * 300], ["s"] * 100]),
+        "stop_token_ids": lambda: rng.choice(
+            [[rng.randrange(vocab)], [2**64], [-1], [vocab + 5], [0] * 100]
+        ),
         "stream": lambda: rng.random() < 0.5,
         "stream_options": lambda: {"include_usage": rng.random() < 0.5},
         "n": lambda: rng.choice([1, 2]),
@@ -145,6 +159,8 @@ def plausible(rng: random.Random, field: str, vocab: int) -> Any:
                 {str(vocab): 1},
                 {"x": 1},
                 {"3": "a"},
+                {str(2**64): 1},
+                {"5": float("inf")},
             ]
         ),
         "min_tokens": lambda: rng.choice([0, 1, 3, 50, -1]),
@@ -204,6 +220,9 @@ def request(rng: random.Random, vocab: int) -> tuple[str, bytes]:
         raw = raw[: rng.randint(0, len(raw))]  # truncated JSON
     elif rng.random() < 0.03:
         raw = json.dumps(junk(rng)).encode()  # not an object at all
+    elif rng.random() < 0.01:  # a field nested past what a recursive parser takes
+        depth = rng.choice([1000, 5000, 100_000])
+        raw = raw[:-1] + b', "stop": ' + b"[" * depth + b"]" * depth + b"}"
     return ("/v1/chat/completions" if chat else "/v1/completions"), raw
 
 
@@ -317,15 +336,22 @@ def main() -> None:
         "--served-model-name",
         "tiny",
     ]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_healthy(url, server)
-        t0 = time.perf_counter()
-        summary = fuzz(url, vocab, args.requests, args.seed)
-        summary["seconds"] = round(time.perf_counter() - t0, 1)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    # a file, not a pipe: the access log writes a line a request, and a pipe nobody reads while
+    # the server runs would fill and block it
+    with tempfile.TemporaryFile("w+") as log:
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        try:
+            wait_healthy(url, server)
+            t0 = time.perf_counter()
+            summary = fuzz(url, vocab, args.requests, args.seed)
+            summary["seconds"] = round(time.perf_counter() - t0, 1)
+        finally:
+            server.terminate()
+            exit_status = server.wait(timeout=30)
+        if not summary.get("ok"):
+            log.seek(0)
+            print(log.read()[-4000:], file=sys.stderr)
+    summary["server_exit_status"] = exit_status
     print(json.dumps(summary, indent=2))
     sys.exit(0 if summary["ok"] else 1)
 
