@@ -64,6 +64,15 @@ ParseBody = Callable[[dict[str, Any], str], ApiRequest]
 # ---------------------------------------------------------------- the app
 
 
+# nginx's status for a request whose client went away before its answer
+CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The client disconnected while its whole-response request ran: its sequences are aborted
+    (their KV blocks freed) and the request ends quietly, not as a server error."""
+
+
 class App:
     """The server's state over one engine client, and each request's life: its prompts encoded,
     its constraints checked, its choices submitted, its answer whole or streamed."""
@@ -193,7 +202,7 @@ class App:
             except TimeoutError:
                 if await request.is_disconnected():
                     choices.abort(self.loop)
-                    raise
+                    raise ClientGone() from None
                 continue
             if event.finish_reason == "error":
                 raise EngineDead(f"the engine failed: {event.text}")
@@ -306,6 +315,10 @@ def create_app(app_state: App) -> FastAPI:
 
 def _add_errors(api: FastAPI, s: App) -> None:
     """Each error kind as an OpenAI error body with its status."""
+
+    @api.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it: the access log does
 
     @api.exception_handler(ServerBusy)
     async def busy(request: Request, exc: ServerBusy) -> Response:
