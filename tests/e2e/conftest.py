@@ -5,7 +5,7 @@ building them side by side under `make test`, and the HF oracle's greedy generat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from tests.support.bundles import (
     lowered_build,
 )
 from tests.support.models import EXTRA, MODELS, PARALLEL
+from tests.support.server import Server, build_serve_bundle
 
 
 @pytest.fixture(scope="session")
@@ -142,3 +143,17 @@ def lowered(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Callable[
         return built[(kind, tp)]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def serve_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Path:
+    """The tiny server bundle (tests/support/server.py), built once through the test cache."""
+    return build_serve_bundle(session_dir, hf_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(serve_bundle: Path) -> Iterator[Server]:
+    """A live server on it for the module (a module that needs flags defines its own)."""
+    srv = Server(serve_bundle, "--served-model-name", "tiny")
+    yield srv
+    srv.stop()

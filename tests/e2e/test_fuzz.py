@@ -12,16 +12,12 @@ import sys
 from pathlib import Path
 
 from tests.support import REPO
-from tests.support.server import build_serve_bundle
 
 REQUESTS = 10_000
 
 
-def test_ten_thousand_generated_requests_never_hurt_the_server(
-    session_dir: Path, hf_model_dir
-) -> None:
-    bundle = build_serve_bundle(session_dir, hf_model_dir)
-    fuzz = [sys.executable, "tools/fuzz_server.py", str(bundle), "--requests", str(REQUESTS)]
+def test_ten_thousand_generated_requests_never_hurt_the_server(serve_bundle: Path) -> None:
+    fuzz = [sys.executable, "tools/fuzz_server.py", str(serve_bundle), "--requests", str(REQUESTS)]
     done = subprocess.run(
         [*fuzz, "--seed", "0"], cwd=REPO, capture_output=True, text=True, timeout=600
     )

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server import Server, build_serve_bundle
+from tests.support.server import Server
 
 pytestmark = pytest.mark.xdist_group("server")
 
@@ -27,11 +27,6 @@ BESIDE_S = 3.0  # a short stream beside a hostile request finishes within this
 def _schema_format(pattern: str) -> dict[str, Any]:
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-
-
-@pytest.fixture(scope="module")
-def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
-    return build_serve_bundle(session_dir, hf_model_dir)
 
 
 @pytest.fixture(scope="module")

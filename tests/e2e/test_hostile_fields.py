@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.server import Server, build_serve_bundle
+from tests.support.server import Server
 
 pytestmark = pytest.mark.xdist_group("server")
 
@@ -46,18 +44,6 @@ CASES: list[tuple[str, dict[str, Any] | str, str | None]] = [
     ("completions", '{"model": "tiny", "prompt": "hi", "temperature": 1e400}', "temperature"),
     ("completions", '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
 ]
-
-
-@pytest.fixture(scope="module")
-def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
-    return build_serve_bundle(session_dir, hf_model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(serve_bundle: Path) -> Iterator[Server]:
-    srv = Server(serve_bundle, "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
 
 
 def _post(server: Server, endpoint: str, body: dict[str, Any] | str) -> httpx.Response:

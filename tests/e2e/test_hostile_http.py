@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from neffkit.runtime.serve.access import REMEMBERED_FIELDS, UnknownFields
-from tests.support.server import Server, build_serve_bundle
+from tests.support.server import Server
 
 # one worker runs this module, so its tests share one server (pytest-xdist --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("hostile_http")
@@ -30,11 +30,6 @@ JSON = {**AUTH, "Content-Type": "application/json"}
 HEADER_TIMEOUT_S = 2
 LIMIT = 16 * 2**20  # --max-request-bytes' default
 GOOD = {"model": "tiny", "prompt": "def main():\n    return", "max_tokens": 8, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
-    return build_serve_bundle(session_dir, hf_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,22 +18,10 @@ import openai
 import pytest
 
 from tests.support.cli import run_cli, run_json
-from tests.support.server import Server, build_serve_bundle
+from tests.support.server import Server
 
 # one worker runs this module, so its tests share one server (pytest-xdist --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("server")
-
-
-@pytest.fixture(scope="module")
-def serve_bundle(session_dir: Path, hf_model_dir) -> Path:
-    return build_serve_bundle(session_dir, hf_model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(serve_bundle: Path) -> Iterator[Server]:
-    srv = Server(serve_bundle, "--served-model-name", "tiny")
-    yield srv
-    srv.stop()
 
 
 def _offline(bundle: Path, prompt: str, max_tokens: int) -> str:

@@ -134,15 +134,15 @@ class EngineCore:
                 self.scheduler.config.penalty_tokens, seq.params, seq.prompt_ids
             )
 
-    def _compiled(self) -> None:
-        """Queue the requests whose grammar is compiled (a refused one ends with "error": the
-        server checked it first, so only a safety net); with nothing else to do, wait a little
-        for one."""
+    def _compiled(self) -> list[SequenceState]:
+        """Queue the requests whose grammar is compiled; a refused one ends with "error" (the
+        server checked it first, so only a safety net) and is returned, so its client hears of
+        it. With nothing else to do, wait a little for one."""
         if not self._compiling:
-            return
+            return []
         if not self.scheduler.has_work():
             wait([f for _, f in self._compiling], COMPILE_POLL_S, return_when=FIRST_COMPLETED)
-        still = []
+        still, ended = [], []
         for seq, compiled in self._compiling:
             if seq.finished:  # aborted while it compiled
                 continue
@@ -150,10 +150,12 @@ class EngineCore:
                 still.append((seq, compiled))
             elif compiled.exception() is not None:
                 seq.finish_reason = "error"
+                ended.append(seq)
             else:
                 seq.grammar = compiled.result().deep_copy()
                 self._queue(seq)
         self._compiling = still
+        return ended
 
     def abort(self, seq: SequenceState, reason: str = "abort") -> None:
         self.scheduler.abort(seq, reason)
@@ -164,8 +166,7 @@ class EngineCore:
     def step(self) -> list[SequenceState]:
         """Queue the requests whose grammar compiled, admit what fits, run one prefill call
         (packed chunks) and one decode step; return the touched sequences."""
-        self._compiled()
-        sched, touched = self.scheduler, []
+        sched, touched = self.scheduler, self._compiled()
         sched.admit()
         prefill = sched.next_prefill()
         if prefill is not None:
