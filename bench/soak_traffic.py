@@ -51,6 +51,10 @@ HOSTILE: list[tuple[str, bytes, dict[str, str]]] = [
     (COMPLETIONS, _body({"guided_regex": "(a|b)*a(a|b){30}"}), JSON),
     (COMPLETIONS, _body({"guided_regex": "(a{1000}){1000}"}), JSON),
     (COMPLETIONS, b'{"prompt": "' + b"a" * (17 * 2**20) + b'"}', JSON),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "x"}]}).encode(), JSON),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(),
+        JSON,
+    ),
     ("/v1/chat/completions", json.dumps({"messages": "hi", "n": 10**9}).encode(), JSON),
 ]
