@@ -141,7 +141,7 @@ def test_smollm2_structured_outputs_and_tool_calls(smollm2, session_dir):
     import jsonschema
 
     from tests.e2e.schemas import SCHEMAS
-    from tests.e2e.test_server import Server
+    from tests.support.server import Server
 
     bundle = _real_bundle(session_dir, smollm2, "smollm2_tp1", 1)
     srv = Server(bundle, "--served-model-name", "smol", "--disable-any-whitespace")

@@ -284,7 +284,8 @@ def test_verify_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, hf_model
 def test_server_streams_and_counts_speculation(spec_bundle):
     """Through the server and the openai client: the streamed text equals the offline run's, and
     /metrics carries vLLM's spec-decode counters."""
-    from tests.e2e.test_server import Server, _counter
+    from tests.e2e.test_server import _counter
+    from tests.support.server import Server
 
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]
     alone = run_json(

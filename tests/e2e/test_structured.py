@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.e2e.test_server import Server, build_serve_bundle
+from tests.support.server import Server, build_serve_bundle
 
 pytestmark = pytest.mark.xdist_group("server")
 
