@@ -25,7 +25,7 @@ from neffkit.models.forms import (
     takes_projection_form,
 )
 from neffkit.models.registry import takes_hidden
-from neffkit.models.weights import has_kv_scales, rank_weight_specs
+from neffkit.models.weights import has_kv_scales, rank_weight_plan, rank_weight_specs
 from neffkit.targets import DTYPE_BYTES, E4M3FN_MAX
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ def weight_storage(manifest: Manifest, lanes: int = 0) -> Storage:
         **dict.fromkeys(KEY_FORMS.values(), planned),
         lanes=lanes,
         fp8_head=manifest.lm_head_dtype == "float8_e4m3fn",
+        quantize=manifest.quantization.storage if manifest.quantization else "",
+        quantize_exclude=manifest.quantization.exclude if manifest.quantization else (),
     )
 
 
@@ -65,7 +67,10 @@ def model_layout(
     storage = weight_storage(manifest, projection.lanes)
     if _kernel_reads_fp8(manifest, projection, storage):
         storage = dataclasses.replace(storage, fp8_lanes=projection.lanes)
-    specs = rank_weight_specs(manifest.model, cfg, storage, par, 0)
+    specs, schemes = rank_weight_plan(manifest.model, cfg, storage, par, 0)
+    if schemes:  # the graphs widen each integer weight by its scheme
+        quant = tuple(sorted((name, s.to_id()) for name, s in schemes.items()))
+        cfg = dataclasses.replace(cfg, weight_quant=quant)
     for rank in range(1, par.tp):
         if rank_weight_specs(manifest.model, cfg, storage, par, rank) != specs:
             raise BuildError(f"rank {rank}'s weight shards differ from rank 0's in name or shape")

@@ -15,6 +15,7 @@ import yaml
 
 from neffkit.errors import ManifestError, ModelError
 from neffkit.manifest.fields import choice, describe, mapping, no_unknown
+from neffkit.manifest.quantization import read_quantization
 from neffkit.manifest.schema import SCHEMA_VERSION, Manifest, Speculation
 from neffkit.manifest.sections import (
     read_audit,
@@ -48,6 +49,7 @@ TOP_LEVEL = (
     "audit",
     "mla",
     "decode_state",
+    "quantization",
     "speculation",
     "lm_head",
 )
@@ -144,6 +146,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
             data.get("speculation"), buckets, base, (model_path, model_config), parallel, sampling
         ),
         lm_head_dtype=read_lm_head(data.get("lm_head", {}), model_config, model_path),
+        quantization=read_quantization(data.get("quantization"), model_config, model_path),
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neffkit.manifest.quantization import WeightQuantization
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
 from neffkit.targets import fp8_max
@@ -176,6 +177,8 @@ class Manifest:
     # build time with the fp8 checkpoint's own scale blocks (llama.cpp's Q8_0 quantizes its
     # output tensor too); a tied head gets an fp8 copy beside the embedding table
     lm_head_dtype: str | None = None
+    # the manifest's weight quantization of a float checkpoint (manifest/quantization.py)
+    quantization: WeightQuantization | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from neffkit.errors import ModelError
 from neffkit.models.parallel import Parallelism
-from neffkit.models.quantization import fp8_scheme
+from neffkit.models.quantization import fp8_scheme, weight_format
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # `hidden_act` values the gated MLP computes as transformers' ACT2FN does (kernels/activation.py)
@@ -70,6 +70,14 @@ class ModelConfig:
     # (DeepSeek: weight_scale_inv; compressed-tensors, fbgemm: weight_scale), multiplied in.
     fp8_block: tuple[int, ...] = ()
     fp8_scale_suffix: str = ""
+    # integer / fp4 checkpoints kept at their width (models/quantization.py): the format
+    # ("awq", "gptq", "compressed-tensors", "mxfp4", "gguf"; "" = float or fp8) and its
+    # quantization_config as sorted pairs
+    weight_format: str = ""
+    weight_format_options: tuple[tuple[str, Any], ...] = ()
+    # each quantized graph weight's scheme (kernels/intquant.QuantScheme.to_id), as the build's
+    # layout found them after the tp/ep cut: what the graphs are traced from
+    weight_quant: tuple[tuple[str, str], ...] = ()
     # the gated MLP's activation, by its HF name (ACTIVATIONS)
     hidden_act: str = "silu"
 
@@ -187,6 +195,7 @@ def common_fields(raw: dict[str, Any], path: Path, uniform_window: bool = False)
         num_layers = int(raw["num_hidden_layers"])
         rope = rope_parameters(raw, str(path))
         fp8_block, fp8_scale_suffix = fp8_scheme(raw, path)
+        int_format, int_options = weight_format(raw, path)
         return {
             "architecture": (raw.get("architectures") or [""])[0],
             "vocab_size": int(raw["vocab_size"]),
@@ -205,6 +214,8 @@ def common_fields(raw: dict[str, Any], path: Path, uniform_window: bool = False)
             "bos_token_id": raw.get("bos_token_id"),
             "fp8_block": fp8_block,
             "fp8_scale_suffix": fp8_scale_suffix,
+            "weight_format": int_format,
+            "weight_format_options": int_options,
             "hidden_act": str(raw.get("hidden_act") or "silu"),
         }
     except KeyError as exc:

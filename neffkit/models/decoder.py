@@ -25,6 +25,7 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
+from neffkit.kernels.intquant import QuantScheme, graph_weights
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
@@ -42,9 +43,21 @@ from neffkit.models.projection import (
 )
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.sampling_head import SamplingHead
-from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ
+from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ, keeps_float32
 from neffkit.models.step import Span, Step
 from neffkit.targets import E4M3FN_MAX
+
+
+def int_graph_weights(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The graph's weights with each integer / fp4 one's stored parts joined (intquant.py),
+    widened to the model's compute dtype (that of its norms: never quantized)."""
+    schemes = {name: QuantScheme.from_id(s) for name, s in cfg.weight_quant}
+    dtype = next(
+        t.dtype
+        for n, t in w.items()
+        if t.is_floating_point() and not keeps_float32(n) and n.endswith("norm.weight")
+    )
+    return graph_weights(w, schemes, dtype)  # type: ignore[return-value]
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -100,6 +113,8 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         w = dict(zip(self.weight_names, rest, strict=True))
         if cfg.fp8_block:  # block fp8 weights: widened right before use (kernels/quant.py)
             w = fp8_graph_weights(w, self.cfg.fp8_block, FP8_SCALE)
+        if cfg.weight_quant:  # integer / fp4 weights: widened next to their matmul
+            w = int_graph_weights(w, cfg)
         state_slots = None
         if last_tokens is not None:  # clamped like every index from the host (audit NK303)
             state_slots = m[abi.SEQ_SLOTS].clamp(0, last_tokens.shape[0] - 1)

@@ -136,6 +136,10 @@ class Storage:
     # the LM head quantized to fp8 at build time with the checkpoint's scale blocks (manifest
     # lm_head.dtype); a tied one becomes `lm_head.weight` beside a plain embedding table
     fp8_head: bool = False
+    # the manifest's weight quantization of a float checkpoint (checkpoints/requantize.py):
+    # "int8" (per output channel) or "int4:<group>", with the weights it leaves in float
+    quantize: str = ""
+    quantize_exclude: tuple[str, ...] = ()
 
     def table_is_head(self, tied: bool) -> bool:
         """Does the LM head project onto the embedding table itself (so store it blocked)?"""

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from neffkit.kernels.intquant import Int8Activations, project_w8a8
 from neffkit.kernels.quant import dequantize_blocked, dequantize_blocks
 from neffkit.models.forms import ProjectionPolicy
 
@@ -86,8 +87,13 @@ def from_blocked(weight: torch.Tensor) -> torch.Tensor:
     return weight.transpose(1, 2).reshape(nb * lanes, in_features)
 
 
-def out_features(weight: torch.Tensor | BlockedFp8) -> int:
+Weight = torch.Tensor | BlockedFp8 | Int8Activations
+
+
+def out_features(weight: Weight) -> int:
     """A projection weight's output size, plain or blocked."""
+    if isinstance(weight, Int8Activations):
+        return weight.out_features
     if isinstance(weight, BlockedFp8):
         weight = weight.weight
     return weight.shape[0] * weight.shape[2] if weight.dim() == 3 else weight.shape[0]
@@ -105,19 +111,33 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(x, x.shape, x.stride())
 
 
-def project(
-    x: torch.Tensor, weight: torch.Tensor | BlockedFp8, policy: ProjectionPolicy
-) -> torch.Tensor:
+def project(x: torch.Tensor, weight: Weight, policy: ProjectionPolicy) -> torch.Tensor:
     """x @ weight.T for a plain [out, in] or blocked [out/L, in, L] weight (module docstring)."""
     return project_many(x, [weight], policy)[0]
 
 
 def project_many(
-    x: torch.Tensor, weights: Sequence[torch.Tensor | BlockedFp8], policy: ProjectionPolicy
+    x: torch.Tensor, weights: Sequence[Weight], policy: ProjectionPolicy
 ) -> list[torch.Tensor]:
     """x @ w.T for each weight reading the same x (a layer's q/k/v, its gate/up): one kernel
     call where every one takes the kernel form and all are one kind, so one parallel region
-    streams them all (csrc/blocked_rows.cpp says what a region costs); else one by one."""
+    streams them all (csrc/blocked_rows.cpp says what a region costs); else one by one.
+
+    Weight-only integer and fp4 weights arrive widened in the graph (kernels/intquant.py), so
+    they take the plain forms with the widening fused in; W8A8 weights (`Int8Activations`)
+    quantize the rows first. The form per row count is the seam a CPU int kernel plugs into."""
+    floats = [w for w in weights if not isinstance(w, Int8Activations)]
+    if len(floats) < len(weights):
+        return [
+            project_w8a8(x, w) if isinstance(w, Int8Activations) else project(x, w, policy)
+            for w in weights
+        ]
+    return _project_floats(x, floats, policy)
+
+
+def _project_floats(
+    x: torch.Tensor, weights: Sequence[torch.Tensor | BlockedFp8], policy: ProjectionPolicy
+) -> list[torch.Tensor]:
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = x.numel() // in_features
     if not _one_kernel_call(weights, rows, policy):

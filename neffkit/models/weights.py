@@ -1,4 +1,4 @@
-"""HF safetensors → each rank's ordered weight list (the graphs' weight inputs).
+"""A checkpoint → each rank's ordered weight list (the graphs' weight inputs).
 
 Tensors are read one at a time into their own buffers (never the whole checkpoint at once), cut
 for the rank by `sharding.rank_weights` and cast to the bundle dtype. Shapes alone come from the
@@ -8,14 +8,23 @@ safetensors headers through meta tensors, with the same cutting code. Order is f
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
-from neffkit.contract.tensor_files import TensorReader, read_header
+from neffkit.checkpoints.int_cuts import (
+    QuantParts,
+    SchemeTags,
+    codes_getter,
+    meta_getter,
+    stored_parts,
+    stored_specs,
+)
+from neffkit.checkpoints.quantized import checkpoint_index
+from neffkit.checkpoints.sources import Checkpoint, open_source
 from neffkit.errors import ModelError
+from neffkit.kernels.intquant import QuantScheme
 from neffkit.kernels.kv import key_rotation
 from neffkit.kernels.quant import (
     effective_block,
@@ -92,52 +101,9 @@ def weight_dtype(name: str, dtype: str) -> torch.dtype:
     return torch.float32 if keeps_float32(name) else DTYPES[dtype]
 
 
-def checkpoint_index(model_dir: Path) -> dict[str, Path]:
-    """Tensor name → the safetensors file holding it (single file or index-sharded)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{model_dir}: no *.safetensors files")
-    out: dict[str, Path] = {}
-    for file in files:
-        out.update(dict.fromkeys(read_header(file), file))
-    return out
-
-
-QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I8", "U8")
 FP8 = torch.float8_e4m3fn
 SCALE = FP8_SCALE  # the graph input beside each fp8 weight: one float32 per block
 HEAD = "lm_head.weight"
-
-
-def _check_tensor(file: Path, name: str, dtype: str, cfg: ModelConfig, names: set[str]) -> None:
-    """A quantized tensor widened without its scales is silently wrong: refuse it by name,
-    unless the config declares fp8 and the tensor's scales are there."""
-    if dtype.upper() not in QUANTIZED_DTYPES:
-        return
-    if cfg.fp8_block and dtype.upper() == "F8_E4M3":
-        if name + cfg.fp8_scale_suffix not in names:
-            raise ModelError(f"{file}: fp8 tensor {name!r} has no {name + cfg.fp8_scale_suffix!r}")
-        return
-    raise ModelError(
-        f"{file}: tensor {name!r} is stored as {dtype}; quantized checkpoints are not "
-        "supported (neffkit reads float32/bfloat16/float16 weights and fp8 ones with their "
-        "quantization_config)",
-        hint="dequantize the checkpoint first",
-    )
-
-
-def _headers(model_dir: Path, cfg: ModelConfig) -> tuple[dict[str, Path], dict[str, dict]]:
-    index = checkpoint_index(model_dir)
-    entries: dict[str, dict] = {}
-    for file in set(index.values()):
-        entries.update(read_header(file))
-    for name, entry in entries.items():
-        _check_tensor(index[name], name, entry["dtype"], cfg, set(entries))
-    return index, entries
 
 
 def rank_weight_specs(
@@ -145,35 +111,58 @@ def rank_weight_specs(
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, bundle dtype) of one rank's weights, in graph order, from headers only:
     tracing never needs values. An fp8 weight keeps float8_e4m3fn and is followed by its
-    float32 block scales (`<name>.scale`); stored blocked, its scales are `lane_scales`."""
-    storage = _storage(storage)
-    index, entries = _headers(model_dir, cfg)
+    float32 block scales (`<name>.scale`); stored blocked, its scales are `lane_scales`. An
+    integer one is its packed codes and their group parts (checkpoints/int_cuts.py)."""
+    return _specs_and_schemes(model_dir, cfg, _storage(storage), par, rank)[0]
+
+
+def rank_weight_plan(
+    model_dir: Path, cfg: ModelConfig, storage: Storage | str, par: Parallelism, rank: int
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, QuantScheme]]:
+    """`rank_weight_specs`, and each quantized graph weight's scheme after the rank's cut
+    (what graphs are traced from: ModelConfig.weight_quant)."""
+    return _specs_and_schemes(model_dir, cfg, _storage(storage), par, rank)
+
+
+def _specs_and_schemes(
+    model_dir: Path, cfg: ModelConfig, storage: Storage, par: Parallelism, rank: int
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], dict[str, QuantScheme]]:
     calibrated = calibrated_tensors(cfg, storage)
+    source = Checkpoint(open_source(model_dir, cfg, storage), cfg, calibrated)
+    meta = meta_getter(source)
 
-    def meta(name: str) -> torch.Tensor:
-        if name in calibrated:
-            return calibrated[name].to("meta")
-        fp8 = entries[name]["dtype"] == "F8_E4M3"
-        return torch.empty(entries[name]["shape"], device="meta", dtype=FP8 if fp8 else None)
+    def run(get: Callable[[str], torch.Tensor]) -> Named:
+        return rank_weights(cfg, par, rank, get, source.names, storage.kv_scales)
 
+    tags = SchemeTags()
+    parts = QuantParts(source, run, tags, values=False) if source.quantized else None
     out: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-    available = set(index) | set(calibrated)
-    named = rank_weights(cfg, par, rank, meta, available, storage.kv_scales)
-    for name, t, _ in _with_fp8_head(((n, t, None) for n, t in named), cfg, storage):
-        if t.dtype == FP8:
-            shape = tuple(t.shape)
-            grid = scale_grid(shape, cfg.fp8_block)
-            if blocks(name, shape, storage.fp8_lanes):  # scales as lane_scales
-                grid = (shape[0] // storage.fp8_lanes, grid[-1], storage.fp8_lanes)
-                shape = blocked_shape(shape, storage.fp8_lanes)
-            out.append((name, shape, FP8))
-            out.append((name + SCALE, grid, torch.float32))
-        else:
-            shape = tuple(t.shape)
-            if blocks(name, shape, storage.lanes, storage.table_is_head(cfg.tie_word_embeddings)):
-                shape = blocked_shape(shape, storage.lanes)
-            out.append((name, shape, weight_dtype(name, storage.dtype)))
-    return out
+    schemes: dict[str, QuantScheme] = {}
+    try:
+        named = ((n, t, None) for n, t in run(meta))
+        for name, t, _ in _with_fp8_head(named, cfg, storage):
+            scheme = tags.of(name, parts.next()[0]) if parts is not None else None
+            if scheme is not None:
+                schemes[name] = scheme
+                out.extend(stored_specs(name, tuple(t.shape), scheme))
+            elif t.dtype == FP8:
+                shape = tuple(t.shape)
+                grid = scale_grid(shape, cfg.fp8_block)
+                if blocks(name, shape, storage.fp8_lanes):  # scales as lane_scales
+                    grid = (shape[0] // storage.fp8_lanes, grid[-1], storage.fp8_lanes)
+                    shape = blocked_shape(shape, storage.fp8_lanes)
+                out.append((name, shape, FP8))
+                out.append((name + SCALE, grid, torch.float32))
+            else:
+                shape = tuple(t.shape)
+                if blocks(
+                    name, shape, storage.lanes, storage.table_is_head(cfg.tie_word_embeddings)
+                ):
+                    shape = blocked_shape(shape, storage.lanes)
+                out.append((name, shape, weight_dtype(name, storage.dtype)))
+    finally:
+        source.close()
+    return out, schemes
 
 
 def rank_weight_shapes(
@@ -194,20 +183,27 @@ def iter_rank_weights(
     expanded to one per element, then taken back to one per block; a cut that splits a block
     cannot be taken back, and is an error naming the tensor."""
     storage = _storage(storage)
-    source = _Checkpoint(model_dir, cfg, calibrated_tensors(cfg, storage))
-    available, kv_scales = source.names, storage.kv_scales
-    scales = (
-        rank_weights(cfg, par, rank, source.expanded_scale, available, kv_scales)
-        if cfg.fp8_block
-        else None
-    )
+    source = Checkpoint(open_source(model_dir, cfg, storage), cfg, calibrated_tensors(cfg, storage))
+
+    def run(get: Callable[[str], torch.Tensor]) -> Named:
+        return rank_weights(cfg, par, rank, get, source.names, storage.kv_scales)
+
+    scales = run(source.expanded_scale) if cfg.fp8_block else None
+    tags = SchemeTags()
+    parts = QuantParts(source, run, tags, values=True) if source.quantized else None
     tied = storage.table_is_head(cfg.tie_word_embeddings)
     named = (
         (name, tensor, next(scales)[1] if scales is not None else None)
-        for name, tensor in rank_weights(cfg, par, rank, source.read, available, kv_scales)
+        for name, tensor in run(codes_getter(source))
     )
     try:
         for name, tensor, scale in _with_fp8_head(named, cfg, storage):
+            if parts is not None:
+                element_tags, element_scale, aux = parts.next()
+                scheme = tags.of(name, element_tags)
+                if scheme is not None:
+                    yield from stored_parts(name, scheme, tensor, element_scale, aux)
+                    continue
             if tensor.dtype == FP8:
                 assert scale is not None
                 tensor, block_scale = _fp8_stored(name, tensor, scale, cfg.fp8_block, storage)
@@ -240,47 +236,6 @@ def _with_fp8_head(
         if head or (storage.fp8_head and cfg.tie_word_embeddings and name == TIED_TABLE):
             q, grid = quantize_blocks(tensor, cfg.fp8_block)
             yield HEAD, q, expand_scales(grid, tuple(q.shape), cfg.fp8_block)
-
-
-class _Checkpoint:
-    """A checkpoint's tensors by name, each file's reader kept open until `close`, with the K/V
-    scales a build calibrated beside them."""
-
-    def __init__(
-        self, model_dir: Path, cfg: ModelConfig, calibrated: dict[str, torch.Tensor]
-    ) -> None:
-        self.index, self.cfg, self.calibrated = checkpoint_index(model_dir), cfg, calibrated
-        self.names = set(self.index) | set(calibrated)
-        self.readers: dict[Path, TensorReader] = {}
-
-    def reader(self, name: str) -> TensorReader:
-        file = self.index[name]
-        if file not in self.readers:
-            self.readers[file] = TensorReader(file)
-        return self.readers[file]
-
-    def read(self, name: str) -> torch.Tensor:
-        if name in self.calibrated:
-            value = self.calibrated[name]
-            if value.is_meta:
-                raise ModelError(f"{name}: the fp8 KV cache was never calibrated")
-            return value
-        return self.reader(name).get(name)
-
-    def expanded_scale(self, name: str) -> torch.Tensor:
-        """Per element scale of an fp8 tensor; a stand-in of the right shape for the others."""
-        if name in self.calibrated:
-            return torch.empty(self.calibrated[name].shape, device="meta")
-        scale_name = name + self.cfg.fp8_scale_suffix
-        weight_shape = self.reader(name).header[name]["shape"]
-        if scale_name not in self.index:
-            return torch.empty(weight_shape, device="meta")
-        return expand_scales(self.read(scale_name), weight_shape, self.cfg.fp8_block)
-
-    def close(self) -> None:
-        for reader in self.readers.values():
-            reader.close()
-        self.readers.clear()
 
 
 def _fp8_stored(

@@ -49,15 +49,15 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "llama",
-        {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+        {"quantization_config": {"quant_method": "hqq", "bits": 4}},
         "quantization_config.quant_method",
-        "'gptq'",
+        "'hqq'",
     ),
     (
         "qwen3",
-        {"quantization_config": {"quant_method": "awq"}},
-        "quantization_config.quant_method",
-        "'awq'",
+        {"quantization_config": {"quant_method": "awq", "bits": 3}},
+        "quantization_config.bits",
+        "3",
     ),
     ("gemma3", {"hidden_activation": "gelu_fast"}, "hidden_activation", "for Gemma3ForCausalLM"),
     (

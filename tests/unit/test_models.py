@@ -112,12 +112,19 @@ def test_mqa_and_tied_configs(hf_model_dir):
 @pytest.mark.parametrize(
     ("quant", "message"),
     [
-        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
-        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
-        # compressed-tensors packs int4/int8 weights too: only float-quantized fp8 is read
+        ({"quant_method": "hqq", "nbits": 4}, "quant_method 'hqq' is not supported"),
         (
-            {"quant_method": "compressed-tensors", "format": "pack-quantized"},
-            "format 'pack-quantized' is not supported",
+            {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+            "'gemv' is not supported",
+        ),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+            "desc_act: true",
+        ),
+        # compressed-tensors' other layouts (2:4 sparsity, nvfp4) are refused by name
+        (
+            {"quant_method": "compressed-tensors", "format": "sparse-24-bitmask"},
+            "format 'sparse-24-bitmask' is not supported",
         ),
         # DeepSeek's fp8 without its block shape: nothing says how the scales map to blocks
         (

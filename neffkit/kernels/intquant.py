@@ -1,0 +1,239 @@
+"""Integer and fp4 weights kept at their storage width: the one layout every quantized format is
+read into, and its dequantization inside the graph, next to the matmul that reads it.
+
+Every format neffkit reads (GGUF's Q4_0 ... Q6_K, AWQ, GPTQ, compressed-tensors int, GPT-OSS's
+mxfp4, the manifest's own int8/int4) is one `QuantScheme` over an [..., out, in] weight: an
+unsigned code per element (`bits` wide) and, per group of `group` consecutive inputs of a row,
+a float32 scale and (by `kind`) a zero point or an additive minimum:
+
+    sym   (code - zero) * scale          zero a constant (Q4_0: 8, Q6_K: 32, int8: 128)
+    zero  (code - zero[g]) * scale       zero per group (AWQ, GPTQ, asymmetric compressed-tensors)
+    min   code * scale + min[g]          GGUF's *_1 and K-quants (`d * q - dmin * m`)
+    e2m1  FP4_VALUES[code] * scale       mxfp4: scale 2^(e - 127)
+
+Each is written in the order and float32 rounding of the library that defines the format
+(gguf-py's `dequantize`, compressed-tensors, transformers' mxfp4 conversion), so the widened
+values are exactly the float twin's: GGUF K-quants' two-level scales are multiplied out into one
+float32 per group at build time (`d * sc`: exact), not in the graph.
+
+The bundle stores the codes packed (`pack_codes`): 8-bit one a byte; 4-bit two a byte (element
+2i in the low nibble); 5- and 6-bit as a nibble plane plus a plane of the high bits
+(`<weight>.qhigh`), so Q6_K costs 6 bits a weight, not 8. Scales are `<weight>.qscale`, zero
+points `<weight>.qzero`, minimums `<weight>.qmin` (float32 [..., out, in/group]). `group` 0 is
+one group a row (per output channel).
+
+Activations stay in the model dtype (weight-only), except `activations="int8-token"` (W8A8):
+each token's row is quantized to int8 with its own scale (absmax / 127, round half to even, as
+vLLM's dynamic per-token scheme) and the integer dot products are scaled by both scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("sym", "zero", "min", "e2m1")
+# e2m1 (OCP MX fp4): sign, 2 exponent bits, 1 mantissa bit, by code
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+SCALE, ZERO, MIN, HIGH = ".qscale", ".qzero", ".qmin", ".qhigh"
+AUX_SUFFIXES = (SCALE, ZERO, MIN, HIGH)
+ACTIVATIONS = ("", "int8-token")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one weight's codes become values (module docstring); recorded per graph weight as
+    `to_id()` in bundle.json, so a graph is traced from it and inspect shows it."""
+
+    kind: str
+    bits: int
+    group: int  # inputs per scale along a row; 0: the whole row
+    zero: int = 0  # kind "sym": the code of 0.0
+    activations: str = ""  # "int8-token": W8A8
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"quantization kind {self.kind!r}: expected one of {KINDS}")
+        if self.bits not in (4, 5, 6, 8) or (self.kind == "e2m1" and self.bits != 4):
+            raise ValueError(f"{self.kind}: {self.bits}-bit codes are not a layout neffkit reads")
+        if self.group < 0 or self.activations not in ACTIVATIONS:
+            raise ValueError(f"group {self.group}, activations {self.activations!r}")
+
+    def to_id(self) -> str:
+        parts = [self.kind, f"b{self.bits}", f"g{self.group}"]
+        if self.kind == "sym":
+            parts.append(f"z{self.zero}")
+        if self.activations:
+            parts.append(f"a:{self.activations}")
+        return ":".join(parts)
+
+    @classmethod
+    def from_id(cls, text: str) -> QuantScheme:
+        kind, *rest = text.split(":")
+        fields: dict[str, int | str] = {}
+        for part in rest:
+            if part.startswith("a"):
+                continue
+            fields[{"b": "bits", "g": "group", "z": "zero"}[part[0]]] = int(part[1:])
+        act = text.split(":a:")[1] if ":a:" in text else ""
+        return cls(kind, activations=act, **fields)  # type: ignore[arg-type]
+
+    @property
+    def aux(self) -> str:
+        """The per-group tensor beside the scales: ZERO, MIN or "" (none)."""
+        return {"zero": ZERO, "min": MIN}.get(self.kind, "")
+
+    def group_of(self, in_features: int) -> int:
+        return self.group or in_features
+
+    def stored(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """suffix ("" for the codes) → (shape, dtype) of what the bundle stores for a weight of
+        logical `shape` [..., out, in]."""
+        *lead, rows, cols = shape
+        groups = cols // self.group_of(cols)
+        out = {"": ((*lead, rows, cols * min(self.bits, 4) // 8 if self.bits < 8 else cols), U8)}
+        if self.bits in (5, 6):
+            out[HIGH] = ((*lead, rows, cols * (self.bits - 4) // 8), U8)
+        out[SCALE] = ((*lead, rows, groups), torch.float32)
+        if self.aux:
+            out[self.aux] = ((*lead, rows, groups), torch.float32)
+        return out
+
+    def check_shape(self, shape: tuple[int, ...]) -> str | None:
+        """Why a weight of `shape` cannot take this layout (None: it can)."""
+        cols = shape[-1]
+        per_byte = {4: 2, 5: 8, 6: 4, 8: 1}[self.bits]
+        if cols % per_byte:
+            return f"{cols} inputs do not pack {per_byte} to a byte at {self.bits} bits"
+        if cols % self.group_of(cols):
+            return f"{cols} inputs are not a whole number of groups of {self.group}"
+        return None
+
+
+U8 = torch.uint8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """uint8 codes, one per element [..., in] → what the bundle stores (suffix → tensor)."""
+    c = codes.to(U8)
+    if bits == 8:
+        return {"": c.contiguous()}
+    low = c & 0x0F
+    out = {"": (low[..., 0::2] | (low[..., 1::2] << 4)).contiguous()}
+    if bits > 4:
+        high = (c >> 4).reshape(*c.shape[:-1], -1, 8 // (bits - 4))
+        shifts = torch.arange(high.shape[-1], dtype=U8) * (bits - 4)
+        out[HIGH] = (high << shifts).sum(-1, dtype=torch.int32).to(U8).contiguous()
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, high: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """The codes one per element again (uint8 [..., in]); graph-safe (shifts and masks)."""
+    if bits == 8:
+        return packed
+    low = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    if high is None:
+        return low
+    per_byte = 8 // (bits - 4)
+    shifts = torch.arange(per_byte, dtype=U8, device=packed.device) * (bits - 4)
+    hi = (high.unsqueeze(-1) >> shifts) & ((1 << (bits - 4)) - 1)
+    return low | (hi.flatten(-2) << 4)
+
+
+def dequantize(
+    parts: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight's values [..., out, in] in `dtype` from its stored parts (suffix → tensor),
+    in float32 first and in the defining library's order (module docstring). Pointwise over
+    the codes, so Inductor fuses it into the reduction that reads the weight."""
+    codes = unpack_codes(parts[""], parts.get(HIGH), scheme.bits)
+    cols = codes.shape[-1]
+    group = scheme.group_of(cols)
+    scale = parts[SCALE].float().repeat_interleave(group, dim=-1)
+    if scheme.kind == "e2m1":
+        table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
+        values = table[codes.long()] * scale
+    elif scheme.kind == "min":
+        values = codes.float() * scale + parts[MIN].float().repeat_interleave(group, dim=-1)
+    elif scheme.kind == "zero":
+        values = (codes.float() - parts[ZERO].float().repeat_interleave(group, dim=-1)) * scale
+    else:
+        values = (codes.float() - scheme.zero) * scale
+    return values.to(dtype)
+
+
+def integer_values(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """A symmetric scheme's signed integer values as float32 (W8A8's weight side)."""
+    codes = unpack_codes(parts[""], parts.get(HIGH), scheme.bits)
+    return codes.float() - scheme.zero
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 (W8A8's activation side): (integer values as float32, scale
+    [..., 1]); scale absmax / 127 (1 for an all-zero row), round half to even."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(xf / scale).clamp(-127, 127), scale
+
+
+@dataclass(frozen=True)
+class Int8Activations:
+    """A W8A8 projection weight in the graph: `project` quantizes the rows it multiplies."""
+
+    parts: dict[str, torch.Tensor]
+    scheme: QuantScheme
+
+    @property
+    def out_features(self) -> int:
+        return int(self.parts[""].shape[-2])
+
+
+def project_w8a8(x: torch.Tensor, weight: Int8Activations) -> torch.Tensor:
+    """x @ W.T with x quantized per token: integer dot products (exact in float32 while
+    127 * 127 * in < 2^24; beyond that rounded as any float32 sum), times both scales."""
+    xq, x_scale = quantize_tokens(x)
+    wq = integer_values(weight.parts, weight.scheme)
+    acc = xq @ wq.transpose(-1, -2)
+    w_scale = weight.parts[SCALE].float().reshape(-1)  # per output channel
+    return (acc * x_scale * w_scale).to(x.dtype)
+
+
+def graph_weights(
+    w: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], dtype: torch.dtype
+) -> dict[str, torch.Tensor | Int8Activations]:
+    """A graph's weights with each quantized one's parts joined: widened right here for the
+    weight-only schemes (the widening is pointwise, so it fuses into whatever reads it), kept
+    as `Int8Activations` for W8A8 (projections quantize their rows)."""
+    out: dict[str, torch.Tensor | Int8Activations] = {}
+    for name, tensor in w.items():
+        if name.endswith(AUX_SUFFIXES) and name.rsplit(".q", 1)[0] in schemes:
+            continue
+        scheme = schemes.get(name)
+        if scheme is None:
+            out[name] = tensor
+            continue
+        parts = {"": tensor, **{s: w[name + s] for s in AUX_SUFFIXES if name + s in w}}
+        if scheme.activations:
+            out[name] = Int8Activations(parts, scheme)
+        else:
+            out[name] = dequantize(parts, scheme, dtype)
+    return out
