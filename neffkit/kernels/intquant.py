@@ -87,14 +87,10 @@ class QuantScheme:
 
     @classmethod
     def from_id(cls, text: str) -> QuantScheme:
-        kind, *rest = text.split(":")
-        fields: dict[str, int | str] = {}
-        for part in rest:
-            if part.startswith("a"):
-                continue
-            fields[{"b": "bits", "g": "group", "z": "zero"}[part[0]]] = int(part[1:])
-        act = text.split(":a:")[1] if ":a:" in text else ""
-        return cls(kind, activations=act, **fields)  # type: ignore[arg-type]
+        head, _, act = text.partition(":a:")
+        kind, *rest = head.split(":")
+        fields = {{"b": "bits", "g": "group", "z": "zero"}[p[0]]: int(p[1:]) for p in rest}
+        return cls(kind, activations=act, **fields)
 
     @property
     def aux(self) -> str:
