@@ -26,19 +26,35 @@ from neffkit.kernels.intquant import QuantScheme, dequantize, pack_codes
 
 @dataclass
 class QuantTensor:
-    """One weight in neffkit's integer layout, codes unpacked (one uint8 per element)."""
+    """One weight in neffkit's integer layout, codes unpacked (one uint8 per element).
+
+    Groups run along the last dim, except with `group_dim` -2: a weight whose logical layout is
+    [..., in, out] (GPT-OSS's experts in HF's layout), scale [..., in / group, out]; the
+    sharding rules transpose it so that the graph weight's groups run along its last dim."""
 
     scheme: QuantScheme
     codes: torch.Tensor  # uint8 [..., out, in]
     scale: torch.Tensor  # float32 [..., out, in / group]
     aux: torch.Tensor | None = None  # float32 zero points or minimums, as `scale`
+    group_dim: int = -1  # -1, or -2: groups along the rows (see above)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.codes.shape)
 
+    def grouped_last(self) -> QuantTensor:
+        """The same weight with its groups along the last dim (transposed views for -2)."""
+        if self.group_dim == -1:
+            return self
+        aux = self.aux.mT if self.aux is not None else None
+        return QuantTensor(self.scheme, self.codes.mT, self.scale.mT, aux)
+
     def check(self, name: str) -> None:
         """Refuse a tensor whose parts do not fit each other (a ModelError naming it)."""
+        if self.group_dim not in (-1, -2):
+            raise ModelError(f"tensor {name!r}: groups along dim {self.group_dim}")
+        if self.group_dim == -2:  # shapes below read transposed: [..., out, in]
+            return self.grouped_last().check(name)
         shape, scheme = self.shape, self.scheme
         if (why := scheme.check_shape(shape)) is not None:
             raise ModelError(f"tensor {name!r} {list(shape)}: {why}")
@@ -58,13 +74,16 @@ class QuantTensor:
             raise ModelError(f"tensor {name!r}: codes exceed {scheme.bits} bits")
 
     def expanded(self, part: str) -> torch.Tensor:
-        """`scale` or `aux` one per element (float32 [..., out, in])."""
+        """`scale` or `aux` one per element (float32, the shape of `codes`)."""
         tensor = self.scale if part == "scale" else self.aux
         assert tensor is not None
-        return tensor.float().repeat_interleave(self.scheme.group_of(self.shape[-1]), dim=-1)
+        group, dim = self.scheme.group_of(self.shape[self.group_dim]), self.group_dim
+        return tensor.float().repeat_interleave(group, dim=dim)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values, widened exactly as the graph widens them (float twins, tests)."""
+        if self.group_dim == -2:
+            return self.grouped_last().dequantized(dtype).mT
         parts = {**pack_codes(self.codes, self.scheme.bits), ".qscale": self.scale}
         if self.aux is not None:
             parts[self.scheme.aux] = self.aux

@@ -30,7 +30,7 @@ def fp8_scheme(cfg: dict[str, Any], path: Path) -> tuple[tuple[int, ...], str]:
         return (), ""
     method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
     where = f"{path}: quantization_config"
-    if method in INT_METHODS or _ct_int(quant):
+    if method in INT_METHODS or method == "gguf" or _ct_int(quant):
         return (), ""
     if method == "fp8":
         block = _block(quant.get("weight_block_size"), f"{where}.weight_block_size")
@@ -126,7 +126,9 @@ def weight_format(cfg: dict[str, Any], path: Path) -> tuple[str, tuple[tuple[str
     elif method == "gptq":
         check_gptq(quant, where)
     elif method == "mxfp4":
-        pass
+        check_mxfp4(quant, where, cfg)
+    elif method == "gguf":
+        check_gguf(quant, path, where)
     elif _ct_int(quant):
         check_compressed_int(quant, where)
         method = "compressed-tensors"
@@ -156,6 +158,19 @@ def _group(quant: dict[str, Any], key: str, allowed: tuple[int, ...], where: str
     return int(group)
 
 
+def check_gguf(quant: dict[str, Any], path: Path, where: str) -> None:
+    """A GGUF file's metadata directory (checkpoints/gguf_dir.py): its pointer beside config.json.
+    transformers' own GGUF quantization_config (a model saved after loading a GGUF file) names
+    weights neffkit does not read."""
+    pointer = quant.get("neffkit_pointer")
+    if not isinstance(pointer, str) or not (path.parent / pointer).is_file():
+        raise ModelError(
+            f"{where}.quant_method 'gguf' without the GGUF file neffkit reads the tensors from",
+            hint="give the .gguf file itself as `model: FILE.gguf`, or convert it to float: "
+            "neffkit convert FILE.gguf -o DIR",
+        )
+
+
 def check_awq(quant: dict[str, Any], where: str) -> None:
     """AutoAWQ's GEMM layout, 4-bit, zero points, groups of 32/64/128."""
     _bits(quant, "bits", (4,), where)
@@ -171,7 +186,9 @@ def check_awq(quant: dict[str, Any], where: str) -> None:
 
 
 def check_gptq(quant: dict[str, Any], where: str) -> None:
-    """GPTQ: 4- or 8-bit, symmetric, groups (or -1: per channel), desc_act false."""
+    """GPTQ (AutoGPTQ, GPTQModel, optimum): 4- or 8-bit, symmetric, groups (or -1: per
+    channel), desc_act false, int32 words, checkpoint_format gptq (v1: zero points stored less
+    one) or gptq_v2, one scheme for every module."""
     _bits(quant, "bits", (4, 8), where)
     group = quant.get("group_size", 128)
     if not (group == -1 or group in (32, 64, 128)):
@@ -183,50 +200,132 @@ def check_gptq(quant: dict[str, Any], where: str) -> None:
         )
     if quant.get("sym") is False:
         raise ModelError(f"{where}.sym: false is not supported (neffkit reads symmetric GPTQ)")
-    fmt = str(quant.get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ModelError(f"{where}.checkpoint_format: {fmt!r} is not supported (gptq, gptq_v2)")
+    key = "checkpoint_format" if quant.get("checkpoint_format") else "format"
+    fmt = str(quant.get(key) or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2") or quant.get("is_marlin_format"):
+        shown = "marlin" if quant.get("is_marlin_format") else fmt
+        raise ModelError(
+            f"{where}.{key}: {shown!r} is not supported (gptq, gptq_v2)",
+            hint="save the model in GPTQ's own layout (GPTQModel: format=FORMAT.GPTQ)",
+        )
+    if str(quant.get("pack_dtype", "int32")) != "int32":
+        raise ModelError(
+            f"{where}.pack_dtype: {quant.get('pack_dtype')!r} is not supported (int32 words)"
+        )
+    if quant.get("dynamic"):
+        raise ModelError(
+            f"{where}.dynamic: per-module overrides are not supported (neffkit reads one "
+            "GPTQ scheme for every quantized module)",
+            hint="re-quantize without `dynamic`",
+        )
+
+
+MXFP4_KEYS = ("quant_method", "modules_to_not_convert")
+
+
+def check_mxfp4(quant: dict[str, Any], where: str, cfg: dict[str, Any]) -> None:
+    """GPT-OSS's release layout (checkpoints/formats/mxfp4.py): its experts in mxfp4, the
+    modules `modules_to_not_convert` names stored float (read as they are)."""
+    if cfg.get("model_type") != "gpt_oss":
+        raise ModelError(
+            f"{where}.quant_method: mxfp4 on model_type {cfg.get('model_type')!r} is not "
+            "supported (neffkit reads mxfp4 as GPT-OSS ships it: model_type gpt_oss)"
+        )
+    for key in quant:
+        if key not in MXFP4_KEYS:
+            raise ModelError(
+                f"{where}.{key}: not supported for mxfp4 (neffkit reads "
+                f"{', '.join(MXFP4_KEYS)}: GPT-OSS's release config)",
+                hint="dequantize the checkpoint, or remove the option if it only asks "
+                "transformers how to load it",
+            )
+    keep = quant.get("modules_to_not_convert")
+    if keep is not None and not (isinstance(keep, list) and all(isinstance(m, str) for m in keep)):
+        raise ModelError(f"{where}.modules_to_not_convert: {keep!r} is not a list of names")
 
 
 def check_compressed_int(quant: dict[str, Any], where: str) -> None:
-    """compressed-tensors pack-quantized (W4A16, W8A16) and int-quantized (W8A8, dynamic
-    per-token int8 activations): every group one integer weight scheme."""
+    """compressed-tensors pack-quantized (W4A16, W8A16: 4- or 8-bit, symmetric or with zero
+    points, per group or per channel) and int-quantized (W8A8: symmetric int8 per channel with
+    dynamic per-token int8 activations): every group one integer weight scheme."""
+    fmt = quant.get("format")
+    for key in ("transform_config", "sparsity_config"):
+        if quant.get(key):
+            raise ModelError(
+                f"{where}.{key}: {quant[key]!r} is not supported (neffkit reads quantized "
+                "weights without rotations or sparsity)",
+                hint="export the model without the transform / sparsity modifier",
+            )
+    kv = quant.get("kv_cache_scheme")
+    if isinstance(kv, dict) and kv.get("type") != "float":
+        raise ModelError(
+            f"{where}.kv_cache_scheme: {kv.get('type')!r} is not supported (neffkit's KV cache "
+            "is the model dtype or fp8: manifest kv_cache.dtype)"
+        )
+    _strings(quant.get("ignore") or [], f"{where}.ignore")
     groups = quant.get("config_groups") or {}
     if not groups:
-        raise ModelError(f"{where}.config_groups: none (nothing says how weights are stored)")
+        raise ModelError(
+            f"{where}.config_groups: none (nothing says how the format {fmt!r} weights are stored)"
+        )
     for group, body in groups.items():
         at = f"{where}.config_groups.{group}"
-        w = (body or {}).get("weights") or {}
-        if w.get("type") != "int" or w.get("num_bits") not in (4, 8):
+        body = body or {}
+        if body.get("format") not in (None, fmt):
             raise ModelError(
-                f"{at}.weights: {w.get('type')!r} with {w.get('num_bits')!r} bits is not "
-                "supported (neffkit reads 4- and 8-bit int weights)"
+                f"{at}.format: {body.get('format')!r} beside {fmt!r} (mixed formats are not "
+                "supported: every group stored as the checkpoint's format)"
             )
-        strategy = w.get("strategy")
-        if strategy not in ("group", "channel"):
-            raise ModelError(
-                f"{at}.weights.strategy: {strategy!r} is not supported (group, channel)"
-            )
-        if strategy == "group" and w.get("group_size") not in (32, 64, 128):
-            raise ModelError(
-                f"{at}.weights.group_size: {w.get('group_size')!r} is not supported (32, 64, 128)"
-            )
-        if w.get("actorder") not in (None, False, "static"):
-            raise ModelError(f"{at}.weights.actorder: {w.get('actorder')!r} is not supported")
-        acts = (body or {}).get("input_activations")
-        if quant.get("format") == "int-quantized":
-            _check_w8a8(w, acts, at)
+        _strings(body.get("targets"), f"{at}.targets", empty=False)
+        _check_int_weights(body.get("weights") or {}, fmt, f"{at}.weights")
+        if body.get("output_activations"):
+            raise ModelError(f"{at}.output_activations: quantized outputs are not supported")
+        acts = body.get("input_activations")
+        if fmt == "int-quantized":
+            _check_w8a8(body.get("weights") or {}, acts, at)
         elif acts:
             raise ModelError(
-                f"{at}.input_activations: quantized activations need format int-quantized"
+                f"{at}.input_activations: quantized activations need format int-quantized "
+                "(W8A8); pack-quantized weights keep activations in the model dtype"
             )
+
+
+def _strings(value: Any, where: str, empty: bool = True) -> None:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ModelError(f"{where}: {value!r} is not a list of module names or patterns")
+    if not value and not empty:
+        raise ModelError(f"{where}: empty (no module is quantized by this group)")
+
+
+def _check_int_weights(w: dict[str, Any], fmt: Any, at: str) -> None:
+    bits = (4, 8) if fmt == "pack-quantized" else (8,)
+    if w.get("type") != "int" or w.get("num_bits") not in bits:
+        raise ModelError(
+            f"{at}: {w.get('type')!r} with {w.get('num_bits')!r} bits is not supported "
+            f"(neffkit reads {' and '.join(map(str, bits))}-bit int weights as {fmt})"
+        )
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ModelError(f"{at}.strategy: {strategy!r} is not supported (group, channel)")
+    size = w.get("group_size")
+    if strategy == "group" and not (isinstance(size, int) and size > 0):
+        raise ModelError(f"{at}.group_size: {size!r} is not a positive group size")
+    if w.get("dynamic"):
+        raise ModelError(f"{at}.dynamic: {w.get('dynamic')!r} (weights are stored quantized)")
+    if w.get("actorder") not in (None, False, "static", "weight"):
+        raise ModelError(
+            f"{at}.actorder: {w.get('actorder')!r} is not supported (neffkit reads groups in "
+            "input order: actorder static or weight)",
+            hint="re-quantize with actorder 'static' or 'weight' (llm-compressor's GPTQModifier)",
+        )
 
 
 def _check_w8a8(w: dict[str, Any], acts: Any, at: str) -> None:
     if w.get("num_bits") != 8 or not w.get("symmetric", True) or w.get("strategy") != "channel":
         raise ModelError(
             f"{at}.weights: W8A8 reads symmetric 8-bit per-channel weights (got "
-            f"{w.get('num_bits')}-bit, strategy {w.get('strategy')!r})"
+            f"{w.get('num_bits')}-bit, symmetric {w.get('symmetric', True)}, strategy "
+            f"{w.get('strategy')!r})"
         )
     ok = (
         isinstance(acts, dict)
@@ -239,5 +338,7 @@ def _check_w8a8(w: dict[str, Any], acts: Any, at: str) -> None:
     if not ok:
         raise ModelError(
             f"{at}.input_activations: {acts!r} is not supported (neffkit reads dynamic "
-            "symmetric per-token int8 activations)"
+            "symmetric per-token int8 activations)",
+            hint="static or asymmetric activation scales: re-export with llm-compressor's "
+            "W8A8 preset (dynamic per-token), or a weight-only scheme",
         )
