@@ -142,7 +142,9 @@ class XlaCpuSpmdExecutor:
         xla, arrays, user, ranks = self.xla, self.arrays, len(graph.outputs), self.ranks
 
         def run(meta: list[np.ndarray]) -> list[np.ndarray]:
-            args = [xla.put_ranks([m] * ranks) for m in meta] + arrays
+            # copies: XLA:CPU may read a host array in place, and the other ranks can still be
+            # running when rank 0's outputs are back, while the engine refills its buffers
+            args = [xla.put_ranks([np.array(m)] * ranks) for m in meta] + arrays
             outs = xla.run_ranks(executable, args)
             for static_index, output_index in aliases:  # donated inputs → their new values
                 arrays[static_index] = xla.join(outs[output_index])
