@@ -195,7 +195,7 @@ def write_bundle(
     copy_tokenizer(manifest.model, stage / "tokenizer")
     neuron, bundle_stage = backend.target_record(manifest, lower_only)
     graphs = tuple(graph_record(u, backend.artifact_suffix, lower_only, layout) for u in units)
-    model = manifest.model_config.to_json()
+    model = layout.config.to_json()  # with the schemes of its quantized weights
     record = BundleRecord(
         versions=Versions(neffkit.__version__, torch.__version__, backend.version),
         target=manifest.target,

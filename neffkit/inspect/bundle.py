@@ -16,6 +16,7 @@ from neffkit.compile.cache.keys import changed_keys
 from neffkit.contract.bundle import Bundle, read_zst_text
 from neffkit.contract.neff import NeffError, read_header
 from neffkit.contract.records import BundleRecord, GraphRecord
+from neffkit.inspect.quant import quantization_summary
 
 INSPECT_SCHEMA_VERSION = 1
 
@@ -74,6 +75,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
         "layout": record.layout.to_json(),
         "kv_cache": kv_cache_summary(record),
         "fp8": record.fp8.to_json() if record.fp8 else None,
+        "quantization": quantization_summary(bundle),
         "weights": [
             {
                 "rank": w.rank,

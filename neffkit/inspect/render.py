@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from neffkit.inspect.quant import quant_line, quant_tables
+
 
 def _target_line(summary: dict[str, Any]) -> str:
     neuron = summary.get("neuron")
@@ -98,6 +100,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("kv cache", _kv_line(summary["kv_cache"])),
         *([("fp8", _fp8_line(summary["fp8"]))] if summary.get("fp8") else []),
+        *([("quantized", quant_line(q))] if (q := summary.get("quantization")) else []),
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
         (
             "sampling",
@@ -155,6 +158,8 @@ def render(summary: dict[str, Any]) -> Any:
             str(g["findings"]),
         )
     parts = [head, table]
+    if summary.get("quantization"):
+        parts += quant_tables(summary["quantization"])
     if summary["findings"]:
         parts.append(findings_table(summary["findings"]))
     return Group(*parts)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
 import torch
+from torch._ops import OpOverload
 
 from neffkit.compile.units import LoweredGraph
 from neffkit.contract.records import IoAlias
@@ -79,7 +81,7 @@ def _functional_graph(program: torch.export.ExportedProgram) -> tuple[torch.fx.G
     from torch.export.graph_signature import InputKind
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-    program = program.run_decompositions(get_decomposition_table())
+    program = program.run_decompositions({**get_decomposition_table(), **unsigned_shifts()})
     if any(s.kind != InputKind.USER_INPUT for s in program.graph_signature.input_specs):
         raise BuildError(
             "the neuron target needs every tensor as a graph input (weights as inputs); "
@@ -111,6 +113,50 @@ def _functional_graph(program: torch.export.ExportedProgram) -> tuple[torch.fx.G
     graph.lint()
     gm.recompile()
     return gm, len(reduces)
+
+
+def unsigned_shifts() -> dict[OpOverload, Callable[..., object]]:
+    """Shifts of unsigned integers (the packed codes of quantized weights, kernels/intquant.py)
+    as integer division and multiplication by a power of two, for `run_decompositions`.
+
+    torch-mlir lowers no scalar shift at all, and lowers a tensor shift right to
+    `stablehlo.shift_right_arithmetic`, which XLA runs as a signed shift on uint8 (0xF0 >> 4
+    gives 0xFF, not 0x0F). Truncating division by 2^k is the logical shift of an unsigned value
+    and lowers to an integer `stablehlo.divide`; a shift left is a product that wraps the same
+    way. Shifts of other dtypes stay as they are (NotImplemented: the op itself)."""
+
+    def power(k: torch.Tensor) -> torch.Tensor:
+        """2^k as int32 from k's bits, in integers (a float `power` may be inexact on the
+        device); k from 8 on shifts every bit of a uint8 out, as 2^8 does."""
+        k = k.to(torch.int32).clamp(0, 8)
+        bits = [torch.div(k, 1 << i, rounding_mode="trunc") % 2 for i in range(4)]
+        return (1 + bits[0]) * (1 + 3 * bits[1]) * (1 + 15 * bits[2]) * (1 + 255 * bits[3])
+
+    def right(x: object, k: torch.Tensor | int) -> object:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
+            return NotImplemented
+        if isinstance(k, int):
+            return torch.div(x, 1 << k, rounding_mode="trunc")
+        return torch.div(x.to(torch.int32), power(k), rounding_mode="trunc").to(x.dtype)
+
+    def left(x: object, k: torch.Tensor | int) -> object:
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8:
+            return NotImplemented
+        if isinstance(k, int):
+            return x * (1 << k)
+        return (x.to(torch.int32) * power(k)).to(x.dtype)
+
+    aten = torch.ops.aten
+    table: dict[OpOverload, Callable[..., object]] = {}
+    for fn, packets in (
+        (right, ("__rshift__", "bitwise_right_shift")),
+        (left, ("__lshift__", "bitwise_left_shift")),
+    ):
+        for packet in packets:
+            for overload in ("Tensor", "Scalar", "Tensor_Scalar"):
+                if overload in getattr(aten, packet).overloads():
+                    table[getattr(getattr(aten, packet), overload)] = fn
+    return table
 
 
 def _to_stablehlo(gm: torch.fx.GraphModule) -> str:
