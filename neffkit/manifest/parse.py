@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from neffkit.errors import ManifestError, ModelError
+from neffkit.checkpoints.gguf_dir import POINTER, gguf_model_dir
+from neffkit.errors import ManifestError, ModelError, NeffkitError
 from neffkit.manifest.fields import choice, describe, mapping, no_unknown
 from neffkit.manifest.quantization import read_quantization
 from neffkit.manifest.schema import SCHEMA_VERSION, Manifest, Speculation
@@ -63,12 +64,16 @@ def _looks_like_hub_id(value: str) -> bool:
 
 
 def _model_dir(value: Any, base: Path, field: str = "model") -> tuple[Path, ModelConfig]:
-    """An HF checkpoint directory (`field` names it in errors) and its validated config."""
+    """An HF checkpoint directory, or a GGUF file's (`field` names it in errors), and its
+    validated config."""
     if not isinstance(value, str) or not value:
         raise ManifestError(
-            f"{field}: expected a path to an HF model directory, got {describe(value)}"
+            f"{field}: expected a path to an HF model directory or a .gguf file, got "
+            f"{describe(value)}"
         )
     path = (base / value).resolve()
+    if path.suffix.lower() == ".gguf":
+        path = _gguf_dir(path, field)
     if not path.is_dir() and _looks_like_hub_id(value):
         raise ManifestError(
             f"{field}: {value!r} is not a directory; neffkit reads local HF model directories, "
@@ -80,7 +85,7 @@ def _model_dir(value: Any, base: Path, field: str = "model") -> tuple[Path, Mode
         raise ManifestError(f"{field}: directory {path} does not exist")
     if not (path / "config.json").exists():
         raise ManifestError(f"{field}: {path} has no config.json (is it an HF model directory?)")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not (path / POINTER).is_file():
         raise ManifestError(
             f"{field}: {path} has no *.safetensors files",
             hint="save the model with save_pretrained(..., safe_serialization=True)",
@@ -88,6 +93,17 @@ def _model_dir(value: Any, base: Path, field: str = "model") -> tuple[Path, Mode
     try:
         return path, read_model_config(path)
     except ModelError as exc:
+        raise ManifestError(f"{field}: {exc.message}", exc.hint) from exc
+
+
+def _gguf_dir(path: Path, field: str) -> Path:
+    """A GGUF file's metadata directory, which the rest of neffkit reads as the model (made once
+    per file content; the tensors stay in the file: checkpoints/gguf_dir.py)."""
+    if not path.is_file():
+        raise ManifestError(f"{field}: GGUF file {path} does not exist")
+    try:
+        return gguf_model_dir(path)
+    except NeffkitError as exc:
         raise ManifestError(f"{field}: {exc.message}", exc.hint) from exc
 
 

@@ -62,6 +62,10 @@ def rank_weights(
 def has_kv_scales(model_dir: Path) -> bool:
     """Does the checkpoint carry per-layer KV cache scales (compressed-tensors, ModelOpt)?
     (Layer 0's K scale, under either name `shards.kv_scale_name` reads.)"""
+    from neffkit.checkpoints.gguf_dir import POINTER
+
+    if (model_dir / POINTER).is_file():  # a GGUF file's tensors (gguf_dir.py): no KV scales
+        return False
     names = set(checkpoint_index(model_dir))
     return kv_scale_name("model.layers.0", "k", names) in names
 
