@@ -50,11 +50,15 @@ class SchemeTags:
         """The one scheme of a graph weight's elements (None: a float tensor)."""
         if tags.is_meta or tags.dtype != torch.uint8:  # float, or computed by the rules (rope)
             return None
-        found = torch.unique(tags[tags > 0]) if tags.numel() else torch.tensor([])
-        if len(found) != 1:
-            names = sorted(self.schemes[int(t)].to_id() for t in found)
+        if tags.numel() and all(s == 0 for s in tags.stride()):  # one broadcast tag
+            return self.schemes[int(tags.reshape(-1)[0])]
+        # two reductions, not a sort: the tags are one byte per element of the weight
+        high = int(tags.amax()) if tags.numel() else 0
+        low = int(torch.where(tags > 0, tags, high).amin()) if high else 0
+        if high == 0 or low != high:
+            names = sorted(self.schemes[t].to_id() for t in {low, high} if t)
             raise ModelError(f"tensor {name!r} joins weights of different quantizations {names}")
-        return self.schemes[int(found[0])]
+        return self.schemes[high]
 
 
 class QuantParts:
