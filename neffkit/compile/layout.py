@@ -22,6 +22,7 @@ from neffkit.models.forms import (
     PLAIN,
     ProjectionPolicy,
     Storage,
+    packs_to_kernel,
     takes_projection_form,
 )
 from neffkit.models.registry import takes_hidden
@@ -171,6 +172,22 @@ def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
     return sorted((spec_bytes(w) for w in blocked_projections(layout)), reverse=True)
 
 
+def packed_kernel_weights(layout: ModelLayout) -> list[str]:
+    """Quantized projection weights neffkit::packed_rows reads at decode rows (forms.
+    packs_to_kernel; float32 compute): scheme ids `kind:bN:gN[:zN][:a:...]`."""
+    if layout.dtype != "float32":
+        return []
+    shapes = {w.name: w.shape for w in layout.weights}
+    names = []
+    for name, scheme in layout.config.weight_quant:
+        fields = {part[0]: part[1:] for part in scheme.split(":")[1:3]}
+        bits, group = int(fields["b"]), int(fields["g"])
+        cols = shapes[name][-1] * 2  # 4-bit codes: two a byte
+        if takes_projection_form(name) and packs_to_kernel(bits, group, cols, ":a:" not in scheme):
+            names.append(name)
+    return names
+
+
 def uses_kernel(layout: ModelLayout) -> bool:
     """Do this layout's graphs call neffkit's CPU kernels (decode attention, or some blocked
     weight taking the kernel form at some row count: every decode row count, and the larger
@@ -180,6 +197,8 @@ def uses_kernel(layout: ModelLayout) -> bool:
         return True
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
+    if packed_kernel_weights(layout) and policy.packed_form(1, True) == "kernel-packed":
+        return True
     sizes = blocked_weight_bytes(layout)
     rows = {*range(1, policy.max_rows + 1), *(policy.kernel_rows or ())}
     return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
@@ -216,9 +235,10 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
 
 def projection_form(layout: ModelLayout, rows: int) -> str:
     """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
-    that differ by weight size are joined with "+", the largest weights' form first)."""
-    sizes = blocked_weight_bytes(layout)
-    if not sizes:
-        return layout.projection.form(rows, False)
-    forms = dict.fromkeys(layout.projection.form(rows, True, size) for size in sizes)
-    return "+".join(forms)
+    that differ by weight size are joined with "+", the largest weights' form first; weights
+    kept at their storage width last, as `packed_form` writes them)."""
+    policy = layout.projection
+    forms = dict.fromkeys(policy.form(rows, True, size) for size in blocked_weight_bytes(layout))
+    if any(takes_projection_form(n) and ":a:" not in s for n, s in layout.config.weight_quant):
+        forms[policy.packed_form(rows, bool(packed_kernel_weights(layout)))] = None
+    return "+".join(forms) or policy.form(rows, False)

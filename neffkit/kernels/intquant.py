@@ -29,6 +29,7 @@ vLLM's dynamic per-token scheme) and the integer dot products are scaled by both
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,17 @@ def unpack_codes(packed: torch.Tensor, high: torch.Tensor | None, bits: int) -> 
     return low | (hi.flatten(-2) << 4)
 
 
+def fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    """FP4_VALUES[code] as float32, computed, not looked up: exact, pointwise (it fuses), and
+    lowerable for neuron (a table is a tensor constant, lifted out of the graph, which that
+    target refuses, and a gather per weight element there is a DMA each)."""
+    c = codes.float()
+    negative = c >= 8
+    m = torch.where(negative, c - 8, c)  # magnitude code: 0 0.5 1 1.5 2 3 4 6
+    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2, m * 2 - 8))
+    return torch.where(negative, -mag, mag)  # code 8: -0.0
+
+
 def dequantize(
     parts: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -161,19 +173,61 @@ def dequantize(
     in float32 first and in the defining library's order (module docstring). Pointwise over
     the codes, so Inductor fuses it into the reduction that reads the weight."""
     codes = unpack_codes(parts[""], parts.get(HIGH), scheme.bits)
-    cols = codes.shape[-1]
-    group = scheme.group_of(cols)
-    scale = parts[SCALE].float().repeat_interleave(group, dim=-1)
+    group = scheme.group_of(codes.shape[-1])
+    return _values(codes, parts, scheme, group).to(dtype)
+
+
+def _values(
+    codes: torch.Tensor, parts: dict[str, torch.Tensor], scheme: QuantScheme, repeats: int
+) -> torch.Tensor:
+    """float32 values of `codes` [..., out, n] by the scheme's formula, each per-group part
+    repeated `repeats` times along the row (the codes of one group lie side by side)."""
+
+    def per_element(t: torch.Tensor) -> torch.Tensor:
+        return t.float().repeat_interleave(repeats, dim=-1)
+
+    scale = per_element(parts[SCALE])
     if scheme.kind == "e2m1":
-        table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
-        values = table[codes.long()] * scale
-    elif scheme.kind == "min":
-        values = codes.float() * scale + parts[MIN].float().repeat_interleave(group, dim=-1)
-    elif scheme.kind == "zero":
-        values = (codes.float() - parts[ZERO].float().repeat_interleave(group, dim=-1)) * scale
-    else:
-        values = (codes.float() - scheme.zero) * scale
-    return values.to(dtype)
+        return fp4_values(codes) * scale
+    if scheme.kind == "min":
+        return codes.float() * scale + per_element(parts[MIN])
+    if scheme.kind == "zero":
+        return (codes.float() - per_element(parts[ZERO])) * scale
+    return (codes.float() - scheme.zero) * scale
+
+
+def nibble_halves(
+    parts: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A 4-bit weight's values as two [..., out, in/2] halves, the even inputs' (low nibbles)
+    and the odd inputs' (high nibbles), each value exactly `dequantize`'s: a reduction over
+    the halves reads every packed byte once, contiguously, where the interleaved [out, in]
+    form makes Inductor unpack the bytes into a buffer first (a `cat`) or index them per
+    element (no vector loop). None where a byte's two codes may fall in different groups (an
+    odd group) or codes have a high plane (5, 6 bits). The nibbles are taken in int32: AVX-512
+    has no byte shifts (ATen emulates them with shuffles)."""
+    group = scheme.group_of(parts[""].shape[-1] * 2)
+    if scheme.bits != 4 or group % 2:
+        return None
+    codes = parts[""].to(torch.int32)
+    low = _values(codes & 0x0F, parts, scheme, group // 2).to(dtype)
+    high = _values(codes >> 4, parts, scheme, group // 2).to(dtype)
+    return low, high
+
+
+def kernel_table(scheme: QuantScheme, device: torch.device) -> tuple[torch.Tensor, int]:
+    """A 4-bit scheme as neffkit::packed_rows reads it (csrc/packed_rows.cpp): the 16 float32
+    values `base[code]` its formula starts from, and the mode that applies a group's parts
+    (0: base * scale; 1: (base - zero) * scale; 2: base * scale + min), each step rounded as
+    `_values` rounds it. Computed in the graph (no tensor constant)."""
+    codes = torch.arange(16, dtype=torch.float32, device=device)
+    if scheme.kind == "e2m1":
+        return fp4_values(codes), 0
+    if scheme.kind == "zero":
+        return codes, 1
+    if scheme.kind == "min":
+        return codes, 2
+    return codes - scheme.zero, 0
 
 
 def integer_values(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
@@ -184,11 +238,15 @@ def integer_values(parts: dict[str, torch.Tensor], scheme: QuantScheme) -> torch
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token int8 (W8A8's activation side): (integer values as float32, scale
-    [..., 1]); scale absmax / 127 (1 for an all-zero row), round half to even."""
+    [..., 1]); scale absmax / 127 (1 for an all-zero row), values x * (127 / absmax) rounded
+    half to even: vLLM's `dynamic_scaled_int8_quant` multiplies by that reciprocal rather than
+    dividing by the scale, which rounds differently now and then."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.round(xf / scale).clamp(-127, 127), scale
+    # a true division: `127.0 / amax` is torch's reciprocal(amax) * 127, rounded twice
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inverse).clamp(-127, 127), scale
 
 
 @dataclass(frozen=True)
@@ -205,21 +263,50 @@ class Int8Activations:
 
 def project_w8a8(x: torch.Tensor, weight: Int8Activations) -> torch.Tensor:
     """x @ W.T with x quantized per token: integer dot products (exact in float32 while
-    127 * 127 * in < 2^24; beyond that rounded as any float32 sum), times both scales."""
+    127 * 127 * in < 2^24; beyond that rounded as any float32 sum), scaled as vLLM's
+    cutlass_scaled_mm epilogue does: x_scale * (w_scale * acc), in float32."""
     xq, x_scale = quantize_tokens(x)
     wq = integer_values(weight.parts, weight.scheme)
     acc = xq @ wq.transpose(-1, -2)
     w_scale = weight.parts[SCALE].float().reshape(-1)  # per output channel
-    return (acc * x_scale * w_scale).to(x.dtype)
+    return (x_scale * (w_scale * acc)).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight-only integer / fp4 projection weight in the graph, still its stored parts:
+    `project` picks the form that reads it (models/projection.py, `ProjectionPolicy.
+    packed_form`), `widened()` is its values as `dequantize` gives them."""
+
+    parts: dict[str, torch.Tensor]
+    scheme: QuantScheme
+    dtype: torch.dtype  # of the values: the model's compute dtype
+
+    @property
+    def out_features(self) -> int:
+        return int(self.parts[""].shape[-2])
+
+    def widened(self) -> torch.Tensor:
+        return dequantize(self.parts, self.scheme, self.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` widened [*ids.shape, in] (an embedding lookup): the parts gathered
+        first, so a step widens the rows it reads, not the table."""
+        return dequantize({k: v[ids] for k, v in self.parts.items()}, self.scheme, self.dtype)
 
 
 def graph_weights(
-    w: dict[str, torch.Tensor], schemes: dict[str, QuantScheme], dtype: torch.dtype
-) -> dict[str, torch.Tensor | Int8Activations]:
-    """A graph's weights with each quantized one's parts joined: widened right here for the
-    weight-only schemes (the widening is pointwise, so it fuses into whatever reads it), kept
-    as `Int8Activations` for W8A8 (projections quantize their rows)."""
-    out: dict[str, torch.Tensor | Int8Activations] = {}
+    w: dict[str, torch.Tensor],
+    schemes: dict[str, QuantScheme],
+    dtype: torch.dtype,
+    packed: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor | Int8Activations | PackedWeight]:
+    """A graph's weights with each quantized one's parts joined: kept as `PackedWeight` where
+    `packed(name)` (weights that reach the graph only through `project`, which reads the codes
+    in place), else widened right here for the weight-only schemes (the widening is pointwise,
+    so it fuses into whatever reads it); kept as `Int8Activations` for W8A8 (projections
+    quantize their rows)."""
+    out: dict[str, torch.Tensor | Int8Activations | PackedWeight] = {}
     for name, tensor in w.items():
         if name.endswith(AUX_SUFFIXES) and name.rsplit(".q", 1)[0] in schemes:
             continue
@@ -230,6 +317,10 @@ def graph_weights(
         parts = {"": tensor, **{s: w[name + s] for s in AUX_SUFFIXES if name + s in w}}
         if scheme.activations:
             out[name] = Int8Activations(parts, scheme)
+        elif packed is not None and packed(name):
+            # NKI seam: on neuron `project` widens it and writes a `dot` (both in HLO); a fused
+            # NKI dequant-matmul kernel would be a form of ProjectionPolicy.packed_form there
+            out[name] = PackedWeight(parts, scheme, dtype)
         else:
             out[name] = dequantize(parts, scheme, dtype)
     return out

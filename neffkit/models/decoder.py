@@ -25,12 +25,12 @@ from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
-from neffkit.kernels.intquant import QuantScheme, graph_weights
+from neffkit.kernels.intquant import PackedWeight, QuantScheme, graph_weights
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.models.config import ModelConfig
-from neffkit.models.forms import PLAIN, ProjectionPolicy
+from neffkit.models.forms import PLAIN, ProjectionPolicy, takes_projection_form
 from neffkit.models.key_offsets import KeyOffsets
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import (
@@ -50,19 +50,23 @@ from neffkit.targets import E4M3FN_MAX
 
 def int_graph_weights(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The graph's weights with each integer / fp4 one's stored parts joined (intquant.py),
-    widened to the model's compute dtype (that of its norms: never quantized)."""
+    widened to the model's compute dtype (that of its norms: never quantized); projection
+    weights (and the tied table) are kept packed for `project` to pick how to read them."""
     schemes = {name: QuantScheme.from_id(s) for name, s in cfg.weight_quant}
     dtype = next(
         t.dtype
         for n, t in w.items()
         if t.is_floating_point() and not keeps_float32(n) and n.endswith("norm.weight")
     )
-    return graph_weights(w, schemes, dtype)  # type: ignore[return-value]
+    return graph_weights(w, schemes, dtype, takes_projection_form)  # type: ignore[return-value]
 
 
-def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def lookup(table: torch.Tensor | PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows of an embedding table, plain [vocab, H] or blocked [vocab/L, H, L] (a tied table
-    stored for the LM head's blocked forms: forms.blocks)."""
+    stored for the LM head's blocked forms: forms.blocks), or quantized (only its rows read
+    are widened)."""
+    if isinstance(table, PackedWeight):
+        return table.rows(ids)
     if table.dim() == 2:
         return table[ids]
     lanes = table.shape[2]

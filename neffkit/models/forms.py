@@ -70,6 +70,30 @@ class ProjectionPolicy:
             return "dot"
         return "reduction" if rows == 1 else "mm"
 
+    def packed_form(self, rows: int, kernel_reads: bool = False) -> str:
+        """The form `project` writes for a weight kept at its storage width (integer / fp4
+        codes, intquant.PackedWeight) at `rows` rows, up to `max_rows` of them:
+        "kernel-packed" (neffkit::packed_rows, csrc/packed_rows.cpp: where the kernel library
+        is in use and reads this weight's layout, `kernel_reads`: packs_to_kernel), else
+        "packed-rows" (one fused reduction per row that widens the codes where it reads them,
+        each byte once). More rows: the weight widened in the graph and read as a float one
+        ("mm"; "dot" where max_rows is 0). Where another CPU int kernel (VNNI, AVX2) would be
+        chosen. The kernel is taken under "auto" too: at 1 and 4 rows it measured 1.8x and
+        1.4x Inductor's form on the Intel host (bench/quant.py)."""
+        if self.max_rows == 0:
+            return "dot"
+        if rows > self.max_rows:
+            return "mm"
+        return "kernel-packed" if kernel_reads and self.kernel != "off" else "packed-rows"
+
+
+def packs_to_kernel(bits: int, group: int, in_features: int, weight_only: bool = True) -> bool:
+    """Does neffkit::packed_rows read a weight of this layout (float32 compute)? 4-bit codes,
+    weight-only, `in_features` and the group (0: the whole row) multiples of 32 inputs (one
+    vector load of 16 code bytes never straddles a group)."""
+    group = group or in_features
+    return bits == 4 and weight_only and in_features % 32 == 0 and group % 32 == 0
+
 
 PLAIN = ProjectionPolicy()  # `dot`/`mm` on plain weights: neuron, eager references
 

@@ -24,6 +24,11 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
 
 Other forms: "reduction" (plain layout, a single row, the original GEMV form), "mm", and "dot"
 (neuron: neuronx-cc needs the `dot` to put a projection on the TensorEngine).
+
+Integer and fp4 weights stay at their storage width in the graph (intquant.PackedWeight) and
+take their own forms (`ProjectionPolicy.packed_form`, `project_packed`): decode rows read the
+codes in place, through "kernel-packed" (neffkit::packed_rows, csrc/packed_rows.cpp: 4-bit,
+float32) or "packed-rows" (Inductor's fused reduction); more rows widen the weight first.
 """
 
 from __future__ import annotations
@@ -34,9 +39,16 @@ from typing import Any
 
 import torch
 
-from neffkit.kernels.intquant import Int8Activations, project_w8a8
+from neffkit.kernels.intquant import (
+    SCALE,
+    Int8Activations,
+    PackedWeight,
+    kernel_table,
+    nibble_halves,
+    project_w8a8,
+)
 from neffkit.kernels.quant import dequantize_blocked, dequantize_blocks
-from neffkit.models.forms import ProjectionPolicy
+from neffkit.models.forms import ProjectionPolicy, packs_to_kernel
 
 
 @dataclass(frozen=True)
@@ -87,12 +99,12 @@ def from_blocked(weight: torch.Tensor) -> torch.Tensor:
     return weight.transpose(1, 2).reshape(nb * lanes, in_features)
 
 
-Weight = torch.Tensor | BlockedFp8 | Int8Activations
+Weight = torch.Tensor | BlockedFp8 | Int8Activations | PackedWeight
 
 
 def out_features(weight: Weight) -> int:
     """A projection weight's output size, plain or blocked."""
-    if isinstance(weight, Int8Activations):
+    if isinstance(weight, Int8Activations | PackedWeight):
         return weight.out_features
     if isinstance(weight, BlockedFp8):
         weight = weight.weight
@@ -123,16 +135,92 @@ def project_many(
     call where every one takes the kernel form and all are one kind, so one parallel region
     streams them all (csrc/blocked_rows.cpp says what a region costs); else one by one.
 
-    Weight-only integer and fp4 weights arrive widened in the graph (kernels/intquant.py), so
-    they take the plain forms with the widening fused in; W8A8 weights (`Int8Activations`)
-    quantize the rows first. The form per row count is the seam a CPU int kernel plugs into."""
-    floats = [w for w in weights if not isinstance(w, Int8Activations)]
+    Weight-only integer and fp4 weights arrive as their stored parts (`PackedWeight`), read
+    in the form `policy.packed_form` picks (`project_packed`); W8A8 weights (`Int8Activations`)
+    quantize the rows first."""
+    floats = [w for w in weights if not isinstance(w, Int8Activations | PackedWeight)]
     if len(floats) < len(weights):
-        return [
-            project_w8a8(x, w) if isinstance(w, Int8Activations) else project(x, w, policy)
-            for w in weights
-        ]
+        packed = [w for w in weights if isinstance(w, PackedWeight)]
+        if len(packed) == len(weights) and _one_packed_call(x, packed, policy):
+            return project_packed_kernel(x, packed)
+        return [_project_one(x, w, policy) for w in weights]
     return _project_floats(x, floats, policy)
+
+
+def _project_one(x: torch.Tensor, weight: Weight, policy: ProjectionPolicy) -> torch.Tensor:
+    if isinstance(weight, Int8Activations):
+        return project_w8a8(x, weight)
+    if isinstance(weight, PackedWeight):
+        return project_packed(x, weight, policy)
+    return project(x, weight, policy)
+
+
+def project_packed(x: torch.Tensor, weight: PackedWeight, policy: ProjectionPolicy) -> torch.Tensor:
+    """x @ W.T for a weight kept at its storage width, in the form the policy picks for the
+    row count (forms.ProjectionPolicy.packed_form):
+
+    - "packed-rows": the rows in float32, stored once (`materialized`: else Inductor inlines
+      the RMSNorm before the projection into the reduction, per weight row), then one
+      reduction per row that widens the codes as it reads them; Inductor fuses the rows' into
+      one loop over the codes. A 4-bit weight is read as its two nibble halves against the
+      rows' even and odd inputs (`nibble_halves`), so each byte is loaded once and the loop
+      is a vector loop. Every weight value is exactly `dequantize`'s; only the order of the
+      float32 sum differs, as between any two reductions.
+    - "kernel-packed": neffkit::packed_rows (`project_packed_kernel`).
+    - otherwise ("mm", "dot"): widened in the graph, then the float forms."""
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    rows = x.numel() // in_features
+    form = policy.packed_form(rows, kernel_reads(weight))
+    if form == "kernel-packed":
+        return project_packed_kernel(x, [weight])[0]
+    if form != "packed-rows":
+        return _graph_form(x, weight.widened(), policy)
+    x2 = materialized(x.reshape(rows, in_features).float())
+    halves = nibble_halves(weight.parts, weight.scheme, weight.dtype)
+    if halves is None:
+        w = weight.widened().float()
+        per_row = [(x2[r] * w).sum(-1) for r in range(rows)]
+    else:
+        low, high = (h.float() for h in halves)
+        # [rows, 2, in/2]: each row's even inputs, then its odd ones, contiguous
+        xs = materialized(x2.unflatten(-1, (in_features // 2, 2)).transpose(1, 2))
+        per_row = [(xs[r, 0] * low + xs[r, 1] * high).sum(-1) for r in range(rows)]
+    out = torch.stack(per_row).to(x.dtype)
+    return out.reshape(*lead, out.shape[-1])
+
+
+def kernel_reads(weight: PackedWeight) -> bool:
+    """Does neffkit::packed_rows read this weight (forms.packs_to_kernel; float32 values)?"""
+    codes, scheme = weight.parts[""], weight.scheme
+    if scheme.bits != 4 or codes.dim() != 2 or weight.dtype != torch.float32:
+        return False
+    return packs_to_kernel(4, scheme.group, codes.shape[-1] * 2, not scheme.activations)
+
+
+def _one_packed_call(
+    x: torch.Tensor, weights: Sequence[PackedWeight], policy: ProjectionPolicy
+) -> bool:
+    """Do these weights all take the kernel form at x's row count, under one scheme (what one
+    call reads: one parallel region for a layer's q/k/v)?"""
+    rows = x.numel() // x.shape[-1]
+    kernel = all(policy.packed_form(rows, kernel_reads(w)) == "kernel-packed" for w in weights)
+    return kernel and len({w.scheme for w in weights}) == 1
+
+
+def project_packed_kernel(x: torch.Tensor, weights: Sequence[PackedWeight]) -> list[torch.Tensor]:
+    """x @ W.T for each 4-bit weight, one neffkit::packed_rows call (csrc/packed_rows.cpp): each
+    group's 16 values computed once, exactly `dequantize`'s, then selected per code; float32
+    rows and accumulation, one cast per output."""
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    x2 = materialized(x.reshape(-1, in_features).float())
+    scheme = weights[0].scheme
+    base, mode = kernel_table(scheme, x.device)
+    codes, scales = [w.parts[""] for w in weights], [w.parts[SCALE] for w in weights]
+    # mode 0 reads no aux: the scales stand in (AOTInductor passes an empty list on as None)
+    aux = [w.parts[scheme.aux] for w in weights] if scheme.aux else scales
+    out = torch.ops.neffkit.packed_rows(x2, codes, scales, aux, base, mode)
+    parts = out.split([w.out_features for w in weights], dim=-1)
+    return [part.to(x.dtype).reshape(*lead, part.shape[-1]) for part in parts]
 
 
 def _project_floats(

@@ -1,5 +1,6 @@
 """neffkit's own C++ CPU kernel library: `neffkit::blocked_rows` and `blocked_rows_fp8`
-(csrc/blocked_rows.cpp), `neffkit::paged_decode_attention` (csrc/decode_attention.cpp).
+(csrc/blocked_rows.cpp), `neffkit::paged_decode_attention` (csrc/decode_attention.cpp),
+`neffkit::packed_rows` (csrc/packed_rows.cpp: decode rows on 4-bit weights at their width).
 
 Decode projections of a few rows on blocked weights: each weight vector is loaded once for all
 rows (see the source for why Inductor's reductions do not get there). Decode attention that
@@ -27,7 +28,7 @@ from neffkit.platform import host
 
 CSRC = Path(__file__).parent / "csrc"
 ROWS_SOURCE = CSRC / "blocked_rows.cpp"  # the projections (what compile/autotune.py times)
-SOURCES = (ROWS_SOURCE, CSRC / "decode_attention.cpp")
+SOURCES = (ROWS_SOURCE, CSRC / "decode_attention.cpp", CSRC / "packed_rows.cpp")
 LIBRARY_NAME = "libneffkit_cpu.so"
 OP = "blocked_rows"
 # the ISA the kernel needs (AVX-512 foundation and byte/word ops for the bf16 widening)
@@ -148,6 +149,7 @@ def _register_fake() -> None:
     torch.library.register_fake(f"neffkit::{OP}")(_blocked_rows_fake)
     torch.library.register_fake(f"neffkit::{OP}_fp8")(_blocked_rows_fp8_fake)
     torch.library.register_fake("neffkit::paged_decode_attention")(_decode_attention_fake)
+    torch.library.register_fake("neffkit::packed_rows")(_packed_rows_fake)
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
@@ -159,6 +161,17 @@ def _blocked_rows_fp8_fake(
     x: torch.Tensor, w: list[torch.Tensor], scales: list[torch.Tensor], k_block: int
 ) -> torch.Tensor:
     return _blocked_rows_fake(x, w)
+
+
+def _packed_rows_fake(
+    x: torch.Tensor,
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    aux: list[torch.Tensor],
+    base: torch.Tensor,
+    mode: int,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], sum(c.shape[0] for c in codes)), dtype=torch.float32)
 
 
 def _decode_attention_fake(
