@@ -53,7 +53,6 @@ def build_awq_bundle(session_dir: Path, hf_model_dir) -> Path:
     return _build(session_dir, "awq_g128")
 
 
-@prebuild("gptq_b4_g32_tp1")
 def build_gptq_bundle(session_dir: Path, hf_model_dir) -> Path:
     return _build(session_dir, "gptq_b4_g32")
 
@@ -105,6 +104,7 @@ def test_awq_g128_equals_hf_on_the_twin(tp, session_dir, hf_greedy, hf_model_dir
     _check_stored(bundle, "awq_g128", tp)
 
 
+@pytest.mark.full  # AWQ's build covers the default suite's integer path; GPTQ in test-all
 def test_gptq_4bit_g32_equals_hf_on_the_twin(session_dir, hf_greedy, hf_model_dir):
     """GPTQModel's checkpoint_format gptq (v1): zero points stored as 7 and read as 8, so the
     scheme is symmetric and the bundle stores no zero points."""
