@@ -78,8 +78,9 @@ class ProjectionPolicy:
         "packed-rows" (one fused reduction per row that widens the codes where it reads them,
         each byte once). More rows: the weight widened in the graph and read as a float one
         ("mm"; "dot" where max_rows is 0). Where another CPU int kernel (VNNI, AVX2) would be
-        chosen. The kernel is taken under "auto" too: at 1 and 4 rows it measured 1.8x and
-        1.4x Inductor's form on the Intel host (bench/quant.py)."""
+        chosen. The kernel is taken under "auto" too: SmolLM2 int4 (groups of 32), batch-1
+        decode step, Intel host, 6.6 ms with it against 8.0 in Inductor's form (float32:
+        20.7; alternating in one process)."""
         if self.max_rows == 0:
             return "dot"
         if rows > self.max_rows:

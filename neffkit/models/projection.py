@@ -173,10 +173,16 @@ def project_packed(x: torch.Tensor, weight: PackedWeight, policy: ProjectionPoli
     form = policy.packed_form(rows, kernel_reads(weight))
     if form == "kernel-packed":
         return project_packed_kernel(x, [weight])[0]
+    halves = nibble_halves(weight.parts, weight.scheme, weight.dtype) if form != "dot" else None
+    if form == "mm" and halves is not None:
+        # the even inputs times the low nibbles' values plus the odd ones times the high ones:
+        # no buffer of codes unpacked in between (Inductor's `cat`), each half widened by a
+        # vector loop; the sum of two half-K products is another order of the same sum
+        xs = x.unflatten(-1, (in_features // 2, 2))
+        return xs[..., 0] @ halves[0].t() + xs[..., 1] @ halves[1].t()
     if form != "packed-rows":
         return _graph_form(x, weight.widened(), policy)
     x2 = materialized(x.reshape(rows, in_features).float())
-    halves = nibble_halves(weight.parts, weight.scheme, weight.dtype)
     if halves is None:
         w = weight.widened().float()
         per_row = [(x2[r] * w).sum(-1) for r in range(rows)]
