@@ -138,24 +138,23 @@ def weight_format(cfg: dict[str, Any], path: Path) -> tuple[str, tuple[tuple[str
     return str(method), frozen
 
 
+def _one_of(
+    quant: dict[str, Any], key: str, allowed: tuple[int, ...], where: str, reads: str
+) -> int:
+    """quant[key], refused by name unless one of `allowed` (`reads`: what neffkit reads)."""
+    value = quant.get(key)
+    if value not in allowed:
+        raise ModelError(f"{where}.{key}: {value!r} is not supported (neffkit reads {reads})")
+    return int(value)
+
+
 def _bits(quant: dict[str, Any], key: str, allowed: tuple[int, ...], where: str) -> int:
-    bits = quant.get(key)
-    if bits not in allowed:
-        raise ModelError(
-            f"{where}.{key}: {bits!r} is not supported (neffkit reads "
-            f"{' or '.join(map(str, allowed))}-bit weights)"
-        )
-    return int(bits)
+    return _one_of(quant, key, allowed, where, f"{' or '.join(map(str, allowed))}-bit weights")
 
 
 def _group(quant: dict[str, Any], key: str, allowed: tuple[int, ...], where: str) -> int:
-    group = quant.get(key)
-    if group not in allowed:
-        raise ModelError(
-            f"{where}.{key}: {group!r} is not supported (neffkit reads group sizes "
-            f"{', '.join(map(str, allowed))})"
-        )
-    return int(group)
+    reads = f"group sizes {', '.join(map(str, allowed))}"
+    return _one_of(quant, key, allowed, where, reads)
 
 
 def check_gguf(quant: dict[str, Any], path: Path, where: str) -> None:
