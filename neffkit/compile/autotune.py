@@ -35,7 +35,7 @@ from neffkit.compile.units import FormTiming, ModelLayout
 from neffkit.contract.abi import TensorSpec
 from neffkit.models.forms import TIED_TABLE, ProjectionPolicy
 from neffkit.models.projection import BlockedFp8, project
-from neffkit.platform import cpu_kernels, cpus, host
+from neffkit.platform import cpu_kernels, cpus, host, isa
 from neffkit.targets import DTYPE_BYTES
 
 MAX_BYTES = 1 << 30  # weights allocated to time a graph's projections (a larger model: a share)
@@ -101,7 +101,8 @@ def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
             torch.__version__,
             host.cpu_description(),
             sorted(host.cpu_flags()),
-            cpu_kernels.ROWS_SOURCE.read_bytes().hex(),
+            isa.requested(),
+            [source.read_bytes().hex() for source in cpu_kernels.code_files()],
             Path(__file__).read_bytes().hex(),
         ],
         default=list,

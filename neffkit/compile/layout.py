@@ -217,13 +217,14 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
     mode = manifest.compiler.cpu_kernel
     if backend.name != "cpu" or policy.lanes == 0 or mode == "off":
         return policy
-    from neffkit.platform import cpu_kernels
+    from neffkit.platform import cpu_kernels, isa
 
     if not cpu_kernels.supported():
         if mode == "on":
             raise BuildError(
-                "compiler.cpu_kernel: on needs a CPU with "
-                f"{', '.join(sorted(cpu_kernels.REQUIRED_FLAGS))}, which this host lacks",
+                "compiler.cpu_kernel: on needs a CPU class the kernels are written for "
+                f"({', '.join(cpu_kernels.KERNEL_CLASSES)}); this build's is "
+                f"{isa.chosen_class() or 'below avx2'}",
                 hint="use cpu_kernel: auto (or off)",
             )
         return policy

@@ -24,15 +24,16 @@ from pathlib import Path
 
 import torch
 
-from neffkit.platform import host
+from neffkit.platform import host, isa
 
 CSRC = Path(__file__).parent / "csrc"
 ROWS_SOURCE = CSRC / "blocked_rows.cpp"  # the projections (what compile/autotune.py times)
 SOURCES = (ROWS_SOURCE, CSRC / "decode_attention.cpp", CSRC / "packed_rows.cpp")
 LIBRARY_NAME = "libneffkit_cpu.so"
 OP = "blocked_rows"
-# the ISA the kernel needs (AVX-512 foundation and byte/word ops for the bf16 widening)
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw"})
+# the CPU classes (platform/isa.py) the kernels are written for: a build for another class goes
+# without them (Inductor's forms)
+KERNEL_CLASSES = ("avx512",)
 
 _loaded: set[str] = set()
 
@@ -42,8 +43,14 @@ class KernelBuildError(RuntimeError):
 
 
 def supported() -> bool:
-    """Does this host's CPU run the kernel?"""
-    return REQUIRED_FLAGS <= host.cpu_flags()
+    """Do the kernels exist for the CPU class a build here compiles for (platform/isa.py)?"""
+    return isa.chosen_class() in KERNEL_CLASSES
+
+
+def kernel_class() -> str | None:
+    """The class the kernels are compiled for here (None: none, see `supported`)."""
+    chosen = isa.chosen_class()
+    return chosen if chosen in KERNEL_CLASSES else None
 
 
 def is_loaded() -> bool:
@@ -73,7 +80,8 @@ def _command(cxx: str, out: Path) -> list[str]:
     return [
         cxx,
         "-O3",
-        "-march=native",
+        f"-march={isa.march() or 'native'}",
+        "-mtune=native",
         "-fopenmp",
         "-shared",
         "-fPIC",
@@ -99,9 +107,15 @@ def library_key(cxx: str) -> str:
     """What the compiled library depends on: source, command, torch, compiler, the CPU's ISA."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     command = " ".join(_command(cxx, Path(LIBRARY_NAME)))
-    sources = [source.read_bytes().hex() for source in SOURCES]
-    parts = [*sources, command, torch.__version__, version, *sorted(host.cpu_flags())]
+    sources = [source.read_bytes().hex() for source in code_files()]
+    flags = [*sorted(host.cpu_flags()), isa.requested()]
+    parts = [*sources, command, torch.__version__, version, *flags]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def code_files() -> list[Path]:
+    """Every file the library is compiled from: the sources and the headers they include."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 
 
 def cache_dir() -> Path:

@@ -3,7 +3,8 @@
 Weights stay graph inputs, so one copy in memory serves every graph of a rank and no package can be
 run before its constants exist (an AOTInductor package whose constants are not loaded segfaults).
 cpu packages are compiled with -march=native: the build host's ISA flags are recorded and the loader
-refuses hosts that lack any of them.
+refuses hosts that lack any of them. A build for a lower CPU class ($NEFFKIT_CPU_ISA,
+platform/isa.py) compiles for that class's -march and records only its flags.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from neffkit.contract.codec import OptionValue
 from neffkit.contract.records import ArtifactMetadata, HostRecord, NeuronRecord
 from neffkit.errors import BuildError
 from neffkit.models.forms import LANES, ProjectionPolicy
-from neffkit.platform import host
+from neffkit.platform import host, isa
 from neffkit.platform.aoti import load_package
 
 if TYPE_CHECKING:
@@ -61,12 +62,22 @@ def aoti_compile(
     from torch._inductor import aoti_compile_and_package
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    configs: dict[str, OptionValue] = {**class_options(), **options}
     try:
-        aoti_compile_and_package(program, package_path=str(out), inductor_configs=dict(options))
+        aoti_compile_and_package(program, package_path=str(out), inductor_configs=configs)
     except Exception as exc:
         raise BuildError(f"AOTInductor failed for {out.stem}: {exc}") from exc
     make_reproducible(out)
     return dict(load_package(out).get_metadata())
+
+
+def class_options() -> dict[str, OptionValue]:
+    """Inductor's -march and vector width for a build below its host's CPU class
+    (platform/isa.py); none for a native build."""
+    march, bits = isa.march(), isa.simd_bits()
+    if march is None or bits is None:
+        return {}
+    return {"cpp.march": march, "cpp.simdlen": bits}
 
 
 COMPILE_COMMENT = b"\n\n// Compile cmd\n"  # what Inductor appends to a source it compiled
@@ -121,7 +132,7 @@ class CpuBackend:
         return f"torch-{torch.__version__}-aotinductor"
 
     def host_requirements(self) -> HostRecord:
-        return HostRecord(machine=host.machine(), cpu_flags=tuple(sorted(host.cpu_flags())))
+        return HostRecord(machine=host.machine(), cpu_flags=isa.required_flags())
 
     def check_ready(self, lower_only: bool, dry_run: bool) -> None:
         if lower_only:

@@ -113,12 +113,20 @@ def trace_key(
             "backend": f"{backend.name} {backend.version}",
             # cpu_kernel: auto takes the kernel only where the CPU runs it
             "cpu_kernel": _cpu_kernel_runs() if backend.name == "cpu" else None,
+            "cpu_isa": _cpu_isa() if backend.name == "cpu" else None,
             "projection": projection,
             "graph": asdict(spec),
             "rank": rank,
             "format": FORMAT_VERSION,
         }
     )
+
+
+def _cpu_isa() -> str:
+    """The CPU class the code is compiled for (native, or $NEFFKIT_CPU_ISA's)."""
+    from neffkit.platform import isa
+
+    return isa.requested()
 
 
 def _cpu_kernel_runs() -> bool:

@@ -22,7 +22,7 @@ from neffkit.contract.bundle import Bundle, rank_files, verify_files
 from neffkit.contract.read import read_bundle
 from neffkit.contract.tensor_files import map_tensors
 from neffkit.errors import BundleError
-from neffkit.platform import host
+from neffkit.platform import heap, host
 from neffkit.platform.cpu_kernels import load_library
 from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.tokenizer import Tokenizer
@@ -150,6 +150,7 @@ def load(
     """One rank's load; with `--executor xla-cpu` a multi-rank bundle loads every rank in this
     process (SPMD over host devices: `world_size` is then the bundle's)."""
     t0 = time.perf_counter()
+    heap.pin_mmap_threshold()  # a step's freed transients leave the process (platform/heap.py)
     bundle = read_bundle(path, verify=False)
     record = bundle.record
     spmd = executor == "xla-cpu" and record.world_size > 1
@@ -196,6 +197,7 @@ def load(
         )
     runner = ModelRunner(entries, SchedulerConfig.of(record))
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
+    heap.release_free_memory()
     return LoadedBundle(
         bundle, runner, tokenizer, time.perf_counter() - t0, verify=verify, executor=executor
     )
