@@ -78,8 +78,30 @@ def source() -> Path:
     return src
 
 
-def binaries() -> dict[str, Path]:
-    build = WORK / "build"
+# llama.cpp's CPU flags per class: native takes every ISA extension this host has; avx2 is the
+# AVX2 + FMA + F16C class (AMD Zen 1-3, Intel Haswell on) built on any host, as neffkit's
+# NEFFKIT_CPU_ISA=avx2 builds its own code
+CLASS_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": [
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_AVX512=OFF",
+        "-DGGML_AVX_VNNI=OFF",
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    ],
+}
+
+
+def binaries(cpu_class: str = "native") -> dict[str, Path]:
+    """llama.cpp's programs built for `cpu_class` (CLASS_FLAGS), once."""
+    build = WORK / ("build" if cpu_class == "native" else f"build-{cpu_class}")
     found = {t: build / "bin" / t for t in TARGETS}
     if all(p.exists() for p in found.values()):
         return found
@@ -93,7 +115,7 @@ def binaries() -> dict[str, Path]:
             "-B",
             build,
             "-DCMAKE_BUILD_TYPE=Release",
-            "-DGGML_NATIVE=ON",
+            *CLASS_FLAGS[cpu_class],
             "-DGGML_CUDA=OFF",
             "-DLLAMA_CURL=OFF",
             "-DLLAMA_OPENSSL=OFF",
