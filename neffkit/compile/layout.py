@@ -182,7 +182,7 @@ def packed_kernel_weights(layout: ModelLayout) -> list[str]:
     for name, scheme in layout.config.weight_quant:
         fields = {part[0]: part[1:] for part in scheme.split(":")[1:3]}
         bits, group = int(fields["b"]), int(fields["g"])
-        cols = shapes[name][-1] * 2  # 4-bit codes: two a byte
+        cols = shapes[name][-1] * (1 if bits == 8 else 2)  # 4 to 6 bits: nibbles, two a byte
         if takes_projection_form(name) and packs_to_kernel(bits, group, cols, ":a:" not in scheme):
             names.append(name)
     return names
@@ -199,6 +199,8 @@ def uses_kernel(layout: ModelLayout) -> bool:
         return False
     if packed_kernel_weights(layout) and policy.packed_form(1, True) == "kernel-packed":
         return True
+    if has_w8a8(layout) and policy.int8_form(1) == "kernel-int8":
+        return True
     sizes = blocked_weight_bytes(layout)
     rows = {*range(1, policy.max_rows + 1), *(policy.kernel_rows or ())}
     return any(policy.form(r, True, size) == "kernel-rows" for size in sizes for r in rows)
@@ -212,7 +214,7 @@ def target_layout(manifest: Manifest, backend: Backend | None = None) -> ModelLa
 
 def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
     """The backend's projection forms, with the cpu kernel as the manifest and host allow
-    (`compiler.cpu_kernel: on` on a host without AVX-512 is an error; `auto` goes without)."""
+    (`compiler.cpu_kernel: on` on a host below AVX2 is an error; `auto` goes without)."""
     policy = backend.projection
     mode = manifest.compiler.cpu_kernel
     if backend.name != "cpu" or policy.lanes == 0 or mode == "off":
@@ -237,9 +239,17 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
 def projection_form(layout: ModelLayout, rows: int) -> str:
     """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
     that differ by weight size are joined with "+", the largest weights' form first; weights
-    kept at their storage width last, as `packed_form` writes them)."""
+    kept at their storage width last, as `packed_form` writes them; W8A8 weights' kernel form
+    after those, their graph form not named: the float forms')."""
     policy = layout.projection
     forms = dict.fromkeys(policy.form(rows, True, size) for size in blocked_weight_bytes(layout))
     if any(takes_projection_form(n) and ":a:" not in s for n, s in layout.config.weight_quant):
         forms[policy.packed_form(rows, bool(packed_kernel_weights(layout)))] = None
+    if has_w8a8(layout) and policy.int8_form(rows) == "kernel-int8":
+        forms["kernel-int8"] = None
     return "+".join(forms) or policy.form(rows, False)
+
+
+def has_w8a8(layout: ModelLayout) -> bool:
+    """Do projections quantize their rows (W8A8: scheme ids with `:a:`, intquant.QuantScheme)?"""
+    return any(takes_projection_form(n) and ":a:" in s for n, s in layout.config.weight_quant)

@@ -218,7 +218,9 @@ def write_bundle(
 def copy_kernels(stage: Path, graphs: tuple[GraphRecord, ...]) -> tuple[str, ...]:
     """The kernel library, into kernels/ when a graph calls it (the runtime loads it from
     there: no compiler on the serving host)."""
-    if not any("kernel-rows" in (g.projection or "") or g.attention for g in graphs):
+    forms = [(g.projection or "").split("+") for g in graphs]  # kernel-rows, -packed, -int8
+    calls = any(f.startswith("kernel-") for form in forms for f in form)
+    if not calls and not any(g.attention for g in graphs):
         return ()
     from neffkit.platform import cpu_kernels
 

@@ -24,12 +24,13 @@ one group a row (per output channel).
 
 Activations stay in the model dtype (weight-only), except `activations="int8-token"` (W8A8):
 each token's row is quantized to int8 with its own scale (absmax / 127, round half to even, as
-vLLM's dynamic per-token scheme) and the integer dot products are scaled by both scales.
+vLLM's dynamic per-token scheme) and the integer dot products are scaled by both scales: in the
+graph (`project_w8a8`), or on CPU builds with neffkit's kernels in int32 (`project_w8a8_kernel`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -216,11 +217,11 @@ def nibble_halves(
 
 
 def kernel_table(scheme: QuantScheme, device: torch.device) -> tuple[torch.Tensor, int]:
-    """A 4-bit scheme as neffkit::packed_rows reads it (csrc/packed_rows.cpp): the 16 float32
-    values `base[code]` its formula starts from, and the mode that applies a group's parts
-    (0: base * scale; 1: (base - zero) * scale; 2: base * scale + min), each step rounded as
-    `_values` rounds it. Computed in the graph (no tensor constant)."""
-    codes = torch.arange(16, dtype=torch.float32, device=device)
+    """A 4- or 8-bit scheme as neffkit::packed_rows reads it (csrc/packed_rows.cpp): the 16 or
+    256 float32 values `base[code]` its formula starts from, and the mode that applies a
+    group's parts (0: base * scale; 1: (base - zero) * scale; 2: base * scale + min), each step
+    rounded as `_values` rounds it. Computed in the graph (no tensor constant)."""
+    codes = torch.arange(1 << scheme.bits, dtype=torch.float32, device=device)
     if scheme.kind == "e2m1":
         return fp4_values(codes), 0
     if scheme.kind == "zero":
@@ -270,6 +271,31 @@ def project_w8a8(x: torch.Tensor, weight: Int8Activations) -> torch.Tensor:
     acc = xq @ wq.transpose(-1, -2)
     w_scale = weight.parts[SCALE].float().reshape(-1)  # per output channel
     return (x_scale * (w_scale * acc)).to(x.dtype)
+
+
+# neffkit::int8_rows sums code * x in int32: 255 * 127 * in < 2^31
+INT8_KERNEL_MAX_IN = 66000
+
+
+def int8_kernel_reads(weight: Int8Activations) -> bool:
+    """Does neffkit::int8_rows (csrc/int8_rows.cpp) read this weight: 8-bit codes q + 128
+    [out, in] with one scale a row (compressed-tensors' W8A8), in at most 66000 inputs?"""
+    scheme, codes = weight.scheme, weight.parts[""]
+    layout = scheme.kind == "sym" and scheme.bits == 8 and scheme.zero == 128 and not scheme.group
+    return layout and codes.dim() == 2 and codes.shape[-1] <= INT8_KERNEL_MAX_IN
+
+
+def project_w8a8_kernel(x: torch.Tensor, weights: Sequence[Int8Activations]) -> list[torch.Tensor]:
+    """`project_w8a8` for each weight reading x, in one neffkit::int8_rows call: the same
+    quantization of the rows and the same epilogue, the integer dot products summed in int32
+    (exact for any `in`), so bit for bit `project_w8a8`'s wherever its float32 sums are exact."""
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, in_features)
+    x2 = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()  # exact widening
+    codes, scales = [w.parts[""] for w in weights], [w.parts[SCALE] for w in weights]
+    out = torch.ops.neffkit.int8_rows(x2, codes, scales)  # float32 [rows, sum of out]
+    parts = out.split([w.out_features for w in weights], dim=-1)
+    return [part.to(x.dtype).reshape(*lead, part.shape[-1]) for part in parts]
 
 
 @dataclass(frozen=True)

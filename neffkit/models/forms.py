@@ -87,13 +87,24 @@ class ProjectionPolicy:
             return "mm"
         return "kernel-packed" if kernel_reads and self.kernel != "off" else "packed-rows"
 
+    def int8_form(self, rows: int) -> str:
+        """The form `project` writes for a W8A8 weight (intquant.Int8Activations) at `rows`
+        rows: "kernel-int8" (neffkit::int8_rows, csrc/int8_rows.cpp: int32 sums) where the
+        kernel library is in use, at any row count, else the graph's float32 matmul of the
+        integer values ("mm"; "dot" where max_rows is 0), which widens the weight every call:
+        SmolLM2's q/k/v on the Intel host, one thread, 0.03 ms against 0.35 at 1 row, 0.16
+        against 0.88 at 64 (bench/int8_rows.py)."""
+        if self.max_rows == 0:
+            return "dot"
+        return "kernel-int8" if self.kernel != "off" else "mm"
+
 
 def packs_to_kernel(bits: int, group: int, in_features: int, weight_only: bool = True) -> bool:
-    """Does neffkit::packed_rows read a weight of this layout (float32 compute)? 4-bit codes,
-    weight-only, `in_features` and the group (0: the whole row) multiples of 32 inputs (one
-    vector load of 16 code bytes never straddles a group)."""
+    """Does neffkit::packed_rows read a weight of this layout (float32 compute)? 4- or 8-bit
+    codes, weight-only, `in_features` and the group (0: the whole row) multiples of 32 inputs
+    (one vector load of 16 code bytes never straddles a group)."""
     group = group or in_features
-    return bits == 4 and weight_only and in_features % 32 == 0 and group % 32 == 0
+    return bits in (4, 8) and weight_only and in_features % 32 == 0 and group % 32 == 0
 
 
 PLAIN = ProjectionPolicy()  # `dot`/`mm` on plain weights: neuron, eager references

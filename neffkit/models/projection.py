@@ -12,7 +12,7 @@ a plain-layout reduction streams the weight once per row, and `mm` (oneDNN/MKL) 
 - "blocked-bmm" (prefill, larger buckets, without the kernel): `matmul` against the blocks, a
   bmm of [T, in] x [in, LANES] per block (as fast as `mm` at 128 rows on the Intel host).
 
-- "kernel-rows" (cpu with AVX-512, any number of rows): neffkit's own C++ kernel on the same
+- "kernel-rows" (cpu with AVX2 or AVX-512, any number of rows): neffkit's own C++ kernel on the same
   blocked weights (neffkit/platform/csrc/blocked_rows.cpp): each weight vector, loaded once
   (bf16 widened in register), feeds every row's accumulator held in registers, with the weight
   lines prefetched ahead; Inductor's reductions keep neither the rows nor the stream that way.
@@ -27,8 +27,11 @@ Other forms: "reduction" (plain layout, a single row, the original GEMV form), "
 
 Integer and fp4 weights stay at their storage width in the graph (intquant.PackedWeight) and
 take their own forms (`ProjectionPolicy.packed_form`, `project_packed`): decode rows read the
-codes in place, through "kernel-packed" (neffkit::packed_rows, csrc/packed_rows.cpp: 4-bit,
-float32) or "packed-rows" (Inductor's fused reduction); more rows widen the weight first.
+codes in place, through "kernel-packed" (neffkit::packed_rows, csrc/packed_rows.cpp: 4- and
+8-bit, float32) or "packed-rows" (Inductor's fused reduction); more rows widen the weight first.
+W8A8 weights (intquant.Int8Activations) quantize the rows per token, then "kernel-int8"
+(neffkit::int8_rows, csrc/int8_rows.cpp: int8 dot products summed in int32, any row count) where
+the kernel library is in use, else a float32 matmul of the integer values in the graph.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ from neffkit.kernels.intquant import (
     SCALE,
     Int8Activations,
     PackedWeight,
+    int8_kernel_reads,
     kernel_table,
     nibble_halves,
     project_w8a8,
+    project_w8a8_kernel,
 )
 from neffkit.kernels.quant import dequantize_blocked, dequantize_blocks
 from neffkit.models.forms import ProjectionPolicy, packs_to_kernel
@@ -137,9 +142,13 @@ def project_many(
 
     Weight-only integer and fp4 weights arrive as their stored parts (`PackedWeight`), read
     in the form `policy.packed_form` picks (`project_packed`); W8A8 weights (`Int8Activations`)
-    quantize the rows first."""
+    quantize the rows first, all in one neffkit::int8_rows call where `policy.int8_form` is
+    "kernel-int8"."""
     floats = [w for w in weights if not isinstance(w, Int8Activations | PackedWeight)]
     if len(floats) < len(weights):
+        int8 = [w for w in weights if isinstance(w, Int8Activations) and _int8_kernel(x, w, policy)]
+        if len(int8) == len(weights):
+            return project_w8a8_kernel(x, int8)
         packed = [w for w in weights if isinstance(w, PackedWeight)]
         if len(packed) == len(weights) and _one_packed_call(x, packed, policy):
             return project_packed_kernel(x, packed)
@@ -149,10 +158,18 @@ def project_many(
 
 def _project_one(x: torch.Tensor, weight: Weight, policy: ProjectionPolicy) -> torch.Tensor:
     if isinstance(weight, Int8Activations):
+        if _int8_kernel(x, weight, policy):
+            return project_w8a8_kernel(x, [weight])[0]
         return project_w8a8(x, weight)
     if isinstance(weight, PackedWeight):
         return project_packed(x, weight, policy)
     return project(x, weight, policy)
+
+
+def _int8_kernel(x: torch.Tensor, weight: Int8Activations, policy: ProjectionPolicy) -> bool:
+    """Does this W8A8 weight take neffkit::int8_rows at x's row count (forms.int8_form)?"""
+    rows = x.numel() // x.shape[-1]
+    return policy.int8_form(rows) == "kernel-int8" and int8_kernel_reads(weight)
 
 
 def project_packed(x: torch.Tensor, weight: PackedWeight, policy: ProjectionPolicy) -> torch.Tensor:
@@ -198,9 +215,10 @@ def project_packed(x: torch.Tensor, weight: PackedWeight, policy: ProjectionPoli
 def kernel_reads(weight: PackedWeight) -> bool:
     """Does neffkit::packed_rows read this weight (forms.packs_to_kernel; float32 values)?"""
     codes, scheme = weight.parts[""], weight.scheme
-    if scheme.bits != 4 or codes.dim() != 2 or weight.dtype != torch.float32:
+    if scheme.bits not in (4, 8) or codes.dim() != 2 or weight.dtype != torch.float32:
         return False
-    return packs_to_kernel(4, scheme.group, codes.shape[-1] * 2, not scheme.activations)
+    in_features = codes.shape[-1] * 8 // scheme.bits
+    return packs_to_kernel(scheme.bits, scheme.group, in_features, not scheme.activations)
 
 
 def _one_packed_call(
@@ -214,9 +232,9 @@ def _one_packed_call(
 
 
 def project_packed_kernel(x: torch.Tensor, weights: Sequence[PackedWeight]) -> list[torch.Tensor]:
-    """x @ W.T for each 4-bit weight, one neffkit::packed_rows call (csrc/packed_rows.cpp): each
-    group's 16 values computed once, exactly `dequantize`'s, then selected per code; float32
-    rows and accumulation, one cast per output."""
+    """x @ W.T for each 4- or 8-bit weight, one neffkit::packed_rows call (csrc/packed_rows.cpp):
+    every value exactly `dequantize`'s (4-bit: each group's 16 values computed once, then
+    selected per code); float32 rows and accumulation, one cast per output."""
     lead, in_features = x.shape[:-1], x.shape[-1]
     x2 = materialized(x.reshape(-1, in_features).float())
     scheme = weights[0].scheme

@@ -1,6 +1,11 @@
 """neffkit's own C++ CPU kernel library: `neffkit::blocked_rows` and `blocked_rows_fp8`
 (csrc/blocked_rows.cpp), `neffkit::paged_decode_attention` (csrc/decode_attention.cpp),
-`neffkit::packed_rows` (csrc/packed_rows.cpp: decode rows on 4-bit weights at their width).
+`neffkit::packed_rows` (csrc/packed_rows.cpp: decode rows on 4- and 8-bit weights at their
+width), `neffkit::int8_rows` (csrc/int8_rows.cpp: W8A8, int8 rows times int8 weights, int32
+sums through VNNI, AMX-int8 or AVX2's byte multiply-adds).
+
+Every kernel is written once over csrc/vec16.h's 16-lane vector: one zmm on the AVX-512 class,
+two ymm on the AVX2 class (platform/isa.py), so a build compiles the library for its class.
 
 Decode projections of a few rows on blocked weights: each weight vector is loaded once for all
 rows (see the source for why Inductor's reductions do not get there). Decode attention that
@@ -28,12 +33,17 @@ from neffkit.platform import host, isa
 
 CSRC = Path(__file__).parent / "csrc"
 ROWS_SOURCE = CSRC / "blocked_rows.cpp"  # the projections (what compile/autotune.py times)
-SOURCES = (ROWS_SOURCE, CSRC / "decode_attention.cpp", CSRC / "packed_rows.cpp")
+SOURCES = (
+    ROWS_SOURCE,
+    CSRC / "decode_attention.cpp",
+    CSRC / "packed_rows.cpp",
+    CSRC / "int8_rows.cpp",
+)
 LIBRARY_NAME = "libneffkit_cpu.so"
 OP = "blocked_rows"
 # the CPU classes (platform/isa.py) the kernels are written for: a build for another class goes
 # without them (Inductor's forms)
-KERNEL_CLASSES = ("avx512",)
+KERNEL_CLASSES = ("avx2", "avx512")
 
 _loaded: set[str] = set()
 
@@ -164,6 +174,7 @@ def _register_fake() -> None:
     torch.library.register_fake(f"neffkit::{OP}_fp8")(_blocked_rows_fp8_fake)
     torch.library.register_fake("neffkit::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("neffkit::packed_rows")(_packed_rows_fake)
+    torch.library.register_fake("neffkit::int8_rows")(_int8_rows_fake)
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
@@ -184,6 +195,12 @@ def _packed_rows_fake(
     aux: list[torch.Tensor],
     base: torch.Tensor,
     mode: int,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], sum(c.shape[0] for c in codes)), dtype=torch.float32)
+
+
+def _int8_rows_fake(
+    x: torch.Tensor, codes: list[torch.Tensor], scales: list[torch.Tensor]
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], sum(c.shape[0] for c in codes)), dtype=torch.float32)
 

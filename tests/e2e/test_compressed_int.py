@@ -19,8 +19,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from neffkit.platform import cpu_kernels
 from tests.support.bundles import build_session_bundle
-from tests.support.cli import run_ids
+from tests.support.cli import bundle_json, run_ids
 from tests.support.compressed_int import CONFIG, compressed_models
 from tests.support.models import LONG, MAX_NEW, MIXED, SHORT
 
@@ -113,14 +114,21 @@ def _w8a8_reference(ct: Path, twin: Path) -> list[list[int]]:
 
 
 def test_w8a8_bundle_equals_vllms_arithmetic_and_agrees_with_the_twin(session_dir, hf_greedy):
-    """Greedy tokens equal the numpy reference's exactly. Against the twin (activations not
-    quantized) agreement is counted per position with the twin's own tokens as the prefix:
-    free-running greedy on a random model diverges for good at its first near tie (measured
-    below 90% here), which says nothing about the next tokens."""
+    """Greedy tokens equal the numpy reference's exactly: where the kernel library is in use
+    (cpu_kernel: auto) every graph's projections go through neffkit::int8_rows ("kernel-int8":
+    int32 sums, the library shipped in the bundle), else the graph's float32 matmul. Against
+    the twin (activations not quantized) agreement is counted per position with the twin's own
+    tokens as the prefix: free-running greedy on a random model diverges for good at its first
+    near tie (measured below 90% here), which says nothing about the next tokens."""
     ct, twin = compressed_models("w8a8")
     result = build_session_bundle(session_dir, ct, "ct_w8a8", buckets=BUCKETS)
     stored = _stored(result.bundle)
     assert stored[Q_PROJ] == ("U8", [256, 256]) and stored[Q_PROJ + ".qscale"] == ("F32", [256, 1])
+    record = bundle_json(result.bundle)
+    kernel = cpu_kernels.supported()
+    forms = {g["name"]: g["projection"].split("+") for g in record["graphs"]}
+    assert all(("kernel-int8" in f) == kernel for f in forms.values()), forms
+    assert record["kernels"] == (["kernels/libneffkit_cpu.so"] if kernel else [])
     got = run_ids(result.bundle, PROMPTS)
     assert got == _w8a8_reference(ct, twin)
     want = [hf_greedy(twin, p, MAX_NEW) for p in PROMPTS]

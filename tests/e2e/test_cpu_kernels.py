@@ -1,6 +1,7 @@
 """neffkit's C++ projection kernel (neffkit/platform/csrc/blocked_rows.cpp) against torch's
 matmul, and its way into a bundle: built at `neffkit build`, shipped in kernels/, loaded by
-the runtime from there (no compiler on the serving host)."""
+the runtime from there (no compiler on the serving host). The kernels compiled for the AVX2
+class ($NEFFKIT_CPU_ISA=avx2) run in a process of their own (`test_avx2_class_...`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,3 +265,126 @@ def test_fp8_widening_is_exact_for_every_byte(fp8_rows):
     assert torch.equal(got[finite, 3], want[finite])
     assert got[~finite, 3].tolist() == [480.0, -480.0]
     assert not got[:, [0, 1, 2, 4]].any()
+
+
+# ---- the AVX2 class: the library compiled for -march=x86-64-v3 (two ymm a 16-lane vector, its
+# own tile widths), loaded in a child process (one library a process; this module run as a script)
+Case = tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], float]  # call, want, tol
+
+
+def _projection_cases(gen: torch.Generator) -> dict[str, Case]:
+    """blocked_rows: 3 weights a call, float32/bf16 weights and rows, an odd K, 1..37 rows."""
+    cases: dict[str, Case] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for k in (96, 33):
+            plain = torch.randn(20 * 16, k, generator=gen).to(dtype)
+            ws = [to_blocked(w, 16) for w in plain.split([13 * 16, 16, 6 * 16])]
+            for rows in (*range(1, 10), 11, 16, 17, 37):
+                for x_dtype in dict.fromkeys((torch.float32, dtype)):
+                    x = torch.randn(rows, k, generator=gen).to(x_dtype)
+                    cases[f"rows {dtype} K={k} {rows} {x_dtype}"] = (
+                        lambda x=x, ws=ws: torch.ops.neffkit.blocked_rows(x, ws),
+                        lambda x=x, plain=plain: x.float() @ plain.float().t(),
+                        1e-5,
+                    )
+    return cases
+
+
+def _fp8_cases(gen: torch.Generator) -> dict[str, Case]:
+    """blocked_rows_fp8: K blocks, per channel, float32/bf16 rows; every e4m3 byte exactly."""
+    from neffkit.kernels.quant import expand_scales, lane_scales, scale_grid
+
+    cases: dict[str, Case] = {}
+    shape = (256, 200)
+    for block in ((16, 16), (128, 64), (0, 0)):
+        weight = (torch.randn(shape, generator=gen) * 64).to(torch.float8_e4m3fn)
+        grid = torch.rand(scale_grid(shape, block), generator=gen) + 0.5
+        exact = weight.double() * expand_scales(grid, shape, block).double()
+        args = ([to_blocked(weight, 16)], [lane_scales(grid, shape, block, 16)], block[1] or 200)
+        for rows in (1, 2, 5, 8, 11):
+            x = torch.randn(rows, shape[1], generator=gen)
+            for xr in (x, x.bfloat16()):
+                cases[f"fp8 {block} {rows} {xr.dtype}"] = (
+                    lambda xr=xr, args=args: torch.ops.neffkit.blocked_rows_fp8(xr, *args),
+                    lambda xr=xr, exact=exact: (xr.double() @ exact.t()).float(),
+                    1e-5,
+                )
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    weight = torch.zeros(1, 256, 16, dtype=torch.float8_e4m3fn)
+    weight[0, :, 3], want = values, torch.zeros(256, 16)
+    want[:, 3] = torch.nan_to_num(values.float(), nan=480.0).index_fill(0, torch.tensor(255), -480)
+    every_byte = ([weight], [torch.ones(1, 1, 16)], 256)
+    fp8 = torch.ops.neffkit.blocked_rows_fp8
+    cases["fp8 every byte"] = (lambda: fp8(torch.eye(256), *every_byte), lambda: want, 0.0)
+    return cases
+
+
+def _attention_cases(gen: torch.Generator) -> dict[str, Case]:
+    """paged_decode_attention on test_decode_attention's cases and its reference (the graph's
+    form, float32; the padding row's output zeros)."""
+    from neffkit.kernels.attention import visible_from
+    from tests.e2e.test_decode_attention import _case, _reference
+
+    cases: dict[str, Case] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads, dim, dim_v in ((6, 2, 64, 64), (3, 1, 16, 40), (4, 4, 24, 24)):
+            q, k_cache, v_cache, tables, lens, positions = _case(dtype, heads, kv_heads, dim, dim_v)
+            for variant in ("plain", "window", "sinks", "softcap"):
+                window = 5 if variant == "window" else None
+                sinks = torch.randn(heads, generator=gen).to(dtype) if variant == "sinks" else None
+                softcap = 2.0 if variant == "softcap" else None
+                lo = visible_from(positions[:, 0], window, None)
+                hi = torch.minimum(positions[:, 0], lens - 1)
+                args = (q[:, 0], k_cache, v_cache, tables, lo, hi, sinks, 0.3, softcap or 0.0)
+                wide = [t.float() if t is not None else None for t in (q, k_cache, v_cache, sinks)]
+                ref = (*wide[:3], tables, lens, positions, window, wide[3], softcap)
+                cases[f"attention {dtype} {heads} {kv_heads} {dim} {dim_v} {variant}"] = (
+                    lambda args=args: torch.ops.neffkit.paged_decode_attention(*args).float(),
+                    lambda ref=ref: _reference(*ref).index_fill(0, torch.tensor(3), 0.0),
+                    1e-5 if dtype == torch.float32 else 8e-3,  # bf16: the output's rounding
+                )
+    return cases
+
+
+def _class_cases() -> dict[str, Case]:
+    """Every kernel's cases, seeded: the same inputs in every process."""
+    gen = torch.Generator().manual_seed(0)
+    return {**_projection_cases(gen), **_fp8_cases(gen), **_attention_cases(gen)}
+
+
+def _run_avx2_class(out: Path) -> None:
+    """The child: the AVX2 class's library built and loaded; every case's output saved."""
+    cpu_kernels.load_library(cpu_kernels.build_library())
+    got = {name: call() for name, (call, _, _) in _class_cases().items()}
+    paths = [torch.ops.neffkit.set_amx(True), torch.ops.neffkit.set_bf16_dot(1)]
+    torch.save({**got, "amx, vdpbf16ps": torch.tensor(paths)}, out)
+
+
+def test_avx2_class_equals_torch_and_the_native_fma_paths(op, tmp_path):
+    """The AVX2 class's kernels against torch's references, and bit for bit against this
+    build's FMA paths (AMX and VDPBF16PS off): the same products in the same order. Neither
+    AMX nor VDPBF16PS is in the AVX2 class's library."""
+    out = tmp_path / "avx2.pt"
+    child = [sys.executable, "-m", "tests.e2e.test_cpu_kernels", str(out)]
+    env = {**os.environ, "NEFFKIT_CPU_ISA": "avx2"}
+    proc = subprocess.run(child, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out)
+    assert got.pop("amx, vdpbf16ps").tolist() == [False, False]
+    cases = _class_cases()
+    torch.ops.neffkit.set_amx(False)
+    torch.ops.neffkit.set_bf16_dot(0)
+    try:
+        native = {name: call() for name, (call, _, _) in cases.items()}
+    finally:
+        torch.ops.neffkit.set_amx(True)
+        torch.ops.neffkit.set_bf16_dot(-1)
+    for name, (_, want, tol) in cases.items():
+        expected = want()
+        atol = tol * max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(got[name], expected, rtol=tol, atol=atol, msg=name)
+        assert torch.equal(got[name], native[name]), name
+
+
+if __name__ == "__main__":
+    _run_avx2_class(Path(sys.argv[1]))

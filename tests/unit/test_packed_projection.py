@@ -166,7 +166,8 @@ def test_inductor_streams_the_packed_bytes_in_a_vector_loop():
 
 def test_the_layout_records_the_packed_forms_and_ships_the_kernel_they_call(tmp_path):
     """bundle.json's projection form per graph, and whether the build ships the kernel library
-    for them (4-bit groups of 32 on a float32 model: the kernel, where the host runs it)."""
+    for them (4-bit groups of 32 and 8-bit channels on a float32 model: the kernel, where the
+    host runs it)."""
     from neffkit.compile.layout import (
         packed_kernel_weights,
         projection_form,
@@ -186,13 +187,14 @@ def test_the_layout_records_the_packed_forms_and_ships_the_kernel_they_call(tmp_
     int8 = layout({"weights": "int8"})
     kernel = cpu_kernels.supported()
     assert projection_form(int4, 1) == ("kernel-packed" if kernel else "packed-rows")
+    assert projection_form(int8, 1) == projection_form(int4, 1)
     assert projection_form(int4, 16) == projection_form(int8, 16) == "mm"
-    assert projection_form(int8, 1) == "packed-rows" and not packed_kernel_weights(int8)
-    quantized = [n for n, _ in int4.config.weight_quant]
-    assert packed_kernel_weights(int4) == quantized  # every projection and the head
-    assert uses_kernel(int4) == kernel
+    for quantized in (int4, int8):  # every projection and the head
+        assert packed_kernel_weights(quantized) == [n for n, _ in quantized.config.weight_quant]
+        assert uses_kernel(quantized) == kernel
     # an fp8 cache: no attention kernel, the packed weights alone call the library
     fp8_kv = layout({"weights": "int4", "group_size": 32}, kv_cache={"dtype": "float8_e4m3fn"})
     assert not fp8_kv.projection.attention_kernel
     assert uses_kernel(fp8_kv) == kernel
-    assert not uses_kernel(layout({"weights": "int8"}, kv_cache={"dtype": "float8_e4m3fn"}))
+    bf16 = layout({"weights": "int8"}, dtype="bfloat16", kv_cache={"dtype": "float8_e4m3fn"})
+    assert not packed_kernel_weights(bf16) and not uses_kernel(bf16)  # the kernel is float32

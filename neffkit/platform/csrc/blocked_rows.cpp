@@ -17,6 +17,9 @@
 // pairs of K steps (AVX512-BF16; the default on AMD, where it measured faster), else the
 // widened FMA. Blocks are split over torch's intra-op threads. Called from AOTInductor graphs
 // through the dispatcher; registered by loading the library (neffkit/cpu_kernels.py).
+// One source for both CPU classes (platform/isa.py) over vec16.h's 16-lane vector: one zmm, or
+// two ymm on the AVX2 class, whose registers hold a quarter as many (narrower tiles); it has
+// the widened FMA alone (no AMX, VDPBF16PS) and gives the bits of the AVX-512 FMA paths.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,13 +40,27 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
+
+using namespace neffkit_vec;
 
 constexpr int64_t kLanes = 16;
 
+#ifdef __AVX512F__
 // output blocks per tile for R rows: R * U <= 16 accumulators (of 32 zmm registers), and at
 // least two weight streams in flight
 constexpr int tile_blocks(int rows) { return rows >= 5 ? 2 : (rows >= 3 ? 4 : 8); }
+constexpr int kTileRows = 8;
+#else
+// AVX2: a 16-lane vector is two of the 16 ymm. R x U accumulators, U weight vectors and a row
+// value, 2RU + 2U + 1 <= 16: 3 blocks at one row, 2 at two rows, 1 from three rows to six (15
+// ymm). 7 or 8 rows run as two tiles over the same blocks (for_tiles), the second reading them
+// from cache: 8 rows in one tile stored and reloaded 3 of its 16 accumulators every K step.
+constexpr int tile_blocks(int rows) { return rows >= 3 ? 1 : (rows == 2 ? 2 : 3); }
+constexpr int kTileRows = 6;
+#endif
 // On AMD hosts three blocks from 5 rows on (R * U <= 24 accumulators, 28-29 zmm in all): each
 // broadcast row value feeds three FMAs instead of two. SmolLM2's projections at 8 rows, 2
 // threads, alternating processes on Zen: float32 18.8-19.6 -> 15.9-16.5 ms, bf16 (VDPBF16PS)
@@ -77,13 +94,6 @@ int64_t prefetch_lines() {
   return lines;
 }
 
-// One K step of a block's 16 lanes as float32: loaded, or (bf16) widened in-register.
-inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_lanes(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // One row value as float32: read, or (bf16) widened, so bf16 rows need no converted copy.
 inline float load_row(const float* p) { return *p; }
 inline float load_row(const uint16_t* p) {
@@ -97,26 +107,28 @@ inline float load_row(const uint16_t* p) {
 template <int R, int U, typename X, typename W>
 void tile(const X* x, int64_t K, const W* w, float* out, int64_t ldo, int64_t b0) {
   constexpr int64_t kStepsPerLine = 64 / (kLanes * sizeof(W));  // 1 float32, 2 bf16
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  V16 acc[R][U];
+  NEFFKIT_UNROLL for (int r = 0; r < R; ++r)
+    NEFFKIT_UNROLL for (int u = 0; u < U; ++u) acc[r][u] = zero();
   const W* wb = w + b0 * K * kLanes;
   const int64_t ahead = kStepsPerLine * prefetch_lines();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[U];
-    for (int u = 0; u < U; ++u) {
+    V16 wv[U];
+    NEFFKIT_UNROLL for (int u = 0; u < U; ++u) {
       if (ahead && k % kStepsPerLine == 0)
         _mm_prefetch(reinterpret_cast<const char*>(wb + (u * K + k + ahead) * kLanes),
                      _MM_HINT_T0);
-      wv[u] = load_lanes(wb + (u * K + k) * kLanes);
+      wv[u] = load_weights(wb + (u * K + k) * kLanes);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(load_row(x + r * K + k));
-      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_fmadd_ps(xv, wv[u], acc[r][u]);
+    NEFFKIT_UNROLL for (int r = 0; r < R; ++r) {
+      const V16 xv = set1(load_row(x + r * K + k));
+      NEFFKIT_UNROLL for (int u = 0; u < U; ++u) acc[r][u] = fmadd(xv, wv[u], acc[r][u]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+  NEFFKIT_UNROLL for (int r = 0; r < R; ++r)
+    NEFFKIT_UNROLL for (int u = 0; u < U; ++u) {
+      store_lanes<W>(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+    }
 }
 
 template <int N>
@@ -146,13 +158,18 @@ void run_tiles(int64_t begin, int64_t end, Tile&& tile) {
 }
 
 // tile(Int<R>, Int<U>, r0, b) over every row group r0 (8 rows at most) and blocks [begin, end),
-// U = Blocks(R) blocks at a time, then single blocks.
-template <int (*Blocks)(int), typename Tile>
+// U = Blocks(R) blocks at a time, then single blocks. A group of more than MaxRows rows runs as
+// two tiles over the same blocks, back to back: the second reads them from cache.
+template <int (*Blocks)(int), int MaxRows = 8, typename Tile>
 void for_tiles(int64_t R, int64_t begin, int64_t end, Tile&& tile) {
   for (int64_t r0 = 0; r0 < R; r0 += 8) {
     with_rows(R - r0 < 8 ? R - r0 : 8, [&](auto rows) {
-      run_tiles<Blocks(decltype(rows)::value)>(
-          begin, end, [&](int64_t b, auto u) { tile(rows, u, r0, b); });
+      constexpr int kRows = decltype(rows)::value;
+      run_tiles<Blocks(kRows)>(begin, end, [&](int64_t b, auto u) {
+        constexpr int kFirst = kRows <= MaxRows ? kRows : (kRows + 1) / 2;
+        tile(Int<kFirst>{}, u, r0, b);
+        if constexpr (kFirst < kRows) tile(Int<kRows - kFirst>{}, u, r0 + kFirst, b);
+      });
     });
   }
 }
@@ -160,8 +177,10 @@ void for_tiles(int64_t R, int64_t begin, int64_t end, Tile&& tile) {
 // for_tiles with the host's tile widths (tile_blocks_amd on AMD, else tile_blocks).
 template <typename Tile>
 void for_host_tiles(int64_t R, int64_t begin, int64_t end, Tile&& tile) {
-  if (is_amd()) return for_tiles<tile_blocks_amd>(R, begin, end, tile);
-  for_tiles<tile_blocks>(R, begin, end, tile);
+  if constexpr (kVectorRegs == 32) {
+    if (is_amd()) return for_tiles<tile_blocks_amd>(R, begin, end, tile);
+  }
+  for_tiles<tile_blocks, kTileRows>(R, begin, end, tile);
 }
 
 // Every row group (8 rows at most) over blocks [begin, end).
@@ -254,61 +273,61 @@ bool use_bf16_dot() {
 // VCVTPH2PS widens it exactly (it ignores MXCSR's denormals-are-zero); the 2^8 goes into the
 // block scale. The NaN byte (0x7f/0xff, never in a checkpoint's weights) reads as +-480.
 
-inline __m512 load_fp8(const uint8_t* p) {
-  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(wide, 7),
-                                        _mm256_set1_epi16(static_cast<int16_t>(0xbfff)));
-  return _mm512_cvtph_ps(half);
-}
-
 // acc += part x the K block's scale (times `factor`) of each output block of the tile; `scales`
 // points at the K block's vector of output block 0 ([NB, KB, 16] layout).
 template <int R, int U>
-inline void add_block(__m512 (&acc)[R][U], const __m512 (&part)[R][U], const float* scales,
+inline void add_block(V16 (&acc)[R][U], const V16 (&part)[R][U], const float* scales,
                       int64_t KB, int64_t b0, float factor) {
-  for (int u = 0; u < U; ++u) {
-    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + (b0 + u) * KB * kLanes),
-                                   _mm512_set1_ps(factor));
-    for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(part[r][u], s, acc[r][u]);
+  NEFFKIT_UNROLL for (int u = 0; u < U; ++u) {
+    const V16 s = mul(load(scales + (b0 + u) * KB * kLanes), set1(factor));
+    NEFFKIT_UNROLL for (int r = 0; r < R; ++r) acc[r][u] = fmadd(part[r][u], s, acc[r][u]);
   }
 }
 
 template <int R, int U>
-inline void store_tile(const __m512 (&acc)[R][U], float* out, int64_t ldo, int64_t b0) {
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) _mm512_storeu_ps(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
+inline void store_tile(const V16 (&acc)[R][U], float* out, int64_t ldo, int64_t b0) {
+  NEFFKIT_UNROLL for (int r = 0; r < R; ++r)
+    NEFFKIT_UNROLL for (int u = 0; u < U; ++u) store(out + r * ldo + (b0 + u) * kLanes, acc[r][u]);
 }
 
+#ifdef __AVX512F__
 // R x U partial sums of one K block and R x U totals stay in registers with U weight vectors:
 // 2*R*U + U + 1 <= 32 zmm.
 constexpr int fp8_tile_blocks(int rows) { return rows == 1 ? 8 : (rows == 2 ? 4 : (rows <= 7 ? 2 : 1)); }
-constexpr float kFp8ToHalf = 256.0f;  // load_fp8 reads the value times 2^-8
+constexpr int kFp8TileRows = 8;
+#else
+// AVX2: partial sums, weight vectors and a row value, 2RU + 2U + 1 <= 16 ymm in the K loop (the
+// totals out of it): 3 blocks at one row, one to 4 rows; 5 and more (spilled) as two tiles.
+constexpr int fp8_tile_blocks(int rows) { return rows == 1 ? 3 : 1; }
+constexpr int kFp8TileRows = 4;
+#endif
+constexpr float kFp8ToHalf = 256.0f;  // load_fp8_half reads the value times 2^-8
 
 template <int R, int U>
 void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, int64_t KB,
               int64_t k_block, float* out, int64_t ldo, int64_t b0) {
   constexpr int64_t kStepsPerLine = 64 / kLanes;  // 4 K steps of 16 bytes a line
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  V16 acc[R][U];
+  NEFFKIT_UNROLL for (int r = 0; r < R; ++r)
+    NEFFKIT_UNROLL for (int u = 0; u < U; ++u) acc[r][u] = zero();
   const uint8_t* wb = w + b0 * K * kLanes;
   const int64_t ahead = kStepsPerLine * prefetch_lines();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const int64_t k0 = kb * k_block, k1 = k0 + k_block < K ? k0 + k_block : K;
-    __m512 part[R][U];
-    for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) part[r][u] = _mm512_setzero_ps();
+    V16 part[R][U];
+    NEFFKIT_UNROLL for (int r = 0; r < R; ++r)
+      NEFFKIT_UNROLL for (int u = 0; u < U; ++u) part[r][u] = zero();
     for (int64_t k = k0; k < k1; ++k) {
-      __m512 wv[U];
-      for (int u = 0; u < U; ++u) {
+      V16 wv[U];
+      NEFFKIT_UNROLL for (int u = 0; u < U; ++u) {
         if (ahead && k % kStepsPerLine == 0)
           _mm_prefetch(reinterpret_cast<const char*>(wb + (u * K + k + ahead) * kLanes),
                        _MM_HINT_T0);
-        wv[u] = load_fp8(wb + (u * K + k) * kLanes);
+        wv[u] = load_fp8_half(wb + (u * K + k) * kLanes);
       }
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-        for (int u = 0; u < U; ++u) part[r][u] = _mm512_fmadd_ps(xv, wv[u], part[r][u]);
+      NEFFKIT_UNROLL for (int r = 0; r < R; ++r) {
+        const V16 xv = set1(x[r * K + k]);
+        NEFFKIT_UNROLL for (int u = 0; u < U; ++u) part[r][u] = fmadd(xv, wv[u], part[r][u]);
       }
     }
     add_block(acc, part, scales + kb * kLanes, KB, b0, kFp8ToHalf);
@@ -319,7 +338,8 @@ void tile_fp8(const float* x, int64_t K, const uint8_t* w, const float* scales, 
 void run_blocks_fp8(int64_t R, const float* x, int64_t K, const uint8_t* w, const float* scales,
                     int64_t KB, int64_t k_block, float* out, int64_t ldo, int64_t begin,
                     int64_t end) {
-  for_tiles<fp8_tile_blocks>(R, begin, end, [&](auto rows, auto u, int64_t r0, int64_t b) {
+  for_tiles<fp8_tile_blocks, kFp8TileRows>(R, begin, end, [&](auto rows, auto u, int64_t r0,
+                                                                int64_t b) {
     tile_fp8<decltype(rows)::value, decltype(u)::value>(x + r0 * K, K, w, scales, KB, k_block,
                                                         out + r0 * ldo, ldo, b);
   });
@@ -345,15 +365,15 @@ void tile_fp8_dot(const uint16_t* x, int64_t K, const uint8_t* w, const float* s
                   int64_t KB, int64_t k_block, float* out, int64_t ldo, int64_t b0) {
   const __m512i pairs = _mm512_load_si512(kPairs);
   const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0x87ff));
-  __m512 acc[R][U];
+  V16 acc[R][U];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    for (int u = 0; u < U; ++u) acc[r][u] = zero();
   const uint8_t* wb = w + b0 * K * kLanes;
   for (int64_t kb = 0; kb < KB; ++kb) {
     const int64_t k0 = kb * k_block, k1 = k0 + k_block < K ? k0 + k_block : K;
-    __m512 part[R][U];
+    V16 part[R][U];
     for (int r = 0; r < R; ++r)
-      for (int u = 0; u < U; ++u) part[r][u] = _mm512_setzero_ps();
+      for (int u = 0; u < U; ++u) part[r][u] = zero();
     for (int64_t k = k0; k < k1; k += 2) {
       __m512i wv[U];
       for (int u = 0; u < U; ++u) {
@@ -368,7 +388,7 @@ void tile_fp8_dot(const uint16_t* x, int64_t K, const uint8_t* w, const float* s
         std::memcpy(&pair, x + r * K + k, sizeof(pair));
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
         for (int u = 0; u < U; ++u)
-          part[r][u] = _mm512_dpbf16_ps(part[r][u], xv, (__m512bh)wv[u]);
+          part[r][u].v = _mm512_dpbf16_ps(part[r][u].v, xv, (__m512bh)wv[u]);
       }
     }
     add_block(acc, part, scales + kb * kLanes, KB, b0, kFp8DotToValue);
@@ -402,17 +422,19 @@ void run_blocks_fp8_dot(int64_t, const uint16_t*, int64_t, const uint8_t*, const
 // Products of bf16 values are exact in float32, as in the FMA path; only the summation order
 // differs. Each thread streams its contiguous range of blocks once.
 
+constexpr int64_t kChunk = 32;  // K values per tile step (32 bf16 = one 64-byte tile row)
+// A single row stays on the FMA path: it streams as fast there (36 vs 33 GB/s on the LM head)
+// and needs no tile state.
+constexpr int64_t kAmxMinRows = 2;
+
+#ifdef __AVX512F__  // AMX hosts run the avx512 class's library
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
 
-constexpr int64_t kChunk = 32;  // K values per tile step (32 bf16 = one 64-byte tile row)
 // Weight lines fetched this many 64-byte lines ahead (8 KB: 8 chunks). Streaming 320 MB of
 // weights at 8 rows (two threads, this noisy host), 0 to 16 lines ahead gave 15 GB/s and 128
 // to 1024 gave 20-21 GB/s, against 22-30 GB/s for one row on the FMA path: the tile loop keeps
 // fewer misses in flight on its own.
 constexpr int64_t kAmxAhead = 128;
-// A single row stays on the FMA path: it streams as fast there (36 vs 33 GB/s on the LM head)
-// and needs no tile state.
-constexpr int64_t kAmxMinRows = 2;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -434,10 +456,6 @@ bool amx_supported() {
   }();
   return ok;
 }
-
-std::atomic<bool> amx_wanted{true};
-
-bool use_amx() { return amx_wanted.load(std::memory_order_relaxed) && amx_supported(); }
 
 // Blocks [begin, end) for M <= 16 bf16 rows; K a multiple of kChunk. Tiles 0/1 accumulate the
 // even/odd chunks (two independent chains), 2 holds x's chunk, 3/4 the VNNI weight chunks.
@@ -484,6 +502,16 @@ AMX_TARGET void amx_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16
   }
   _tile_release();
 }
+
+#else  // the AVX2 class: no AMX, bf16 rows take the widened FMA
+bool amx_supported() { return false; }
+void amx_blocks(const uint16_t*, int64_t, int64_t, const uint16_t*, float*, int64_t, int64_t,
+                int64_t) {}
+#endif
+
+std::atomic<bool> amx_wanted{true};
+
+bool use_amx() { return amx_wanted.load(std::memory_order_relaxed) && amx_supported(); }
 
 // Blocks split over torch's intra-op threads: enough per task to amortise the task, few enough
 // to share 2..N threads evenly.
@@ -580,8 +608,15 @@ at::Tensor blocked_rows(const at::Tensor& x_in, at::TensorList w_in) {
       run_blocks_dot(R, xp, K, weight_data<uint16_t>(ws, i), o + ws.start[i] * kLanes, N, b0,
                      b1);
     });
-  } else {
+  } else if (kVectorRegs == 32) {
     fma_rows<uint16_t, uint16_t>(R, bf16_data(x), K, ws, o);  // bf16 rows widened as read
+  } else {
+    // AVX2 broadcasts a bf16 row value in four instructions (two on the shuffle port), a
+    // float32 one in a load: the rows widened once (exact), into a buffer of the call's own
+    std::vector<float> xf(R * K);
+    const uint16_t* xp = bf16_data(x);
+    for (int64_t i = 0; i < R * K; ++i) xf[i] = load_row(xp + i);
+    fma_rows<float, uint16_t>(R, xf.data(), K, ws, o);
   }
   return out;
 }

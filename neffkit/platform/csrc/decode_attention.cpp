@@ -13,13 +13,14 @@
 // on SmolLM2 at 8 rows that was a fifth of the step. Here each (row, KV head) pair walks only
 // its visible keys, scores the group's queries against each key once it is loaded, and takes
 // the softmax and the value sum in float32. Pairs are split over torch's intra-op threads.
+// Written over vec16.h's 16-lane vector: one zmm, or two ymm on the AVX2 class, which gives the
+// same bits (the same FMAs, sums in the same order, exp's 2^k as two exact factors).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,7 +30,11 @@
 #include <optional>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
+
+using namespace neffkit_vec;
 
 constexpr int64_t kLanes = 16;
 
@@ -53,61 +58,54 @@ inline void store(uint16_t* out, float v) {  // round to nearest even, as torch'
   *out = uint16_t(bits >> 16);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
 // q (float32, n values) · key (n values of T)
 template <typename T>
 inline float dot(const float* q, const T* key, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  V16 acc = zero();
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes) acc = _mm512_fmadd_ps(load16(q + d), load16(key + d), acc);
-  float sum = _mm512_reduce_add_ps(acc);
+  for (; d + kLanes <= n; d += kLanes) acc = fmadd(load(q + d), load(key + d), acc);
+  float sum = reduce_add(acc);
   for (; d < n; ++d) sum += q[d] * to_float(key[d]);
   return sum;
 }
 
 // exp(x) for 16 lanes, x <= 0 (scores less their maximum): 2^(x log2 e) split into 2^k 2^f,
 // |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative error below 1e-7), 2^k by scalef
-// (which underflows to 0 cleanly).
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)),
-                                 _mm512_set1_ps(1.44269504f));
-  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, k);
-  __m512 p = _mm512_set1_ps(1.525273e-5f);
+// (which underflows to 0 cleanly; k >= -150 here).
+inline V16 exp16(V16 x) {
+  const V16 t = mul(max(x, set1(-104.0f)), set1(1.44269504f));
+  const V16 k = round_nearest(t);
+  const V16 f = sub(t, k);
+  V16 p = set1(1.525273e-5f);
   for (float c : {1.540353e-4f, 1.333355e-3f, 9.618129e-3f, 5.550411e-2f, 2.402265e-1f,
                   6.931472e-1f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    p = fmadd(p, f, set1(c));
   }
-  return _mm512_scalef_ps(p, k);
+  return scalef(p, k);
 }
 
 // The n scores of one head (in place) as softmax probabilities, float32; `sink` joins the
 // denominator (-inf: none).
 inline void softmax(float* scores, int64_t n, float sink) {
-  __m512 top = _mm512_set1_ps(sink);
+  V16 top = set1(sink);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const __mmask16 m = n - j >= kLanes ? 0xffff : (1u << (n - j)) - 1;
-    top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, scores + j));
+    const Tail m = first(n - j);
+    top = max(m, top, load(m, scores + j));
   }
-  const float most = _mm512_reduce_max_ps(top);
-  const __m512 shift = _mm512_set1_ps(most);
-  __m512 total = _mm512_setzero_ps();
+  const float most = reduce_max(top);
+  const V16 shift = set1(most);
+  V16 total = zero();
   for (int64_t j = 0; j < n; j += kLanes) {
-    const __mmask16 m = n - j >= kLanes ? 0xffff : (1u << (n - j)) - 1;
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift));
-    _mm512_mask_storeu_ps(scores + j, m, e);
-    total = _mm512_mask_add_ps(total, m, total, e);
+    const Tail m = first(n - j);
+    const V16 e = exp16(sub(load(m, scores + j), shift));
+    store(m, scores + j, e);
+    total = add(m, total, e);
   }
-  float sum = _mm512_reduce_add_ps(total) + (std::isinf(sink) ? 0.0f : std::exp(sink - most));
-  const __m512 inv = _mm512_set1_ps(1.0f / sum);
+  float sum = reduce_add(total) + (std::isinf(sink) ? 0.0f : std::exp(sink - most));
+  const V16 inv = set1(1.0f / sum);
   for (int64_t j = 0; j < n; j += kLanes) {
-    const __mmask16 m = n - j >= kLanes ? 0xffff : (1u << (n - j)) - 1;
-    _mm512_mask_storeu_ps(scores + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, scores + j), inv));
+    const Tail m = first(n - j);
+    store(m, scores + j, mul(load(m, scores + j), inv));
   }
 }
 
@@ -118,14 +116,14 @@ inline void weighted_sum(const float* probs, const T* vc, const int64_t* rows, i
                          int64_t Dv, float* out) {
   int64_t d = 0;
   for (; d + kLanes <= Dv; d += kLanes) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    V16 a0 = zero(), a1 = zero();
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), load16(vc + rows[j] * Dv + d), a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(probs[j + 1]), load16(vc + rows[j + 1] * Dv + d), a1);
+      a0 = fmadd(set1(probs[j]), load(vc + rows[j] * Dv + d), a0);
+      a1 = fmadd(set1(probs[j + 1]), load(vc + rows[j + 1] * Dv + d), a1);
     }
-    if (j < n) a0 = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), load16(vc + rows[j] * Dv + d), a0);
-    _mm512_storeu_ps(out + d, _mm512_add_ps(a0, a1));
+    if (j < n) a0 = fmadd(set1(probs[j]), load(vc + rows[j] * Dv + d), a0);
+    store(out + d, add(a0, a1));
   }
   for (; d < Dv; ++d) {
     float sum = 0.0f;
