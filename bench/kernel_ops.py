@@ -10,10 +10,13 @@ a 49152 x 576 head), 2 threads, alternating rounds, medians:
   bf16 rows on bf16 weights, and bf16 rows on block-fp8 weights (128 x 128);
 - the LM head alone in bf16 and in fp8 (`lm_head: {dtype: float8_e4m3fn}`).
 
-Every weight is its own tensor, 30 layers of them, so they stream from memory as in a step.
-Writes bench/results/kernels.json.
+Every weight is its own tensor, 30 layers of them, so they stream from memory as in a step;
+GB/s is the weight bytes a step streams over its time. The library is the one a build here
+compiles: for the host's CPU class, or the class `$NEFFKIT_CPU_ISA` names (platform/isa.py), or
+`--library`. Writes bench/results/kernels.json (kernels_avx2.json for the AVX2 class).
 
     .venv/bin/python bench/kernel_ops.py [--rounds 5]
+    NEFFKIT_CPU_ISA=avx2 .venv/bin/python bench/kernel_ops.py   # the AVX2 class on this host
 """
 
 from __future__ import annotations
@@ -91,7 +94,20 @@ def layer_projections(kind: str, rounds: int) -> dict[str, dict[str, float]]:
             samples["per_weight_ms"].append(timed_ms(per_weight))
             samples["per_input_ms"].append(timed_ms(per_input))
         out[f"rows_{rows}"] = {k: round(median(v), 3) for k, v in samples.items()}
+        out[f"rows_{rows}"]["per_input_gbs"] = gbs(layers, out[f"rows_{rows}"]["per_input_ms"])
     return out
+
+
+def gbs(weights: object, ms: float) -> float:
+    """GB/s of the weights (and fp8 scales) in `weights`, nested lists of tensors, in `ms`."""
+    return round(nbytes(weights) / ms / 1e6, 1)
+
+
+def nbytes(weights: object) -> int:
+    if isinstance(weights, torch.Tensor):
+        return weights.numel() * weights.element_size()
+    parts = weights if isinstance(weights, list | tuple) else []
+    return sum(nbytes(w) for w in parts)
 
 
 def lm_head(rounds: int) -> dict[str, dict[str, float]]:
@@ -104,22 +120,26 @@ def lm_head(rounds: int) -> dict[str, dict[str, float]]:
             for kind, head in heads.items():
                 samples[kind].append(timed_ms(lambda head=head, x=x: call(x, head)))
         out[f"rows_{rows}"] = {f"{k}_ms": round(median(v), 3) for k, v in samples.items()}
+        for kind, head in heads.items():
+            out[f"rows_{rows}"][f"{kind}_gbs"] = gbs(head, out[f"rows_{rows}"][f"{kind}_ms"])
     return out
 
 
 def main() -> None:
-    from neffkit.platform import cpu_kernels
+    from neffkit.platform import cpu_kernels, isa
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--library", type=Path, help="a built libneffkit_cpu.so to time")
     args = ap.parse_args()
-    if not cpu_kernels.supported():
-        raise SystemExit("bench/kernel_ops.py: this CPU lacks the kernel's AVX-512 (nothing timed)")
+    if isa.chosen_class() is None:
+        raise SystemExit("bench/kernel_ops.py: this CPU runs no class of the kernels (no AVX2)")
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    cpu_kernels.ensure_for_tracing()
+    cpu_kernels.load_library(args.library or cpu_kernels.build_library())
     result = {
         "shapes": "SmolLM2-135M: hidden 576, K/V 192, MLP 1536, 30 layers, vocab 49152",
+        "cpu_class": isa.chosen_class(),
         "threads": THREADS,
         "rounds": args.rounds,
         "layer_projections": {},
@@ -131,11 +151,18 @@ def main() -> None:
     for kind, by_rows in result["layer_projections"].items():
         for rows, t in by_rows.items():
             n = rows.removeprefix("rows_")
-            print(f"{kind:>9} {n:>4} {t['per_weight_ms']:>13.2f} ms {t['per_input_ms']:>13.2f} ms")
+            print(
+                f"{kind:>9} {n:>4} {t['per_weight_ms']:>13.2f} ms {t['per_input_ms']:>13.2f} ms"
+                f" {t['per_input_gbs']:>6.1f} GB/s"
+            )
     for rows, t in result["lm_head"].items():
         n = rows.removeprefix("rows_")
-        print(f"LM head, {n} row(s): bf16 {t['bfloat16_ms']:.3f} ms, fp8 {t['fp8_ms']:.3f} ms")
-    print(f"wrote {write_result('kernels', result)}")
+        print(
+            f"LM head, {n} row(s): bf16 {t['bfloat16_ms']:.3f} ms ({t['bfloat16_gbs']} GB/s),"
+            f" fp8 {t['fp8_ms']:.3f} ms ({t['fp8_gbs']} GB/s)"
+        )
+    name = "kernels" if isa.requested() == "native" else f"kernels_{isa.requested()}"
+    print(f"wrote {write_result(name, result)}")
 
 
 if __name__ == "__main__":
