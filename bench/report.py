@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402
 from report_accuracy import bf16_agreement, fp8, lm_eval  # noqa: E402
 from report_build import build, build_large, startup  # noqa: E402
+from report_classes import classes  # noqa: E402
 from report_engine import batch, burst, decode, matrix, mla, moe, overhead, roofline, tp  # noqa: E402
 from report_peers import llamacpp, peers  # noqa: E402
 from report_serving import (  # noqa: E402
@@ -69,6 +70,8 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("peers_intel", peers),
     ("llamacpp", llamacpp),
     ("llamacpp_intel", llamacpp),
+    ("classes_avx512", classes),
+    ("classes_avx2", classes),
     ("fp8", fp8),
     ("tp", tp),
     ("batch", batch),

@@ -233,7 +233,12 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
     # the kernel reads float32 and bf16 caches of the compute dtype, not fp8 or MLA's latents
     attention = manifest.dtype in ("float32", "bfloat16") and not manifest.fp8_kv_cache
     attention = attention and manifest.model_config.kv_kind != "mla"
-    return dataclasses.replace(policy, kernel=mode, attention_kernel=attention)
+    # bf16 on the AVX2 class: no bf16 GEMM but ATen's scalar loop, so every attention reads
+    # through the kernel (`ProjectionPolicy.prefill_attention_kernel`)
+    scalar_bf16 = attention and manifest.dtype == "bfloat16" and isa.chosen_class() == "avx2"
+    return dataclasses.replace(
+        policy, kernel=mode, attention_kernel=attention, prefill_attention_kernel=scalar_bf16
+    )
 
 
 def projection_form(layout: ModelLayout, rows: int) -> str:

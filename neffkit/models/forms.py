@@ -39,6 +39,10 @@ class ProjectionPolicy:
     # scoring and masking the whole context bucket. Set where the kernel library is in use and
     # the cache holds the compute dtype (not fp8; not MLA's latent cache).
     attention_kernel: bool = False
+    # ... and one sequence's prefill too: bf16 builds for a class without a native bf16 matmul
+    # (AVX2: oneDNN has none, and ATen's bf16 GEMM is a scalar loop), where the graph's form
+    # would cost seconds a prompt (docs/performance.md#cpu-classes)
+    prefill_attention_kernel: bool = False
     # cpu graphs: the sampler skips what no row of a step needs (drawing when every row is
     # greedy, the grammar mask when it allows every token) through torch.cond, and ranks the
     # vocabulary by chunks (kernels/sampling.py); static-graph targets (XLA) run every path
@@ -50,9 +54,10 @@ class ProjectionPolicy:
         with near-ties), and packed prefill (rows > 1), whose form scores every token against
         all the sequences' contexts side by side (S x C keys) where each token sees only its own
         sequence's. One sequence's prefill keeps the graph's form, a GEMM that wins once a token
-        sees many keys."""
+        sees many keys, unless that GEMM has no fast path (`prefill_attention_kernel`)."""
         packed = abi.PHASES[phase].packed
-        return self.attention_kernel and (not packed or rows > 1)
+        alone = packed and rows == 1 and not self.prefill_attention_kernel
+        return self.attention_kernel and not alone
 
     def form(self, rows: int, blocked: bool, weight_bytes: int | None = None) -> str:
         """The form `project` writes for `rows` activation rows and this weight layout

@@ -66,3 +66,19 @@ def test_the_mmap_threshold_is_pinned_unless_the_user_set_one():
     assert run(env) == "True"
     assert run({**env, "MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"
     assert heap.MMAP_THRESHOLD == 1 << 20
+
+
+def test_bf16_on_the_avx2_class_attends_through_the_kernel_in_every_graph():
+    """One sequence's prefill keeps the graph's GEMM attention, except where that GEMM is ATen's
+    scalar bf16 loop (the AVX2 class): then the kernel reads it too."""
+    from neffkit.models.forms import ProjectionPolicy
+
+    native = ProjectionPolicy(max_rows=8, lanes=16, kernel="auto", attention_kernel=True)
+    assert native.attends_in_kernel("decode", 1) and native.attends_in_kernel("prefill", 8)
+    assert not native.attends_in_kernel("prefill", 1)
+    scalar = ProjectionPolicy(
+        max_rows=8, lanes=16, attention_kernel=True, prefill_attention_kernel=True
+    )
+    assert scalar.attends_in_kernel("prefill", 1) and scalar.attends_in_kernel("decode", 8)
+    off = ProjectionPolicy(max_rows=8, lanes=16, prefill_attention_kernel=True)
+    assert not off.attends_in_kernel("prefill", 1)  # no kernel library: nothing through it

@@ -70,7 +70,8 @@ def check_host(bundle: Bundle, world_size: int = 1) -> None:
             raise BundleError(
                 f"{bundle.root}: compiled for a CPU with {', '.join(missing)}, "
                 "which this CPU lacks",
-                hint="rebuild the bundle on (or for) this host's CPU",
+                hint="rebuild the bundle on this host, or for its CPU class "
+                "(NEFFKIT_CPU_ISA=avx2 neffkit build ... runs on any AVX2 host)",
             )
     elif target == "cuda" and not torch.cuda.is_available():
         raise BundleError(f"{bundle.root}: a cuda bundle needs a CUDA device; none is visible")
