@@ -39,13 +39,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
-from llamacpp import llama_b1_ms, llama_b8_tokens_per_s  # noqa: E402
+from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from llamacpp import (  # noqa: E402
+    NEW_TOKENS,
+    PROMPTS,
+    llama_b1_ms,
+    llama_b8_tokens_per_s,
+    neffkit_b1_ms,
+    neffkit_b8_tokens_per_s,
+)
 from llamacpp_build import MODEL, THREADS, WORK, binaries, gguf, guarded  # noqa: E402
 
-PROMPTS = [[5 + i, 6, 7, 8] for i in range(8)]
-NEW_TOKENS = 48
-B1_STEPS = 64
 # torch's FX graph cache does not key on ATEN_CPU_CAPABILITY: a graph cached by a process held
 # to AVX2 holds 8-lane loops, which a native process would compile for 16 lanes and run past
 # its buffers. So a lower class keeps an Inductor cache of its own.
@@ -106,14 +110,18 @@ def rows() -> dict[str, tuple[Callable[[], Path], str, str, Callable[[], Path] |
     }
 
 
-def bundle(name: str, cpu_class: str) -> Path:
+def bundle(name: str, cpu_class: str, reuse: bool = False) -> Path:
+    """The row's bundle for the class, built (or brought up to date; `reuse`: taken as built)."""
+    out = WORK / f"bundle-{name}-{cpu_class}"
+    if reuse and (out / "bundle.json").exists():
+        return out
     model, dtype, extra, _ = rows()[name]
     manifest = WORK / f"classes-{name}-{cpu_class}.yaml"
     manifest.write_text(
         f"neffkit: 1\nname: classes-{name}\nmodel: {model()}\ndtype: {dtype}\n"
         f"buckets: {BUCKETS}\n{extra}"
     )
-    return ensure_bundle(manifest, WORK / f"bundle-{name}-{cpu_class}")
+    return ensure_bundle(manifest, out)
 
 
 def weight_bytes(path: Path) -> int:
@@ -133,19 +141,6 @@ def read_bandwidth(seconds: float = 3.0) -> float:
         data.sum()
         rates.append(data.numel() * 4 / (time.perf_counter() - t0))
     return median(rates)
-
-
-def neffkit_b1_ms(llm: Any) -> float:
-    return 1000 * median(decode_step_times(llm.core, PROMPTS[:1], B1_STEPS))
-
-
-def neffkit_b8_tokens_per_s(llm: Any) -> float:
-    from neffkit.runtime.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    seqs = llm.generate(PROMPTS, params)
-    return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - t0)
 
 
 def one_round(
@@ -222,6 +217,8 @@ def main() -> None:
     ap.add_argument("--cpu-class", choices=sorted(CLASS_ENV), default="native")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default=",".join(rows()), help="comma-separated row names")
+    ap.add_argument("--build-only", action="store_true", help="build the bundles, measure none")
+    ap.add_argument("--reuse", action="store_true", help="take built bundles as they are")
     args = ap.parse_args()
     reexec_for(args.cpu_class)
     import torch
@@ -233,7 +230,9 @@ def main() -> None:
         raise SystemExit(f"{MODEL.relative_to(REPO)}: missing; `make demo` converts it")
     names = args.rows.split(",")
     bins = binaries(args.cpu_class)
-    paths = {name: bundle(name, args.cpu_class) for name in names}
+    paths = {name: bundle(name, args.cpu_class, args.reuse) for name in names}
+    if args.build_only:
+        return
     models = {name: (g() if (g := rows()[name][3]) else None) for name in names}
     torch.set_num_threads(THREADS)
     bandwidth = read_bandwidth()

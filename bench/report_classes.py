@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_format import table  # noqa: E402
+from report_format import PEER_COLUMNS, table  # noqa: E402
 
 NAMES = {
     "float32": "SmolLM2 fp32 / f32 GGUF",
@@ -65,16 +65,6 @@ def classes(d: dict[str, Any]) -> str:
             for k, v in d.get("llamacpp_failures", {}).items()
         )
     )
-    header = [
-        "weights",
-        "b1 ms neffkit",
-        "b1 ms llama.cpp",
-        "b1 relative",
-        "b8 tok/s neffkit",
-        "b8 tok/s llama.cpp",
-        "b8 relative",
-        "b8 step / b1",
-        "b1 of bound",
-    ]
+    header = ["weights", *PEER_COLUMNS, "b8 step / b1", "b1 of bound"]
     rows = [_row(name, r) for name, r in d["rows"].items()]
     return text + "\n\n" + table(header, rows)

@@ -24,3 +24,14 @@ def cpu(d: dict[str, Any]) -> str:
 def bundle_name(path: str) -> str:
     """A repository-relative bundle path as written; an absolute one by its directory name."""
     return Path(path).name if Path(path).is_absolute() else path
+
+
+# the columns every llama.cpp comparison starts with (after the weights' name)
+PEER_COLUMNS = [
+    "b1 ms neffkit",
+    "b1 ms llama.cpp",
+    "b1 relative",
+    "b8 tok/s neffkit",
+    "b8 tok/s llama.cpp",
+    "b8 relative",
+]

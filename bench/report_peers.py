@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report_format import cpu, table  # noqa: E402
+from report_format import PEER_COLUMNS, cpu, table  # noqa: E402
 
 
 def peers(d: dict[str, Any]) -> str:
@@ -107,15 +107,7 @@ def llamacpp(d: dict[str, Any]) -> str:
         )
         + "\n\n"
         + table(
-            [
-                "neffkit / llama.cpp weights",
-                "b1 ms neffkit",
-                "b1 ms llama.cpp",
-                "b1 relative",
-                "b8 tok/s neffkit",
-                "b8 tok/s llama.cpp",
-                "b8 relative",
-            ],
+            ["neffkit / llama.cpp weights", *PEER_COLUMNS],
             rows,
         )
     )

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "amx.h"
+
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -436,24 +438,11 @@ constexpr int64_t kAmxMinRows = 2;
 // fewer misses in flight on its own.
 constexpr int64_t kAmxAhead = 128;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using neffkit_amx::TileConfig;
 
-// CPUID says AMX-TILE and AMX-BF16, and Linux grants this process the tile state (asked once;
-// process-wide, threads included).
+// CPUID says AMX-TILE and AMX-BF16, and Linux grants this process the tile state (amx.h)
 bool amx_supported() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool bf16 = (d >> 22) & 1, tiles = (d >> 24) & 1;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return bf16 && tiles && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
+  static const bool ok = neffkit_amx::supported(neffkit_amx::kBf16Bit);
   return ok;
 }
 

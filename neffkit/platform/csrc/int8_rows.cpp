@@ -47,6 +47,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "amx.h"
+
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -384,24 +386,11 @@ constexpr bool kHasAmxCode = true;
 // VNNI measured faster (69 vs 64 GMAC/s, 49152 x 576), at 4 AMX (84 vs 76)
 constexpr int64_t kAmxMinRows = 4;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using neffkit_amx::TileConfig;
 
-// CPUID says AMX-TILE and AMX-INT8, and Linux grants this process the tile state (asked once;
-// process-wide, threads included)
+// CPUID says AMX-TILE and AMX-INT8, and Linux grants this process the tile state (amx.h)
 bool amx_supported() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool int8 = (d >> 25) & 1, tiles = (d >> 24) & 1;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return int8 && tiles && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
+  static const bool ok = neffkit_amx::supported(neffkit_amx::kInt8Bit);
   return ok;
 }
 
