@@ -141,6 +141,18 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     return rank_input + kv + state + weights, names
 
 
+def _spmd(bundle: Bundle, executor: str) -> bool:
+    """Does this load run every rank in one process (XLA:CPU's SPMD over host devices)?"""
+    if executor != "xla-cpu" or bundle.record.world_size == 1:
+        return False
+    if any(g.ranks != "all" for g in bundle.record.graphs):
+        raise BundleError(
+            f"{bundle.root}: per-rank artifacts cannot run as SPMD on XLA:CPU",
+            hint="build without parallel.per_rank_artifacts",
+        )
+    return True
+
+
 def load(
     path: str | Path,
     rank: int = 0,
@@ -154,14 +166,9 @@ def load(
     heap.pin_mmap_threshold()  # a step's freed transients leave the process (platform/heap.py)
     bundle = read_bundle(path, verify=False)
     record = bundle.record
-    spmd = executor == "xla-cpu" and record.world_size > 1
+    spmd = _spmd(bundle, executor)
     if spmd:
         rank, world_size = 0, record.world_size
-        if any(g.ranks != "all" for g in record.graphs):
-            raise BundleError(
-                f"{bundle.root}: per-rank artifacts cannot run as SPMD on XLA:CPU",
-                hint="build without parallel.per_rank_artifacts",
-            )
     if verify:  # what this rank reads, in parallel (`inspect --verify` hashes everything)
         ranks = range(world_size) if spmd else (rank,)
         verify_files(bundle, sorted({f for r in ranks for f in rank_files(record, r)}))
