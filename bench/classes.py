@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -183,8 +184,6 @@ def summarize(samples: dict[str, list[float]], path: Path, bandwidth: float) -> 
 
 
 def forms(path: Path) -> dict[str, str]:
-    import json
-
     graphs = json.loads((path / "bundle.json").read_text())["graphs"]
     return {g["name"]: g["projection"] for g in graphs}
 
@@ -219,6 +218,9 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(rows()), help="comma-separated row names")
     ap.add_argument("--build-only", action="store_true", help="build the bundles, measure none")
     ap.add_argument("--reuse", action="store_true", help="take built bundles as they are")
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the result file's other rows (one row rerun)"
+    )
     args = ap.parse_args()
     reexec_for(args.cpu_class)
     import torch
@@ -260,6 +262,11 @@ def main() -> None:
         "llamacpp_failures": failures,
     }
     measured = result["host"]["measured_class"]
+    previous = REPO / "bench" / "results" / f"classes_{measured}.json"
+    if args.merge and previous.exists():  # the other rows as last measured, this run's replaced
+        kept = json.loads(previous.read_text())["rows"]
+        result["rows"] = {**kept, **result["rows"]}
+        result["merged_rows"] = sorted(set(kept) - set(names))
     print(f"wrote {write_result(f'classes_{measured}', result)}")
 
 

@@ -60,6 +60,11 @@ def classes(d: dict[str, Any]) -> str:
         "speed over llama.cpp's (> 1× is faster). b8 step / b1: the batch-8 step's cost over "
         "the batch-1 step's. Bound: weight bytes a step streams over the read bandwidth, as a "
         "share of neffkit's batch-1 step."
+        + (
+            f" Rows {', '.join(d['merged_rows'])}: from the run before (`--merge`)."
+            if d.get("merged_rows")
+            else ""
+        )
         + "".join(
             f" llama.cpp {k}: {v} (so no figure)."
             for k, v in d.get("llamacpp_failures", {}).items()
