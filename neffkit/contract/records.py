@@ -131,10 +131,8 @@ class GraphRecord(Record):
     compiler: CompilerRecord | None = None
     # how the layers' projections were written for the compiler (models/projection.py):
     # "kernel-rows" (cpu: neffkit's kernel on blocked weights), "blocked-rows" (cpu decode:
-    # per-row reductions sharing each blocked weight tile), "blocked-bmm" (cpu prefill: bmm
-    # over the blocks), "reduction" (one row, plain weights), "mm" (a GEMM), "dot" (HLO);
-    # integer weights "kernel-packed" / "packed-rows" (codes read at their width), W8A8
-    # "kernel-int8"; forms of different weights joined by "+"
+    # per-row reductions sharing each blocked weight tile), "blocked-bmm" (cpu prefill: bmm over
+    # the blocks), "reduction", "mm", "dot" (HLO); ints: kernel-packed, packed-rows, kernel-int8
     projection: str | None = None
     kernel_timing: KernelTiming | None = None  # cpu_kernel auto's measurement of this graph
     # "kernel": decode attention through neffkit::paged_decode_attention (cpu), which reads only
