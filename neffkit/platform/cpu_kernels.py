@@ -2,7 +2,9 @@
 (csrc/blocked_rows.cpp), `neffkit::paged_decode_attention` (csrc/decode_attention.cpp),
 `neffkit::packed_rows` (csrc/packed_rows.cpp: decode rows on 4- and 8-bit weights at their
 width), `neffkit::int8_rows` (csrc/int8_rows.cpp: W8A8, int8 rows times int8 weights, int32
-sums through VNNI, AMX-int8 or AVX2's byte multiply-adds).
+sums through VNNI, AMX-int8 or AVX2's byte multiply-adds), `neffkit::int8_blocks`
+(csrc/int8_blocks.cpp: 4- and 8-bit weights times rows quantized to int8 per block of 32
+inputs, llama.cpp's arithmetic, integer sums through VNNI or AVX2).
 
 Every kernel is written once over csrc/vec16.h's 16-lane vector: one zmm on the AVX-512 class,
 two ymm on the AVX2 class (platform/isa.py), so a build compiles the library for its class.
@@ -38,6 +40,7 @@ SOURCES = (
     CSRC / "decode_attention.cpp",
     CSRC / "packed_rows.cpp",
     CSRC / "int8_rows.cpp",
+    CSRC / "int8_blocks.cpp",
 )
 LIBRARY_NAME = "libneffkit_cpu.so"
 OP = "blocked_rows"
@@ -175,6 +178,7 @@ def _register_fake() -> None:
     torch.library.register_fake("neffkit::paged_decode_attention")(_decode_attention_fake)
     torch.library.register_fake("neffkit::packed_rows")(_packed_rows_fake)
     torch.library.register_fake("neffkit::int8_rows")(_int8_rows_fake)
+    torch.library.register_fake("neffkit::int8_blocks")(_int8_blocks_fake)
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
@@ -201,6 +205,18 @@ def _packed_rows_fake(
 
 def _int8_rows_fake(
     x: torch.Tensor, codes: list[torch.Tensor], scales: list[torch.Tensor]
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], sum(c.shape[0] for c in codes)), dtype=torch.float32)
+
+
+def _int8_blocks_fake(
+    x: torch.Tensor,
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    aux: list[torch.Tensor],
+    bits: int,
+    kind: int,
+    zero: int,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], sum(c.shape[0] for c in codes)), dtype=torch.float32)
 
