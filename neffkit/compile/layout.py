@@ -17,6 +17,7 @@ from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
 from neffkit.errors import BuildError, ManifestError
+from neffkit.kernels.intquant import QuantScheme
 from neffkit.models.forms import (
     KEY_FORMS,
     PLAIN,
@@ -69,6 +70,8 @@ def model_layout(
     if _kernel_reads_fp8(manifest, projection, storage):
         storage = dataclasses.replace(storage, fp8_lanes=projection.lanes)
     specs, schemes = rank_weight_plan(manifest.model, cfg, storage, par, 0)
+    if manifest.quantization and manifest.quantization.activations:
+        schemes = int8_activation_schemes(schemes, manifest.model)
     if schemes:  # the graphs widen each integer weight by its scheme
         quant = tuple(sorted((name, s.to_id()) for name, s in schemes.items()))
         cfg = dataclasses.replace(cfg, weight_quant=quant)
@@ -172,18 +175,41 @@ def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
     return sorted((spec_bytes(w) for w in blocked_projections(layout)), reverse=True)
 
 
+def _projection_schemes(layout: ModelLayout) -> dict[str, QuantScheme]:
+    """The quantized weights that take a projection form, by name (their schemes)."""
+    quant = layout.config.weight_quant
+    return {n: QuantScheme.from_id(s) for n, s in quant if takes_projection_form(n)}
+
+
+def _in_features(layout: ModelLayout, name: str, scheme: QuantScheme) -> int:
+    cols = next(w.shape[-1] for w in layout.weights if w.name == name)
+    return cols * (1 if scheme.bits == 8 else 2)  # 4 to 6 bits: nibbles, two a byte
+
+
 def packed_kernel_weights(layout: ModelLayout) -> list[str]:
     """Quantized projection weights neffkit::packed_rows reads at decode rows (forms.
-    packs_to_kernel; float32 compute): scheme ids `kind:bN:gN[:zN][:a:...]`."""
+    packs_to_kernel; float32 compute): weight-only, or int8-block weights where
+    neffkit::int8_blocks does not read them (their quantized rows)."""
     if layout.dtype != "float32":
         return []
-    shapes = {w.name: w.shape for w in layout.weights}
     names = []
-    for name, scheme in layout.config.weight_quant:
-        fields = {part[0]: part[1:] for part in scheme.split(":")[1:3]}
-        bits, group = int(fields["b"]), int(fields["g"])
-        cols = shapes[name][-1] * (1 if bits == 8 else 2)  # 4 to 6 bits: nibbles, two a byte
-        if takes_projection_form(name) and packs_to_kernel(bits, group, cols, ":a:" not in scheme):
+    for name, scheme in _projection_schemes(layout).items():
+        cols = _in_features(layout, name, scheme)
+        weight_only = scheme.activations != "int8-token"
+        if packs_to_kernel(scheme.bits, scheme.group, cols, weight_only):
+            names.append(name)
+    return names
+
+
+def block_kernel_weights(layout: ModelLayout) -> list[str]:
+    """int8-block projection weights neffkit::int8_blocks reads (kernels/int8_blocks.py
+    `blocks_kernel_reads`: 4- or 8-bit integer codes, `in` and the group multiples of 32)."""
+    names = []
+    for name, scheme in _projection_schemes(layout).items():
+        cols = _in_features(layout, name, scheme)
+        group = scheme.group_of(cols)
+        integer = scheme.kind != "e2m1" and scheme.bits in (4, 8)
+        if scheme.activations == "int8-block" and integer and cols % 32 == 0 and group % 32 == 0:
             names.append(name)
     return names
 
@@ -199,7 +225,8 @@ def uses_kernel(layout: ModelLayout) -> bool:
         return False
     if packed_kernel_weights(layout) and policy.packed_form(1, True) == "kernel-packed":
         return True
-    if has_w8a8(layout) and policy.int8_form(1) == "kernel-int8":
+    int8 = has_w8a8(layout) or block_kernel_weights(layout)
+    if int8 and policy.int8_form(1) == "kernel-int8":
         return True
     sizes = blocked_weight_bytes(layout)
     rows = {*range(1, policy.max_rows + 1), *(policy.kernel_rows or ())}
@@ -244,17 +271,41 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
 def projection_form(layout: ModelLayout, rows: int) -> str:
     """How a graph of `rows` activation rows writes the layers' projections (recorded; forms
     that differ by weight size are joined with "+", the largest weights' form first; weights
-    kept at their storage width last, as `packed_form` writes them; W8A8 weights' kernel form
-    after those, their graph form not named: the float forms')."""
+    kept at their storage width last, as `packed_form` writes them; the integer kernel's form
+    after those for W8A8 and int8-block weights, their graph forms not named: the float or
+    packed forms')."""
     policy = layout.projection
     forms = dict.fromkeys(policy.form(rows, True, size) for size in blocked_weight_bytes(layout))
-    if any(takes_projection_form(n) and ":a:" not in s for n, s in layout.config.weight_quant):
+    schemes = _projection_schemes(layout)
+    in_kernel = policy.int8_form(rows) == "kernel-int8"
+    blocks = set(block_kernel_weights(layout)) if in_kernel else set()
+    if any(s.activations != "int8-token" and n not in blocks for n, s in schemes.items()):
         forms[policy.packed_form(rows, bool(packed_kernel_weights(layout)))] = None
-    if has_w8a8(layout) and policy.int8_form(rows) == "kernel-int8":
+    if in_kernel and (has_w8a8(layout) or blocks):
         forms["kernel-int8"] = None
     return "+".join(forms) or policy.form(rows, False)
 
 
 def has_w8a8(layout: ModelLayout) -> bool:
-    """Do projections quantize their rows (W8A8: scheme ids with `:a:`, intquant.QuantScheme)?"""
-    return any(takes_projection_form(n) and ":a:" in s for n, s in layout.config.weight_quant)
+    """Do projections quantize their rows per token (W8A8, intquant.QuantScheme)?"""
+    return any(s.activations == "int8-token" for s in _projection_schemes(layout).values())
+
+
+def int8_activation_schemes(
+    schemes: dict[str, QuantScheme], model: object
+) -> dict[str, QuantScheme]:
+    """`quantization.activations: int8`: every integer projection weight quantizes its rows
+    per block of 32 inputs (kernels/int8_blocks.py); refused where no weight would."""
+    out = {
+        name: dataclasses.replace(s, activations="int8-block")
+        if takes_projection_form(name) and s.kind != "e2m1" and not s.activations
+        else s
+        for name, s in schemes.items()
+    }
+    if out == schemes:
+        raise ManifestError(
+            f"quantization.activations: int8 — no projection of {model} has integer weights "
+            "that could read int8 rows",
+            hint="leave quantization.activations out, or add quantization.weights",
+        )
+    return out

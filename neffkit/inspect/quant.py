@@ -45,7 +45,10 @@ def describe(s: dict[str, Any]) -> str:
     kind = {"sym": f"sym (zero {s['zero']})", "zero": "zero points", "min": "minimums"}
     name = "fp4 e2m1" if s["kind"] == "e2m1" else f"int{s['bits']} {kind[s['kind']]}"
     group = f"groups of {s['group']}" if s["group"] else "per output channel"
-    acts = ", int8 activations per token" if s["activations"] == "int8-token" else ""
+    acts = {
+        "int8-token": ", int8 activations per token",
+        "int8-block": ", int8 activations per block of 32",
+    }.get(s["activations"], "")
     return f"{name}, {group}{acts}"
 
 
@@ -91,12 +94,14 @@ def weight_row(
 
 
 def _source(bundle: Bundle) -> dict[str, Any]:
-    """Where the quantization came from: the checkpoint's format, or the manifest's."""
+    """Where the quantization came from: the checkpoint's format (with the manifest's
+    `quantization.activations`, where given), or the manifest's."""
     cfg: dict[str, Any] = bundle.record.model.config
+    manifest = bundle.record.manifest.resolved.get("quantization") or {}
     if cfg.get("weight_format"):
         options = {str(k): v for k, v in cfg.get("weight_format_options") or []}
-        return {"from": "checkpoint", "format": cfg["weight_format"], "options": options}
-    manifest = bundle.record.manifest.resolved.get("quantization") or {}
+        source = {"from": "checkpoint", "format": cfg["weight_format"], "options": options}
+        return {**source, "manifest": dict(manifest)} if manifest else source  # type: ignore[arg-type]
     return {"from": "manifest", "format": "manifest", "options": dict(manifest)}  # type: ignore[arg-type]
 
 

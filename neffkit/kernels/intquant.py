@@ -26,6 +26,9 @@ Activations stay in the model dtype (weight-only), except `activations="int8-tok
 each token's row is quantized to int8 with its own scale (absmax / 127, round half to even, as
 vLLM's dynamic per-token scheme) and the integer dot products are scaled by both scales: in the
 graph (`project_w8a8`), or on CPU builds with neffkit's kernels in int32 (`project_w8a8_kernel`).
+`activations="int8-block"` (the manifest's opt-in for integer checkpoints) quantizes the rows per
+block of 32 inputs, llama.cpp's arithmetic (kernels/int8_blocks.py); the weight stays a
+`PackedWeight`.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ FP4_VALUES = (
 )
 SCALE, ZERO, MIN, HIGH = ".qscale", ".qzero", ".qmin", ".qhigh"
 AUX_SUFFIXES = (SCALE, ZERO, MIN, HIGH)
-ACTIVATIONS = ("", "int8-token")
+ACTIVATIONS = ("", "int8-token", "int8-block")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class QuantScheme:
     bits: int
     group: int  # inputs per scale along a row; 0: the whole row
     zero: int = 0  # kind "sym": the code of 0.0
-    activations: str = ""  # "int8-token": W8A8
+    activations: str = ""  # "int8-token": W8A8; "int8-block": kernels/int8_blocks.py
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -331,7 +334,8 @@ def graph_weights(
     `packed(name)` (weights that reach the graph only through `project`, which reads the codes
     in place), else widened right here for the weight-only schemes (the widening is pointwise,
     so it fuses into whatever reads it); kept as `Int8Activations` for W8A8 (projections
-    quantize their rows)."""
+    quantize their rows). "int8-block" is set on projection weights only (`project` reads
+    it)."""
     out: dict[str, torch.Tensor | Int8Activations | PackedWeight] = {}
     for name, tensor in w.items():
         if name.endswith(AUX_SUFFIXES) and name.rsplit(".q", 1)[0] in schemes:
@@ -341,7 +345,7 @@ def graph_weights(
             out[name] = tensor
             continue
         parts = {"": tensor, **{s: w[name + s] for s in AUX_SUFFIXES if name + s in w}}
-        if scheme.activations:
+        if scheme.activations == "int8-token":
             out[name] = Int8Activations(parts, scheme)
         elif packed is not None and packed(name):
             # NKI seam: on neuron `project` widens it and writes a `dot` (both in HLO); a fused

@@ -31,7 +31,9 @@ codes in place, through "kernel-packed" (neffkit::packed_rows, csrc/packed_rows.
 8-bit, float32) or "packed-rows" (Inductor's fused reduction); more rows widen the weight first.
 W8A8 weights (intquant.Int8Activations) quantize the rows per token, then "kernel-int8"
 (neffkit::int8_rows, csrc/int8_rows.cpp: int8 dot products summed in int32, any row count) where
-the kernel library is in use, else a float32 matmul of the integer values in the graph.
+the kernel library is in use, else a float32 matmul of the integer values in the graph. Integer
+weights with int8 activations per block (the manifest's opt-in, kernels/int8_blocks.py) take
+"kernel-int8" too (neffkit::int8_blocks), else the weight-only forms on the quantized rows.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from typing import Any
 
 import torch
 
+from neffkit.kernels.int8_blocks import (
+    blocks_kernel_reads,
+    fake_quantized,
+    project_int8_blocks_kernel,
+)
 from neffkit.kernels.intquant import (
     SCALE,
     Int8Activations,
@@ -150,8 +157,10 @@ def project_many(
         if len(int8) == len(weights):
             return project_w8a8_kernel(x, int8)
         packed = [w for w in weights if isinstance(w, PackedWeight)]
+        if len(packed) == len(weights) and _blocks_kernel(x, packed, policy):
+            return project_int8_blocks_kernel(x, packed)
         if len(packed) == len(weights) and _one_packed_call(x, packed, policy):
-            return project_packed_kernel(x, packed)
+            return project_packed_kernel(_weight_only_rows(x, packed[0]), packed)
         return [_project_one(x, w, policy) for w in weights]
     return _project_floats(x, floats, policy)
 
@@ -172,6 +181,21 @@ def _int8_kernel(x: torch.Tensor, weight: Int8Activations, policy: ProjectionPol
     return policy.int8_form(rows) == "kernel-int8" and int8_kernel_reads(weight)
 
 
+def _blocks_kernel(
+    x: torch.Tensor, weights: Sequence[PackedWeight], policy: ProjectionPolicy
+) -> bool:
+    """Do these int8-block weights (one scheme) take neffkit::int8_blocks at x's row count?"""
+    rows = x.numel() // x.shape[-1]
+    reads = all(blocks_kernel_reads(w) for w in weights) and len({w.scheme for w in weights}) == 1
+    return reads and policy.int8_form(rows) == "kernel-int8"
+
+
+def _weight_only_rows(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """The rows a weight-only form multiplies: an int8-block weight's quantized and dequantized
+    per block (kernels/int8_blocks.py), else x."""
+    return fake_quantized(x) if weight.scheme.activations == "int8-block" else x
+
+
 def project_packed(x: torch.Tensor, weight: PackedWeight, policy: ProjectionPolicy) -> torch.Tensor:
     """x @ W.T for a weight kept at its storage width, in the form the policy picks for the
     row count (forms.ProjectionPolicy.packed_form):
@@ -184,7 +208,13 @@ def project_packed(x: torch.Tensor, weight: PackedWeight, policy: ProjectionPoli
       is a vector loop. Every weight value is exactly `dequantize`'s; only the order of the
       float32 sum differs, as between any two reductions.
     - "kernel-packed": neffkit::packed_rows (`project_packed_kernel`).
-    - otherwise ("mm", "dot"): widened in the graph, then the float forms."""
+    - otherwise ("mm", "dot"): widened in the graph, then the float forms.
+
+    An int8-block weight takes "kernel-int8" (neffkit::int8_blocks) where `int8_form` says so,
+    else the forms above on its quantized rows (`_weight_only_rows`)."""
+    if _blocks_kernel(x, [weight], policy):
+        return project_int8_blocks_kernel(x, [weight])[0]
+    x = _weight_only_rows(x, weight)
     lead, in_features = x.shape[:-1], x.shape[-1]
     rows = x.numel() // in_features
     form = policy.packed_form(rows, kernel_reads(weight))
@@ -218,7 +248,8 @@ def kernel_reads(weight: PackedWeight) -> bool:
     if scheme.bits not in (4, 8) or codes.dim() != 2 or weight.dtype != torch.float32:
         return False
     in_features = codes.shape[-1] * 8 // scheme.bits
-    return packs_to_kernel(scheme.bits, scheme.group, in_features, not scheme.activations)
+    weight_only = scheme.activations != "int8-token"  # int8-block: on its quantized rows
+    return packs_to_kernel(scheme.bits, scheme.group, in_features, weight_only)
 
 
 def _one_packed_call(

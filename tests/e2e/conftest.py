@@ -4,6 +4,9 @@ building them side by side under `make test`, and the HF oracle's greedy generat
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from tests.support.bundles import (
     claimed,
     lowered_build,
 )
+from tests.support.cache import cached_dir
 from tests.support.models import EXTRA, MODELS, PARALLEL
 from tests.support.server import Server, build_serve_bundle
 
@@ -157,3 +161,26 @@ def server(serve_bundle: Path) -> Iterator[Server]:
     srv = Server(serve_bundle, "--served-model-name", "tiny")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf() -> tuple[Path, Path]:
+    """(the GGUF file, its float32 conversion), made once per machine (keyed by the writer's
+    source and the gguf / transformers versions)."""
+    from neffkit.checkpoints import gguf as converter
+    from tests.support import gguf_files
+
+    recipe = [
+        inspect.getsource(gguf_files),
+        Path(converter.__file__).read_text(),
+        importlib.metadata.version("gguf"),
+        importlib.metadata.version("transformers"),
+    ]
+    digest = hashlib.sha256("\0".join(recipe).encode()).hexdigest()[:16]
+
+    def make(out: Path) -> None:
+        gguf_files.write_tiny_llama(out / "tiny.gguf")
+        converter.convert_gguf(out / "tiny.gguf", out / "float32")
+
+    root = cached_dir(f"models/gguf_tiny-{digest}", make)
+    return root / "tiny.gguf", root / "float32"

@@ -9,43 +9,16 @@ copy equals the source tensor for tensor).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import inspect
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from tests.support.bundles import build_session_bundle
-from tests.support.cache import cached_dir
 from tests.support.cli import run_ids
 from tests.support.models import LONG, MAX_NEW, MIXED, SHORT
 
 ONE_DECODE = {"prefill": [16], "decode": [1], "context": [64]}
-
-
-@pytest.fixture(scope="session")
-def tiny_gguf() -> tuple[Path, Path]:
-    """(the GGUF file, its float32 conversion), made once per machine (keyed by the writer's
-    source and the gguf / transformers versions)."""
-    from neffkit.checkpoints import gguf as converter
-    from tests.support import gguf_files
-
-    recipe = [
-        inspect.getsource(gguf_files),
-        Path(converter.__file__).read_text(),
-        importlib.metadata.version("gguf"),
-        importlib.metadata.version("transformers"),
-    ]
-    digest = hashlib.sha256("\0".join(recipe).encode()).hexdigest()[:16]
-
-    def make(out: Path) -> None:
-        gguf_files.write_tiny_llama(out / "tiny.gguf")
-        converter.convert_gguf(out / "tiny.gguf", out / "float32")
-
-    root = cached_dir(f"models/gguf_tiny-{digest}", make)
-    return root / "tiny.gguf", root / "float32"
 
 
 def _weight_bytes(bundle: Path) -> int:

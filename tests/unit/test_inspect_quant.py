@@ -22,6 +22,7 @@ SCHEMES = [
     QuantScheme("sym", 6, 16, zero=32),
     QuantScheme("e2m1", 4, 32),
     QuantScheme("sym", 8, 0, zero=128, activations="int8-token"),
+    QuantScheme("min", 4, 32, activations="int8-block"),
 ]
 
 
@@ -37,6 +38,8 @@ def test_descriptions_and_sizes_are_for_people() -> None:
     w8a8 = describe(parse_scheme("sym:b8:g0:z128:a:int8-token"))
     assert w8a8 == "int8 sym (zero 128), per output channel, int8 activations per token"
     assert describe(parse_scheme("min:b5:g32")) == "int5 minimums, groups of 32"
+    q8 = describe(parse_scheme("sym:b8:g32:z128:a:int8-block"))
+    assert q8 == "int8 sym (zero 128), groups of 32, int8 activations per block of 32"
     assert [size(n) for n in (512, 1536, 3 << 20, 5 << 30)] == [
         "512 B",
         "1.5 KiB",

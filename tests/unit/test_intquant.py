@@ -44,6 +44,7 @@ def test_codes_pack_to_their_width_and_unpack_exactly(bits):
         QuantScheme("sym", 6, 16, zero=32),
         QuantScheme("e2m1", 4, 32),
         QuantScheme("sym", 8, 0, zero=128, activations="int8-token"),
+        QuantScheme("min", 4, 32, activations="int8-block"),
     ],
     ids=lambda s: s.to_id(),
 )

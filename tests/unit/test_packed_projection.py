@@ -198,3 +198,23 @@ def test_the_layout_records_the_packed_forms_and_ships_the_kernel_they_call(tmp_
     assert uses_kernel(fp8_kv) == kernel
     bf16 = layout({"weights": "int8"}, dtype="bfloat16", kv_cache={"dtype": "float8_e4m3fn"})
     assert not packed_kernel_weights(bf16) and not uses_kernel(bf16)  # the kernel is float32
+
+
+def test_int8_block_weights_read_their_rows_quantized_per_block():
+    """Off the kernel, an int8-block weight's forms multiply the rows quantized per block of 32
+    (and dequantized) by the weight's exact values: every row count, both nibble forms."""
+    from neffkit.kernels.int8_blocks import fake_quantized, quantize_blocks
+
+    scheme = QuantScheme("min", 4, 32, activations="int8-block")
+    weight = PackedWeight(stored_parts(scheme, 48, 128), scheme, torch.float32)
+    x = torch.randn(9, 128)
+    x[0, :32] = 0  # an all-zero block: scale 1, values 0
+    q, scale = quantize_blocks(x)
+    assert q.abs().max() <= 127 and torch.equal(q, q.round())
+    assert torch.equal(scale[0, 0], torch.ones(1))
+    want = fake_quantized(x) @ weight.widened().t()
+    for rows in (1, 8, 9):
+        got = project_packed(x[:rows], weight, CPU)
+        assert torch.allclose(got, want[:rows], rtol=1e-5, atol=1e-5), rows
+    plain = x @ weight.widened().t()
+    assert not torch.allclose(project_packed(x, weight, CPU), plain, rtol=1e-6, atol=1e-6)
