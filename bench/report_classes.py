@@ -15,6 +15,8 @@ NAMES = {
     "bfloat16": "SmolLM2 bf16 / bf16 GGUF",
     "q8_0": "SmolLM2 Q8_0 GGUF (both)",
     "q4_1": "SmolLM2 Q4_1 GGUF (both)",
+    "q8_0-a8": "SmolLM2 Q8_0 GGUF, int8 activations (both)",
+    "q4_1-a8": "SmolLM2 Q4_1 GGUF, int8 activations (both)",
     "gemma3-q4_k_m": "Gemma 3 270M Q4_K_M GGUF (both)",
     "int8": "SmolLM2 manifest int8",
     "int4": "SmolLM2 manifest int4 g32",
