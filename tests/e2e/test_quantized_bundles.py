@@ -53,7 +53,7 @@ def test_inspect_shows_each_quantized_weight_and_a_pack_keeps_them(
     jsonschema.validate(report, json.loads((REPO / "docs" / "inspect.schema.json").read_text()))
     q = report["quantization"]
     assert (q["from"], q["format"], q["ranks"]) == ("manifest", "manifest", 1)
-    assert q["options"] == {**INT4_G32, "exclude": []}
+    assert q["options"] == {**INT4_G32, "exclude": [], "activations": ""}
     with safe_open(str(result.bundle / "weights" / "rank0.safetensors"), "pt") as f:
         stored = {n: f.get_slice(n).get_shape() for n in f.keys()}  # noqa: SIM118
     values = 0
