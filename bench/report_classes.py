@@ -18,6 +18,7 @@ NAMES = {
     "q8_0-a8": "SmolLM2 Q8_0 GGUF, int8 activations (both)",
     "q4_1-a8": "SmolLM2 Q4_1 GGUF, int8 activations (both)",
     "gemma3-q4_k_m": "Gemma 3 270M Q4_K_M GGUF (both)",
+    "gemma3-q4_k_m-a8": "Gemma 3 270M Q4_K_M GGUF, int8 activations (both)",
     "int8": "SmolLM2 manifest int8",
     "int4": "SmolLM2 manifest int4 g32",
     "w8a8": "SmolLM2 W8A8 (compressed-tensors)",

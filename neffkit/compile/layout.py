@@ -69,6 +69,8 @@ def model_layout(
     storage = weight_storage(manifest, projection.lanes)
     if _kernel_reads_fp8(manifest, projection, storage):
         storage = dataclasses.replace(storage, fp8_lanes=projection.lanes)
+    if projection.kernel != "off" and projection.max_rows:  # the kernels read 4- and 8-bit codes
+        storage = dataclasses.replace(storage, byte_codes=True)
     specs, schemes = rank_weight_plan(manifest.model, cfg, storage, par, 0)
     if manifest.quantization and manifest.quantization.activations:
         schemes = int8_activation_schemes(schemes, manifest.model)

@@ -181,6 +181,11 @@ class Storage:
     # "int8" (per output channel) or "int4:<group>", with the weights it leaves in float
     quantize: str = ""
     quantize_exclude: tuple[str, ...] = ()
+    # 5- and 6-bit projection codes in groups of a multiple of 32 stored one a byte (an 8-bit
+    # scheme, the same values), where neffkit's CPU kernels are in use: they read 4- and 8-bit
+    # codes, and Inductor's form widening 5-bit codes is compute-bound (Gemma 3 270M's Q4_K_M
+    # file keeps 81 of its 126 projections in Q5_0)
+    byte_codes: bool = False
 
     def table_is_head(self, tied: bool) -> bool:
         """Does the LM head project onto the embedding table itself (so store it blocked)?"""

@@ -8,6 +8,7 @@ safetensors headers through meta tensors, with the same cutting code. Order is f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,7 +35,14 @@ from neffkit.kernels.quant import (
     scale_grid,
 )
 from neffkit.models.config import ModelConfig
-from neffkit.models.forms import KEY_FORMS, TIED_TABLE, Storage, blocked_shape, blocks
+from neffkit.models.forms import (
+    KEY_FORMS,
+    TIED_TABLE,
+    Storage,
+    blocked_shape,
+    blocks,
+    takes_projection_form,
+)
 from neffkit.models.parallel import Parallelism
 from neffkit.models.projection import to_blocked
 from neffkit.models.registry import shards_class
@@ -146,6 +154,7 @@ def _specs_and_schemes(
         named = ((n, t, None) for n, t in run(meta))
         for name, t, _ in _with_fp8_head(named, cfg, storage):
             scheme = tags.of(name, parts.next()[0]) if parts is not None else None
+            scheme = stored_scheme(name, scheme, storage)
             if scheme is not None:
                 schemes[name] = scheme
                 out.extend(stored_specs(name, tuple(t.shape), scheme))
@@ -167,6 +176,16 @@ def _specs_and_schemes(
     finally:
         source.close()
     return out, schemes
+
+
+def stored_scheme(name: str, scheme: QuantScheme | None, storage: Storage) -> QuantScheme | None:
+    """The scheme a graph weight is stored in: its own, or for 5- and 6-bit projection codes in
+    groups of a multiple of 32 under `Storage.byte_codes`, the same values one code a byte."""
+    if scheme is None or not storage.byte_codes or scheme.bits not in (5, 6):
+        return scheme
+    if scheme.kind == "e2m1" or scheme.group % 32 or not takes_projection_form(name):
+        return scheme
+    return dataclasses.replace(scheme, bits=8)
 
 
 def rank_weight_shapes(
@@ -204,7 +223,7 @@ def iter_rank_weights(
         for name, tensor, scale in _with_fp8_head(named, cfg, storage):
             if parts is not None:
                 element_tags, element_scale, aux = parts.next()
-                scheme = tags.of(name, element_tags)
+                scheme = stored_scheme(name, tags.of(name, element_tags), storage)
                 if scheme is not None:
                     yield from stored_parts(name, scheme, tensor, element_scale, aux)
                     continue

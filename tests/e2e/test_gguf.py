@@ -9,6 +9,7 @@ copy equals the source tensor for tensor).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,10 @@ def test_gguf_file_builds_quantized_and_equals_hf(tp, tiny_gguf, session_dir, hf
     q = "model.layers.0.self_attn.q_proj.weight"  # Q4_K: 4-bit codes, scales and minimums
     assert dtypes[q] == "U8" and dtypes[q + ".qscale"] == "F32" and q + ".qmin" in dtypes
     assert "model.layers.0.mlp.down_proj.weight.qhigh" in dtypes  # Q6_K: 6 bits a weight
+    # Q5_0 / Q5_1 (groups of 32) stored a code a byte, the same values: the kernels read 8 bits
+    schemes = dict(json.loads((result.bundle / "bundle.json").read_text())["model"]["weight_quant"])
+    assert schemes["model.layers.1.self_attn.k_proj.weight"] == "sym:b8:g32:z16"
+    assert schemes["model.layers.1.self_attn.v_proj.weight"] == "min:b8:g32"
     assert dtypes["model.norm.weight"] == "F32"
     float32 = sum(p.numel() * 4 for p in _float_params(twin))
     assert _weight_bytes(result.bundle) <= 0.4 * float32  # all ranks together
