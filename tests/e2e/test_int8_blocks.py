@@ -22,6 +22,7 @@ from neffkit.kernels.int8_blocks import fake_quantized, quantize_blocks
 from neffkit.kernels.intquant import pack_codes
 from neffkit.platform import cpu_kernels, host, isa
 from tests.support import REPO
+from tests.support.cpu_class import BUILD_FAILED_ELSEWHERE, load_class_library
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.supported(), reason="needs a CPU class the kernels are written for"
@@ -33,7 +34,6 @@ KINDS = {"sym": 0, "zero": 1, "min": 2}
 SIZES = (64, 96, 160, 576, 1536)
 ROWS = (1, 2, 3, 5, 8, 9, 17, 64)  # every tile of both paths and their remainders
 OUTPUTS = (21, 64, 3)  # weights in one call: tiles of 2 to 8 outputs and remainders
-BUILD_FAILED_ELSEWHERE = 3  # the AVX2 child's exit status: another source does not compile
 Weight = dict[str, torch.Tensor]
 
 
@@ -222,15 +222,7 @@ def _avx2_child() -> None:
     """The child: the AVX2 class's library built and loaded, every check run. Exits
     BUILD_FAILED_ELSEWHERE (a skip) where the library does not compile for the class because
     of other sources, named."""
-    try:
-        path = cpu_kernels.build_library()
-    except cpu_kernels.KernelBuildError as exc:
-        failing = sorted(set(re.findall(r"csrc/(\w+\.(?:cpp|h)):\d+", str(exc))))
-        if failing and "int8_blocks.cpp" not in failing:
-            print(f"the AVX2 class's library does not compile yet: {', '.join(failing)}")
-            sys.exit(BUILD_FAILED_ELSEWHERE)
-        raise
-    cpu_kernels.load_library(path)
+    load_class_library("int8_blocks.cpp")
     best = torch.ops.neffkit.int8_blocks_path(-1)
     print(f"path {best} cases {check_all()}")
 

@@ -7,7 +7,6 @@ in a process of its own: one library a process), bit for bit this build's output
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from neffkit.models.forms import ProjectionPolicy
 from neffkit.models.projection import kernel_reads, project_many, project_packed
 from neffkit.platform import cpu_kernels, isa
 from tests.support import REPO
+from tests.support.cpu_class import BUILD_FAILED_ELSEWHERE, load_class_library
 from tests.unit.test_packed_projection import stored_parts
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +40,6 @@ SCHEMES = [
     QuantScheme("min", 8, 32),
 ]
 ROWS = (1, 2, 3, 4, 5, 8)  # every tile of both classes and their remainders
-BUILD_FAILED_ELSEWHERE = 3  # the AVX2 child's exit status: another source does not compile
 
 
 def packed_rows(x: torch.Tensor, weights: list[dict], scheme: QuantScheme) -> torch.Tensor:
@@ -204,15 +203,7 @@ def _avx2_child(out: Path) -> None:
     """The child: the AVX2 class's library built and loaded, every check run, outputs saved.
     Exits BUILD_FAILED_ELSEWHERE (a skip) where the library does not compile for the class
     because of other sources, named."""
-    try:
-        path = cpu_kernels.build_library()
-    except cpu_kernels.KernelBuildError as exc:
-        failing = sorted(set(re.findall(r"csrc/(\w+\.(?:cpp|h)):\d+", str(exc))))
-        if failing and "packed_rows.cpp" not in failing:
-            print(f"the AVX2 class's library does not compile yet: {', '.join(failing)}")
-            sys.exit(BUILD_FAILED_ELSEWHERE)
-        raise
-    cpu_kernels.load_library(path)
+    load_class_library("packed_rows.cpp")
     torch.save(every_check(), out)
 
 
