@@ -17,6 +17,7 @@ from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
 from neffkit.errors import BuildError, ManifestError
+from neffkit.kernels.int8_blocks import blocks_kernel_scheme
 from neffkit.kernels.intquant import QuantScheme
 from neffkit.models.forms import (
     KEY_FORMS,
@@ -177,15 +178,16 @@ def blocked_weight_bytes(layout: ModelLayout) -> list[int]:
     return sorted((spec_bytes(w) for w in blocked_projections(layout)), reverse=True)
 
 
-def _projection_schemes(layout: ModelLayout) -> dict[str, QuantScheme]:
-    """The quantized weights that take a projection form, by name (their schemes)."""
-    quant = layout.config.weight_quant
-    return {n: QuantScheme.from_id(s) for n, s in quant if takes_projection_form(n)}
-
-
-def _in_features(layout: ModelLayout, name: str, scheme: QuantScheme) -> int:
-    cols = next(w.shape[-1] for w in layout.weights if w.name == name)
-    return cols * (1 if scheme.bits == 8 else 2)  # 4 to 6 bits: nibbles, two a byte
+def _projection_schemes(layout: ModelLayout) -> dict[str, tuple[QuantScheme, int]]:
+    """The quantized weights that take a projection form, by name: their schemes and inputs."""
+    cols = {w.name: w.shape[-1] for w in layout.weights}
+    out = {}
+    for name, scheme_id in layout.config.weight_quant:
+        if takes_projection_form(name):
+            scheme = QuantScheme.from_id(scheme_id)
+            # 4 to 6 bits: nibbles, two a byte
+            out[name] = scheme, cols[name] * (1 if scheme.bits == 8 else 2)
+    return out
 
 
 def packed_kernel_weights(layout: ModelLayout) -> list[str]:
@@ -194,26 +196,17 @@ def packed_kernel_weights(layout: ModelLayout) -> list[str]:
     neffkit::int8_blocks does not read them (their quantized rows)."""
     if layout.dtype != "float32":
         return []
-    names = []
-    for name, scheme in _projection_schemes(layout).items():
-        cols = _in_features(layout, name, scheme)
-        weight_only = scheme.activations != "int8-token"
-        if packs_to_kernel(scheme.bits, scheme.group, cols, weight_only):
-            names.append(name)
-    return names
+    return [
+        name
+        for name, (scheme, cols) in _projection_schemes(layout).items()
+        if packs_to_kernel(scheme.bits, scheme.group, cols, scheme.activations != "int8-token")
+    ]
 
 
 def block_kernel_weights(layout: ModelLayout) -> list[str]:
-    """int8-block projection weights neffkit::int8_blocks reads (kernels/int8_blocks.py
-    `blocks_kernel_reads`: 4- or 8-bit integer codes, `in` and the group multiples of 32)."""
-    names = []
-    for name, scheme in _projection_schemes(layout).items():
-        cols = _in_features(layout, name, scheme)
-        group = scheme.group_of(cols)
-        integer = scheme.kind != "e2m1" and scheme.bits in (4, 8)
-        if scheme.activations == "int8-block" and integer and cols % 32 == 0 and group % 32 == 0:
-            names.append(name)
-    return names
+    """int8-block projection weights neffkit::int8_blocks reads (`blocks_kernel_scheme`)."""
+    schemes = _projection_schemes(layout)
+    return [name for name, (s, cols) in schemes.items() if blocks_kernel_scheme(s, cols)]
 
 
 def uses_kernel(layout: ModelLayout) -> bool:
@@ -281,7 +274,7 @@ def projection_form(layout: ModelLayout, rows: int) -> str:
     schemes = _projection_schemes(layout)
     in_kernel = policy.int8_form(rows) == "kernel-int8"
     blocks = set(block_kernel_weights(layout)) if in_kernel else set()
-    if any(s.activations != "int8-token" and n not in blocks for n, s in schemes.items()):
+    if any(s.activations != "int8-token" and n not in blocks for n, (s, _) in schemes.items()):
         forms[policy.packed_form(rows, bool(packed_kernel_weights(layout)))] = None
     if in_kernel and (has_w8a8(layout) or blocks):
         forms["kernel-int8"] = None
@@ -290,7 +283,7 @@ def projection_form(layout: ModelLayout, rows: int) -> str:
 
 def has_w8a8(layout: ModelLayout) -> bool:
     """Do projections quantize their rows per token (W8A8, intquant.QuantScheme)?"""
-    return any(s.activations == "int8-token" for s in _projection_schemes(layout).values())
+    return any(s.activations == "int8-token" for s, _ in _projection_schemes(layout).values())
 
 
 def int8_activation_schemes(

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from neffkit.kernels.intquant import SCALE, PackedWeight
+from neffkit.kernels.intquant import SCALE, PackedWeight, QuantScheme
 
 BLOCK = 32  # inputs a block of one row shares a scale
 
@@ -44,17 +44,22 @@ def fake_quantized(x: torch.Tensor) -> torch.Tensor:
 KINDS = {"sym": 0, "zero": 1, "min": 2}  # neffkit::int8_blocks' `kind`
 
 
+def blocks_kernel_scheme(scheme: QuantScheme, in_features: int) -> bool:
+    """Does neffkit::int8_blocks (csrc/int8_blocks.cpp) read a weight of this scheme: int8-block
+    activations on 4- or 8-bit integer codes, `in_features` and the group whole multiples of 32
+    inputs? (The build's layout asks this of the scheme ids alone.)"""
+    if scheme.activations != "int8-block" or scheme.kind not in KINDS:
+        return False
+    whole = in_features % BLOCK == 0 and scheme.group_of(in_features) % BLOCK == 0
+    return scheme.bits in (4, 8) and whole
+
+
 def blocks_kernel_reads(weight: PackedWeight) -> bool:
-    """Does neffkit::int8_blocks (csrc/int8_blocks.cpp) read this weight: an int8-block
-    scheme of 4- or 8-bit integer codes [out, in/2] or [out, in], `in` and the group whole
-    multiples of 32 inputs?"""
+    """`blocks_kernel_scheme` for a weight in the graph (codes [out, in/2] or [out, in])."""
     codes, scheme = weight.parts[""], weight.scheme
-    if scheme.activations != "int8-block" or scheme.kind not in KINDS or codes.dim() != 2:
+    if codes.dim() != 2 or scheme.bits not in (4, 8):
         return False
-    if scheme.bits not in (4, 8):
-        return False
-    in_features = codes.shape[-1] * 8 // scheme.bits
-    return in_features % BLOCK == 0 and scheme.group_of(in_features) % BLOCK == 0
+    return blocks_kernel_scheme(scheme, codes.shape[-1] * 8 // scheme.bits)
 
 
 def project_int8_blocks_kernel(
