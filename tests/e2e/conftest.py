@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.support.bundles import (
     BUNDLES_IN_TEST,
@@ -27,7 +26,7 @@ from tests.support.bundles import (
     lowered_build,
 )
 from tests.support.cache import cached_dir
-from tests.support.models import EXTRA, MODELS, PARALLEL
+from tests.support.models import EXTRA, MODELS, PARALLEL, hf_greedy_ids
 from tests.support.server import Server, build_serve_bundle
 
 
@@ -117,11 +116,7 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
     def run(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
         if model_dir not in models:
             models[model_dir] = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        ids = torch.tensor([prompt])
-        out = models[model_dir].generate(
-            ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids)
-        )
-        return out[0, len(prompt) :].tolist()
+        return hf_greedy_ids(models[model_dir], prompt, max_new_tokens)
 
     return run
 

@@ -23,7 +23,7 @@ from neffkit.platform import cpu_kernels
 from tests.support.bundles import build_session_bundle
 from tests.support.cli import bundle_json, run_ids
 from tests.support.compressed_int import CONFIG, compressed_models
-from tests.support.models import LONG, MAX_NEW, MIXED, SHORT
+from tests.support.models import LONG, MAX_NEW, MIXED, SHORT, hf_greedy_ids
 
 BUCKETS = {"prefill": [16], "decode": [1], "context": [64]}
 PROMPTS = [SHORT, LONG, *MIXED]
@@ -103,14 +103,7 @@ def _w8a8_reference(ct: Path, twin: Path) -> list[list[int]]:
                 f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale")
             )
     assert len(quantized) == 7 * CONFIG["num_hidden_layers"]
-    out = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([prompt])
-        generated = hf.generate(
-            ids, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=ids * 0 + 1
-        )
-        out.append(generated[0, len(prompt) :].tolist())
-    return out
+    return [hf_greedy_ids(hf, prompt, MAX_NEW) for prompt in PROMPTS]
 
 
 def test_w8a8_bundle_equals_vllms_arithmetic_and_agrees_with_the_twin(session_dir, hf_greedy):

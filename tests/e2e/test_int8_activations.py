@@ -22,7 +22,7 @@ import torch
 from neffkit.errors import ManifestError
 from tests.support.bundles import build_session_bundle
 from tests.support.cli import run_ids
-from tests.support.models import LONG, MAX_NEW, MIXED, SHORT, write_manifest
+from tests.support.models import LONG, MAX_NEW, MIXED, SHORT, hf_greedy_ids, write_manifest
 
 ONE_DECODE = {"prefill": [16], "decode": [1, 4], "context": [64]}
 PROMPTS = [SHORT, LONG, *MIXED]
@@ -51,14 +51,7 @@ def _reference(twin: Path, prompts: list[list[int]]) -> list[list[int]]:
             module.register_forward_pre_hook(_quantized_rows)
             hooked += 1
     assert hooked > 0
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        generated = hf.generate(
-            ids, max_new_tokens=MAX_NEW, do_sample=False, attention_mask=torch.ones_like(ids)
-        )
-        out.append(generated[0, len(prompt) :].tolist())
-    return out
+    return [hf_greedy_ids(hf, prompt, MAX_NEW) for prompt in prompts]
 
 
 def _bundle_record(bundle: Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import torch
 from tests.support.bundles import build_session_bundle, lowered_build
 from tests.support.cache import cached_dir
 from tests.support.cli import run_json
+from tests.support.models import hf_greedy_ids
 
 pytestmark = pytest.mark.full
 
@@ -87,14 +88,7 @@ def _hf_chat_greedy(
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, max_new_tokens=tokens, do_sample=False, attention_mask=torch.ones_like(ids)
-        )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
+    return [hf_greedy_ids(model, prompt, tokens) for prompt in prompts]
 
 
 def _real_bundle(session_dir: Path, model: Path, name: str, tp: int) -> Path:

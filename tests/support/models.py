@@ -382,3 +382,12 @@ def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
     tmp.write_text(yaml.safe_dump(data))
     os.replace(tmp, path)
     return path
+
+
+def hf_greedy_ids(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle's greedy continuation of `prompt` by an HF transformers model (new ids only)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids)
+    )
+    return out[0, len(prompt) :].tolist()
