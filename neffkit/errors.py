@@ -74,3 +74,10 @@ class BuildError(NeffkitError):
     """A build step failed (trace, compile) for a reason the message explains."""
 
     default_hint = "what to do: docs/troubleshooting.md#builds"
+
+
+class AdapterError(NeffkitError):
+    """A LoRA adapter this bundle cannot serve (its format, rank or targets); the message names
+    the adapter's file or field at fault. The server answers it with 400."""
+
+    default_hint = "what an adapter may be: docs/serving.md#adapters"

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from neffkit.compile.adapters import lora_record
 from neffkit.compile.backends import get_backend
 from neffkit.compile.backends.base import Backend
 from neffkit.compile.units import GraphSpec, ModelLayout
@@ -111,6 +112,7 @@ def model_layout(
         bitmask_words=-(-cfg.vocab_size // 32) if sampling.structured else 0,
         penalty_tokens=sampling.penalty_tokens(manifest.buckets.context[-1], cfg.vocab_size),
         bias_tokens=sampling.max_logit_bias,
+        lora=lora_record(manifest.lora, cfg, manifest.dtype) if manifest.lora else None,
     )
 
 
@@ -147,11 +149,13 @@ def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
         bitmask_words=layout.bitmask_words,
         penalty_tokens=layout.penalty_tokens,
         bias_tokens=layout.bias_tokens,
+        adapters=layout.lora is not None,
     )
 
 
 def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list[TensorSpec]]:
-    """A graph's shape and its flat inputs in ABI order: metadata, rank, caches, state, weights."""
+    """A graph's shape and its flat inputs in ABI order: metadata, rank, caches, state, adapter
+    slots, weights."""
     cfg = layout.config
     shape = graph_shape(layout, spec)
     specs = abi.metadata_inputs(shape)
@@ -161,7 +165,14 @@ def graph_inputs(layout: ModelLayout, spec: GraphSpec) -> tuple[GraphShape, list
         shape, cfg.num_layers, cfg.kv_kind, layout.kv_heads, cfg.kv_width, layout.kv_dtype
     )
     specs += abi.state_inputs(shape)
-    return shape, specs + list(layout.weights)
+    return shape, specs + adapter_inputs(layout) + list(layout.weights)
+
+
+def adapter_inputs(layout: ModelLayout) -> list[TensorSpec]:
+    """The adapter slot tensors (contract/lora.py), before the weights; none without `lora:`."""
+    if layout.lora is None:
+        return []
+    return [TensorSpec(*spec) for spec in layout.lora.input_specs(layout.par.tp)]
 
 
 def blocked_projections(layout: ModelLayout) -> list[TensorSpec]:

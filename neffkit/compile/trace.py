@@ -88,10 +88,11 @@ def decoder_module(layout: ModelLayout, spec: GraphSpec) -> tuple[DecoderGraph, 
     """The eager module of one graph and its flat input specs (what is traced, and the oracle
     `build --verify` compares artifacts against)."""
     shape, specs = graph_inputs(layout, spec)
+    adapters = layout.lora.names() if layout.lora else []  # taken with the weights, before them
     module = build_graph(
         layout.config,
         shape,
-        [w.name for w in layout.weights],
+        [*adapters, *(w.name for w in layout.weights)],
         layout.max_top_k,
         layout.par,
         layout.projection,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from neffkit.contract.abi import PHASES, GraphKey, Phase, TensorSpec
 from neffkit.contract.codec import JsonObject, OptionValue
+from neffkit.contract.lora import LoraRecord
 from neffkit.contract.records import (
     ArtifactMetadata,
     CompilerRecord,
@@ -160,6 +161,7 @@ class ModelLayout:
     bias_tokens: int = 0
     # cpu_kernel auto: what the build measured per decode row count (compile/autotune.py)
     kernel_timings: tuple[FormTiming, ...] = ()
+    lora: LoraRecord | None = None  # adapter slots (the manifest's `lora:`)
 
 
 # --------------------------------------------------------------------------------------- traces

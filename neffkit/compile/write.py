@@ -176,6 +176,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         bitmask_words=layout.bitmask_words,
         penalty_tokens=layout.penalty_tokens,
         bias_tokens=layout.bias_tokens,
+        lora=layout.lora,
     )
 
 

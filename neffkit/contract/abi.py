@@ -6,7 +6,8 @@ appear in the io-alias map). One place, so the three cannot drift. Imports nothi
 and no torch.
 
 Input order: metadata (built on the host), `rank` where graphs need it, the KV cache (one tensor
-per layer and kind), the device-resident decode state, then the weights.
+per layer and kind), the device-resident decode state, the adapter slots (bundles with `lora:`),
+then the weights.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ BIAS_IDS, BIAS_VALUES = "bias_ids", "bias_values"
 LOGIT_INPUTS = (TOKEN_BITMASK, PENALTY_IDS, PENALTY_COUNTS, *PENALTY_NAMES, BIAS_IDS, BIAS_VALUES)
 RANK = "rank"  # [1] int64: this graph's rank, as data (one artifact serves every rank)
 LAST_TOKENS = "last_tokens"  # [num_blocks] int64: each sequence's last sampled token
+# [B] int64, bundles with `lora:`: each row's adapter slot, 1 .. max_loras; 0 (and padding): the
+# base model. The slot tensors follow the decode state (contract/lora.py)
+LORA_SLOTS = "lora_slots"
 
 NEXT_TOKENS = "next_tokens"
 NUM_EMITTED = "num_emitted"  # [B] verify: tokens each row emits (accepted drafts + 1)
@@ -220,6 +224,7 @@ class GraphShape:
     bitmask_words: int = 0
     penalty_tokens: int = 0
     bias_tokens: int = 0
+    adapters: bool = False  # takes `lora_slots` (the bundle has adapter slots)
 
     @property
     def rule(self) -> PhaseRule:
@@ -261,6 +266,8 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
         specs.append(TensorSpec(TARGET_IDS, (b, t), "int64"))
     if shape.hidden_in:
         specs.append(TensorSpec(PREVIOUS_HIDDEN, (lines, t, shape.hidden_in), "float32"))
+    if shape.adapters:
+        specs.append(TensorSpec(LORA_SLOTS, (b,), "int64"))
     return specs
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from neffkit.contract import abi
 from neffkit.contract.codec import JsonObject, JsonValue, OptionValue, Record, encode  # noqa: F401 (the records' type hints name JsonValue)
+from neffkit.contract.lora import LoraRecord
 from neffkit.targets import DTYPE_BYTES
 
 FORMAT_VERSION = 1
@@ -216,6 +217,7 @@ class LayoutRecord(Record):
     bitmask_words: int = 0
     penalty_tokens: int = 0
     bias_tokens: int = 0
+    lora: LoraRecord | None = None  # adapter slots after the state (contract/lora.py)
 
     @property
     def state_names(self) -> list[str]:
@@ -233,13 +235,11 @@ class LayoutRecord(Record):
         return abi.kv_cache_names(self.num_layers, self.kv_kind)
 
     @property
-    def kv_itemsize(self) -> int:
-        return DTYPE_BYTES[self.kv_dtype]
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """Cache bytes one token takes on one rank, every layer."""
-        return len(self.kv_names) * self.kv_heads_per_rank * self.head_dim * self.kv_itemsize
+        return (
+            len(self.kv_names) * self.kv_heads_per_rank * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+        )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from neffkit.contract.bundle import Bundle, read_zst_text
 from neffkit.contract.neff import NeffError, read_header
 from neffkit.contract.records import BundleRecord, GraphRecord
 from neffkit.inspect.quant import quantization_summary
+from neffkit.targets import DTYPE_BYTES
 
 INSPECT_SCHEMA_VERSION = 1
 
@@ -237,7 +238,9 @@ def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
     if lay.kv_kind == "mla":
         heads = int(cfg["num_heads"]) // lay.tp
         per_head = sum(int(cfg[k]) for k in ("qk_nope_head_dim", "head_dim", "v_head_dim"))
-        out["mha_equivalent_bytes_per_token"] = lay.num_layers * heads * per_head * lay.kv_itemsize
+        out["mha_equivalent_bytes_per_token"] = (
+            lay.num_layers * heads * per_head * DTYPE_BYTES[lay.kv_dtype]
+        )
     return out
 
 

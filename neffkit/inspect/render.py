@@ -109,6 +109,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             + (", prompt logprobs" if lay.get("prompt_logprobs") else ""),
         ),
         *([("speculation", _speculation_line(spec))] if (spec := lay.get("speculation")) else []),
+        *([("adapters", _adapters_line(lora))] if (lora := lay.get("lora")) else []),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),
         ("total", _mib(summary["total_bytes"])),
         (
@@ -117,6 +118,13 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             + (f", waived: {', '.join(summary['waived'])}" if summary["waived"] else ""),
         ),
     ]
+
+
+def _adapters_line(lora: dict[str, Any]) -> str:
+    return (
+        f"{lora['max_loras']} LoRA slot(s) of rank up to {lora['max_rank']} on "
+        f"{', '.join(lora['modules'])} ({len(lora['targets'])} projections, {lora['dtype']})"
+    )
 
 
 def render(summary: dict[str, Any]) -> Any:

@@ -19,7 +19,7 @@ from neffkit.models.parallel import Parallelism
 def draft_manifest(manifest: Manifest) -> Manifest:
     """The draft model's manifest: the target's dtype, target, compiler and KV blocks; greedy
     sampling only (one candidate, one logprob); host decode state (the proposer sends its own
-    tokens each step)."""
+    tokens each step); no adapters."""
     spec = manifest.speculation
     if spec is None or spec.model is None or spec.model_config is None:
         raise ValueError(f"{manifest.name}: no draft model in this manifest")
@@ -45,5 +45,6 @@ def draft_manifest(manifest: Manifest) -> Manifest:
         decode_state="host",
         lm_head_dtype=None,  # the draft's checkpoint keeps its own head
         speculation=Speculation("ngram", spec.num_tokens, spec.max_batch),
+        lora=None,  # drafts are the base model's: the target's verify graphs apply adapters
         source=None,
     )

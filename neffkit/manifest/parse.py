@@ -16,6 +16,7 @@ import yaml
 from neffkit.checkpoints.gguf_dir import POINTER, gguf_model_dir
 from neffkit.errors import ManifestError, ModelError, NeffkitError
 from neffkit.manifest.fields import choice, describe, mapping, no_unknown
+from neffkit.manifest.lora import read_lora
 from neffkit.manifest.quantization import read_quantization
 from neffkit.manifest.schema import SCHEMA_VERSION, Manifest, Speculation
 from neffkit.manifest.sections import (
@@ -53,6 +54,7 @@ TOP_LEVEL = (
     "quantization",
     "speculation",
     "lm_head",
+    "lora",
 )
 DECODE_STATES = ("host", "device")
 
@@ -163,6 +165,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         ),
         lm_head_dtype=read_lm_head(data.get("lm_head", {}), model_config, model_path),
         quantization=read_quantization(data.get("quantization"), model_config, model_path),
+        lora=read_lora(data.get("lora"), model_config, parallel),
     )
 
 

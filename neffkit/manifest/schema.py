@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neffkit.manifest.lora import Lora
 from neffkit.manifest.quantization import WeightQuantization
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
@@ -179,6 +180,8 @@ class Manifest:
     lm_head_dtype: str | None = None
     # the manifest's weight quantization of a float checkpoint (manifest/quantization.py)
     quantization: WeightQuantization | None = None
+    # adapter slots in every graph (manifest/lora.py); None: graphs without adapters
+    lora: Lora | None = None
 
     @property
     def max_model_len(self) -> int:

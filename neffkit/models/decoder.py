@@ -23,10 +23,12 @@ import torch
 
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
+from neffkit.contract.lora import LORA_A, LORA_B
 from neffkit.kernels import attention as attn
 from neffkit.kernels.activation import gated
 from neffkit.kernels.intquant import PackedWeight, QuantScheme, graph_weights
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
+from neffkit.kernels.lora import lora_delta, slot_mask
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.models.config import ModelConfig
@@ -46,6 +48,8 @@ from neffkit.models.sampling_head import SamplingHead
 from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ, keeps_float32
 from neffkit.models.step import Span, Step
 from neffkit.targets import E4M3FN_MAX
+
+LORA_MASK = "lora.mask"  # w's entry for the step's per-token slot mask (kernels/lora.py)
 
 
 def int_graph_weights(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -119,6 +123,9 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
             w = fp8_graph_weights(w, self.cfg.fp8_block, FP8_SCALE)
         if cfg.weight_quant:  # integer / fp4 weights: widened next to their matmul
             w = int_graph_weights(w, cfg)
+        if shape.adapters:  # each token's adapter slot, for every adapted projection
+            a = next(t for n, t in w.items() if n.endswith(LORA_A))  # [in, max_loras, rank]
+            w[LORA_MASK] = slot_mask(m[abi.LORA_SLOTS], m.get(abi.SEQ_IDS), a.shape[1], a.dtype)
         state_slots = None
         if last_tokens is not None:  # clamped like every index from the host (audit NK303)
             state_slots = m[abi.SEQ_SLOTS].clamp(0, last_tokens.shape[0] - 1)
@@ -260,7 +267,8 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
             out = attn.paged_attention(
                 q, keys, values, mask, self.attention_scale(), self.sinks(w, p), self.softcap, bias
             )
-        partial = self.project(out, w[f"{p}.self_attn.o_proj.weight"])  # row-parallel
+        o_proj = f"{p}.self_attn.o_proj"
+        partial = self.adapt(out, w, o_proj, self.project(out, w[f"{o_proj}.weight"]))  # row-par.
         return self.reduce(partial, w.get(f"{p}.self_attn.o_proj.bias"))
 
     def qk_norm(
@@ -305,7 +313,8 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
     def mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         """Gated MLP; under tp a partial sum."""
         gate, up = self.linears(x, w, (f"{prefix}.gate_proj", f"{prefix}.up_proj"))
-        return self.project(self.activation(gate, up), w[f"{prefix}.down_proj.weight"])
+        h, down = self.activation(gate, up), f"{prefix}.down_proj"
+        return self.adapt(h, w, down, self.project(h, w[f"{down}.weight"]))
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, act the config's `hidden_act` (SwiGLU for most checkpoints)."""
@@ -360,8 +369,19 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
     ) -> list[torch.Tensor]:
         """Projections of one input, biases added: one kernel call where it takes them all."""
         outs = project_many(x, [w[f"{p}.weight"] for p in prefixes], self.projection)
+        outs = [self.adapt(x, w, p, out) for p, out in zip(prefixes, outs, strict=True)]
         biases = [w.get(f"{p}.bias") for p in prefixes]
         return [out if bias is None else out + bias for out, bias in zip(outs, biases, strict=True)]
+
+    def adapt(
+        self, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`out` plus x through each token's adapter, where `prefix` has slots (`lora:`); under
+        tp a row-parallel one's delta is a partial sum too, reduced with `out`."""
+        a = w.get(f"{prefix}.{LORA_A}")
+        if a is None:
+            return out
+        return out + lora_delta(x, a, w[f"{prefix}.{LORA_B}"], w[LORA_MASK])
 
     def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Sum row-parallel partial outputs over ranks, then add the (whole) bias once.

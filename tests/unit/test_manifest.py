@@ -218,6 +218,19 @@ BAD = [
         _with("buckets.decode", [2, 4]) | {"speculation": {"method": "ngram", "max_batch": 1}},
         "speculation.max_batch: 1 is below the smallest decode bucket (2)",
     ),
+    ("lora unknown key", _with("lora", {"rank": 8}), "lora.rank: unknown key"),
+    ("lora rank 0", _with("lora", {"max_rank": 0}), "lora.max_rank: expected a positive int"),
+    ("lora too many slots", _with("lora", {"max_loras": 65}), "lora.max_loras: 65 is above"),
+    (
+        "lora target not a projection",
+        _with("lora", {"targets": ["q_proj", "lm_head"]}),
+        "lora.targets[1]: 'lm_head' is not a projection of LlamaForCausalLM",
+    ),
+    (
+        "lora at tp 2",
+        _with("lora", {}) | {"parallel": {"tp": 2}},
+        "lora: adapters are served at parallel.tp 1 for now",
+    ),
 ]
 
 
@@ -491,3 +504,21 @@ def test_a_draft_model_must_share_the_vocabulary_and_run_on_one_rank(tmp_path, h
     )
     assert manifest.speculation.model == hf_model_dir("llama").resolve()
     assert manifest.to_json()["speculation"]["model"] == str(hf_model_dir("llama").resolve())
+
+
+def test_lora_is_refused_for_architectures_without_adapter_graphs(model_dir):
+    import dataclasses
+
+    from neffkit.errors import ManifestError
+    from neffkit.manifest.lora import read_lora
+    from neffkit.models.parallel import Parallelism
+    from neffkit.models.registry import read_model_config
+
+    cfg = dataclasses.replace(read_model_config(model_dir), architecture="Gemma3ForCausalLM")
+    with pytest.raises(ManifestError, match="lora: adapters are not supported for Gemma3"):
+        read_lora({"max_loras": 2}, cfg, Parallelism())
+    lora = read_lora(
+        {"targets": ["q_proj", "down_proj"]}, read_model_config(model_dir), Parallelism()
+    )
+    assert lora is not None and (lora.max_loras, lora.max_rank) == (4, 16)
+    assert lora.targets == ("q_proj", "down_proj")

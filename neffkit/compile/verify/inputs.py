@@ -10,6 +10,7 @@ import torch
 from neffkit.compile.layout import graph_inputs
 from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
+from neffkit.contract.lora import is_adapter_input
 
 
 def greedy_sampling(rows: int) -> dict[str, np.ndarray]:
@@ -24,7 +25,9 @@ def greedy_sampling(rows: int) -> dict[str, np.ndarray]:
 def representative_inputs(
     layout: ModelLayout, spec: GraphSpec, weights: list[torch.Tensor], seed: int = 0
 ) -> list[torch.Tensor]:
-    """Flat graph inputs: rows with different context lengths, padding, random K/V context."""
+    """Flat graph inputs: rows with different context lengths, padding, random K/V context;
+    with adapter slots, random adapters and rows cycling through the base (row 0) and each
+    slot."""
     _, specs = graph_inputs(layout, spec)
     gen = torch.Generator().manual_seed(seed)
     bs, nb = layout.block_size, layout.num_blocks
@@ -62,6 +65,7 @@ def representative_inputs(
         abi.TARGET_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
         abi.SEQ_SLOTS: np.array([abi.state_slot(row.tolist()) for row in tables]),
         abi.LAST_TOKENS: torch.randint(0, vocab, (nb,), generator=gen).numpy(),
+        abi.LORA_SLOTS: np.arange(spec.rows) % (1 + (layout.lora.max_loras if layout.lora else 0)),
     }
     meta |= _logit_inputs(specs, vocab, gen)
     by_name = {w.name: i for i, w in enumerate(layout.weights)}
@@ -70,15 +74,24 @@ def representative_inputs(
         dtype = getattr(torch, s.dtype)
         if s.name in meta:
             out.append(torch.from_numpy(np.ascontiguousarray(meta[s.name])).to(dtype))
-        elif s.name == abi.PREVIOUS_HIDDEN:  # a hidden state's scale: unit normal
-            out.append(torch.randn(s.shape, generator=gen).to(dtype))
+        elif s.name in RANDOM_SCALES or abi.is_kv_cache(s.name) or is_adapter_input(s.name):
+            out.append((torch.randn(s.shape, generator=gen) * _scale(s.name)).to(dtype))
         elif s.name == abi.RANK:
             out.append(torch.zeros(1, dtype=torch.int64))
-        elif abi.is_kv_cache(s.name):
-            out.append((torch.randn(s.shape, generator=gen) * 0.5).to(dtype))
         else:
             out.append(weights[by_name[s.name]])
     return out
+
+
+RANDOM_SCALES = {abi.PREVIOUS_HIDDEN: 1.0}  # a hidden state's scale: unit normal
+
+
+def _scale(name: str) -> float:
+    """The spread of a random static input: K/V context at 0.5; adapter slots small against
+    the weights, as trained adapters are."""
+    if abi.is_kv_cache(name):
+        return 0.5
+    return 0.05 if is_adapter_input(name) else RANDOM_SCALES[name]
 
 
 def _packed_prefill(seqs: int, tokens: int, tables: np.ndarray, bs: int) -> dict[str, np.ndarray]:
