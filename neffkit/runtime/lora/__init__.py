@@ -1,0 +1,1 @@
+"""LoRA adapters: reading PEFT adapter directories into the bundle's slot layout."""
