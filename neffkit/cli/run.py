@@ -71,6 +71,12 @@ def _parse_ids(text: str) -> list[int]:
     help="Engine threads (default: $NEFFKIT_ENGINE_THREADS, else the CPUs this process may use: "
     "its affinity and cgroup quota).",
 )
+@click.option(
+    "--lora",
+    default=None,
+    metavar="[NAME=]PATH",
+    help="Generate with the PEFT adapter at PATH (a bundle built with lora:).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
 @click.option(
@@ -170,6 +176,7 @@ def run(
     no_prefix_caching: bool,
     no_speculation: bool,
     threads: int | None,
+    lora: str | None,
     **server: Any,
 ) -> None:
     """Generate from BUNDLE (with --prompt, --chat or --prompt-ids), or serve the OpenAI API
@@ -196,6 +203,7 @@ def run(
         prefix_caching=not no_prefix_caching,
         speculation=not no_speculation,
         threads=threads,
+        lora=_named_path(lora, "--lora") if lora else None,
     )
     # JSON as run_offline writes it: "outputs", each with "text" and "token_ids"
     report: dict[str, Any] | None = run_offline(bundle, request, dist_timeout, executor)
@@ -206,6 +214,16 @@ def run(
         return
     for out in report["outputs"]:
         click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
+
+
+def _named_path(value: str, option: str) -> tuple[str, str]:
+    """`NAME=PATH`, or a bare PATH named after its last part."""
+    name, sep, path = value.partition("=")
+    if not sep:
+        name, path = Path(value).name, value
+    if not name or not path:
+        raise click.BadParameter(f"expected NAME=PATH, got {value!r}", param_hint=option)
+    return name, path
 
 
 def _serve(

@@ -26,6 +26,7 @@ class FakeLoaded:
     """What LLM needs of a loaded bundle: its runner (no tokenizer: no structured outputs)."""
 
     tokenizer = None
+    adapters = None  # built without adapter slots
 
     def __init__(self, runner) -> None:
         self.runner = runner
@@ -308,3 +309,44 @@ def test_engines_in_turn_on_one_runner_do_not_share_request_ids() -> None:
     drain(second)
     assert a.request_id != b.request_id
     assert a.output_ids == oracle([1, 2, 3], 6) and b.output_ids == oracle([4, 5, 6], 6)
+
+
+class OneSlot:
+    """An adapter pool with one slot (engine/adapters.py's contract, no tensors)."""
+
+    def __init__(self) -> None:
+        self.holder: str | None = None
+        self.users = 0
+        self.acquired: list[str] = []
+
+    def acquire(self, seq) -> bool:
+        if self.users and self.holder != seq.adapter_key:
+            return False
+        self.holder, self.users = seq.adapter_key, self.users + 1
+        seq.lora_slot = 1
+        self.acquired.append(seq.adapter_key)
+        return True
+
+    def release(self, seq) -> None:
+        if seq.lora_slot:
+            self.users -= 1
+            seq.lora_slot = 0
+
+
+def test_a_request_waits_for_an_adapter_slot_and_those_behind_it_go_on() -> None:
+    runner, _ = fake_runner()
+    core = EngineCore(runner)
+    pool = core.scheduler.adapters = OneSlot()
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    first = core.add_request([1, 2, 3], params)
+    second = core.add_request([4, 5, 6], params)
+    base = core.add_request([7, 8, 9], params)
+    first.adapter_key, second.adapter_key = "a#1", "b#2"
+    core.step()
+    assert first.lora_slot == 1 and base.blocks  # the base request passed the waiting one
+    assert not second.blocks and list(core.scheduler.waiting) == [second]
+    drain(core, until=lambda: first.finished)
+    assert pool.users == 0 and first.lora_slot == 0  # released with its blocks
+    drain(core)
+    assert pool.acquired == ["a#1", "b#2"] and second.output_ids == oracle([4, 5, 6], 6)
+    assert [s.lora_slot for s in (first, second, base)] == [0, 0, 0]

@@ -5,10 +5,10 @@ chunk, run one decode step, hand the scheduler the tokens. Offline generation (l
 directly. When serving, an AOTInductor graph call holds the GIL for its whole run, so an engine
 thread inside the HTTP server would serialise every graph call with all request handling; as in
 vLLM's V1 engine core, the core runs in its own process and talks to the server over one pipe:
-the server sends `("add", id, prompt_ids, params)` and `("abort", id, reason)`, the core answers
-once per step with every request's new tokens and the scheduler's state. Detokenisation stays in
-the server (core_client.py). With tp > 1 this process is rank 0 and starts the other ranks, as an
-offline run does.
+the server sends `("add", id, prompt_ids, params, adapter)` and `("abort", id, reason)`, the core
+answers once per step with every request's new tokens and the scheduler's state. Detokenisation
+stays in the server (core_client.py). With tp > 1 this process is rank 0 and starts the other
+ranks, as an offline run does.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from neffkit.runtime.worker.runner import ModelRunner
 from neffkit.runtime.worker.step_output import TokenLogprobs
 
 if TYPE_CHECKING:  # loading a bundle imports torch: the core process does it when it starts
+    from neffkit.runtime.engine.adapters import AdapterManager
     from neffkit.runtime.worker.loader import LoadedBundle
 
 # messages core → server
@@ -71,12 +72,14 @@ class EngineCore:
         proposer: Proposer | None = None,
         grammars: Grammars | None = None,
         governor: ThreadGovernor | None = None,
+        adapters: AdapterManager | None = None,
     ) -> None:
         """False turns off the bundle's prefix caching / speculative decoding for this engine;
         `proposer` replaces the bundle's speculation method's (tests drive the verify graphs
         with chosen drafts); `grammars` compiles structured-output constraints (the bundle's
-        tokenizer's)."""
+        tokenizer's); `adapters` serves the bundle's adapter slots (`lora:`)."""
         self.runner = runner
+        self.adapters = adapters
         self.grammars = runner.grammars = grammars
         self.governor = governor  # threads under contention (governor.py); None: fixed
         config = runner.config
@@ -84,7 +87,7 @@ class EngineCore:
             config = replace(config, prefix_caching=False)
         if not speculation:
             config = replace(config, speculation=None)
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, adapters)
         # a draft model's graphs (the loader attaches them to the runner) run with speculation
         self.draft = runner.draft if config.speculation is not None else None
         if self.draft is not None:
@@ -99,10 +102,13 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> SequenceState:
-        """Queue a request (RequestError if no bucket can serve it); unseeded ones get a seed.
-        A grammar not compiled yet compiles on a grammar thread: the request is queued when it
-        is done (`step`), so no step waits on a compile."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> SequenceState:
+        """Queue a request (RequestError if no bucket can serve it, or `adapter` is not served
+        here); unseeded ones get a seed. A grammar not compiled yet compiles on a grammar
+        thread: the request is queued when it is done (`step`), so no step waits on a
+        compile."""
         layout = self.scheduler.config
         if params.max_tokens is None:  # up to the context limit (check_fits refuses <= 0)
             params = replace(params, max_tokens=output_budget(layout, len(prompt_ids), params))
@@ -113,6 +119,10 @@ class EngineCore:
             params=params,
             seed=seed & 0xFFFFFFFF,
         )
+        if adapter is not None:
+            if self.adapters is None:
+                raise RequestError(f"this bundle serves no adapters ({adapter!r})", param="model")
+            seq.adapter, seq.adapter_key = adapter, self.adapters.key(adapter)
         if params.structured is not None:
             if self.grammars is None:
                 raise RequestError(
@@ -216,9 +226,9 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
             if msg[0] == "stop":
                 return
             if msg[0] == "add":
-                _, rid, prompt_ids, params = msg
+                _, rid, prompt_ids, params, adapter = msg
                 try:
-                    live[rid], sent[rid] = core.add_request(prompt_ids, params), 0
+                    live[rid], sent[rid] = core.add_request(prompt_ids, params, adapter), 0
                 except RequestError:  # the server validates first; this is a safety net
                     conn.send((STEP, ([CoreOutput(rid, [], "error")], None)))
             elif msg[0] == "abort":

@@ -143,8 +143,10 @@ class EngineClient:
         stop: tuple[str, ...],
         emit: Callable[[Event], None],
         include_stop: bool = False,
+        adapter: str | None = None,
     ) -> Stream:
-        """Validate (RequestError → 400), bound the queue (→ 503), send to the core."""
+        """Validate (RequestError → 400), bound the queue (→ 503), send to the core (with the
+        name of the adapter the request runs with, if any)."""
         if self._error is not None:
             raise EngineDead(f"the engine failed: {self._error}")
         check_fits(self.config, prompt_ids, params)
@@ -168,7 +170,7 @@ class EngineClient:
                 detok=detok,
             )
             self._live[stream.rid] = stream
-            self.conn.send(("add", stream.rid, stream.prompt_ids, params))
+            self.conn.send(("add", stream.rid, stream.prompt_ids, params, adapter))
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return stream
 

@@ -8,11 +8,13 @@ starts the other ranks of a multi-rank bundle.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neffkit.errors import RequestError
+from neffkit.errors import AdapterError, RequestError
+from neffkit.runtime.engine.adapters import AdapterManager
 from neffkit.runtime.engine.core import EngineCore, engine_threads
 from neffkit.runtime.engine.limits import check_fits
 from neffkit.runtime.engine.loading import attach_proposer, grammars_of
@@ -27,25 +29,50 @@ class LLM:
     bundle share its KV cache, so one's cached prefix blocks may be another's fresh ones."""
 
     def __init__(
-        self, loaded: LoadedBundle, prefix_caching: bool = True, speculation: bool = True
+        self,
+        loaded: LoadedBundle,
+        prefix_caching: bool = True,
+        speculation: bool = True,
+        lora_modules: Mapping[str, str | Path] | None = None,
+        max_cpu_loras: int | None = None,
     ) -> None:
+        """`lora_modules`: adapters by name (PEFT directories), for a bundle built with `lora:`;
+        more can be added with `load_lora`."""
         self.loaded = attach_proposer(loaded)
+        self.adapters = adapter_manager(loaded, lora_modules or {}, max_cpu_loras)
         self.core = EngineCore(
-            loaded.runner, prefix_caching, speculation, grammars=grammars_of(loaded)
+            loaded.runner,
+            prefix_caching,
+            speculation,
+            grammars=grammars_of(loaded),
+            adapters=self.adapters,
         )
 
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT adapter at `path` as `name` (AdapterError: it cannot be served)."""
+        if self.adapters is None:
+            raise AdapterError(f"{self.loaded.bundle.root}: built without adapter slots (lora:)")
+        self.adapters.register(name, path)
+
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        adapters: str | None | list[str | None] = None,
     ) -> list[SequenceState]:
         """Run prompts to completion together; results in the order given. Every prompt is
-        checked before any runs, so a request that cannot fit fails the whole call at once."""
+        checked before any runs, so a request that cannot fit fails the whole call at once.
+        `adapters`: the adapter every prompt runs with, or one per prompt (None: the base)."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        pairs = list(zip(prompts, per_prompt, strict=True))
-        for prompt, p in pairs:
+        names = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
+        triples = list(zip(prompts, per_prompt, names, strict=True))
+        for prompt, p, name in triples:
             check_fits(self.core.scheduler.config, prompt, p)
             if p.structured is not None and self.core.grammars is not None:
                 self.core.grammars.check(p.structured)
-        seqs = [self.core.add_request(prompt, p) for prompt, p in pairs]
+            if name is not None and (self.adapters is None or name not in self.adapters.registered):
+                raise RequestError(f"adapter {name!r} is not loaded", param="model")
+        seqs = [self.core.add_request(prompt, p, name) for prompt, p, name in triples]
         timings = self.core.runner.timings
         while self.core.has_work():
             calls = timings.prefill_chunks + timings.decode_steps
@@ -53,6 +80,24 @@ class LLM:
             if timings.prefill_chunks + timings.decode_steps == calls:  # never, if blocks add up
                 raise RuntimeError("the scheduler ran no graph in a step with work waiting")
         return seqs
+
+
+def adapter_manager(
+    loaded: LoadedBundle, modules: Mapping[str, str | Path], max_cpu_loras: int | None = None
+) -> AdapterManager | None:
+    """The adapters a bundle with slots serves, `modules` registered (None: it has no slots)."""
+    if loaded.adapters is None:
+        if modules:
+            raise AdapterError(
+                f"{loaded.bundle.root}: built without adapter slots; cannot serve "
+                f"{', '.join(modules)}",
+                hint="add a lora: section to the manifest and rebuild",
+            )
+        return None
+    manager = AdapterManager(loaded.adapters, max_cpu_loras)
+    for name, path in modules.items():
+        manager.register(name, path)
+    return manager
 
 
 @dataclass(frozen=True)
@@ -65,6 +110,7 @@ class GenerateRequest:
     prefix_caching: bool = True  # False: the bundle's prefix caching off for this run
     speculation: bool = True  # False: plain decoding in a bundle with verify graphs
     threads: int | None = None  # engine threads (None: platform/cpus.py's default)
+    lora: tuple[str, str] | None = None  # (name, PEFT directory): every prompt runs with it
 
 
 def run_offline(
@@ -100,9 +146,10 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
     prompts += request.token_ids
     if tok is not None:
         prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in request.chats]
-    llm = LLM(loaded, request.prefix_caching, request.speculation)
+    lora = dict([request.lora]) if request.lora else {}
+    llm = LLM(loaded, request.prefix_caching, request.speculation, lora_modules=lora)
     t0 = time.perf_counter()
-    seqs = llm.generate(prompts, request.params)
+    seqs = llm.generate(prompts, request.params, request.lora[0] if request.lora else None)
     wall = time.perf_counter() - t0
     t = loaded.runner.timings
     return {

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 from neffkit.contract import abi
+from neffkit.errors import NeffkitError
 from neffkit.runtime.config import SchedulerConfig, smallest_fitting
 from neffkit.runtime.engine.kv_blocks import BlockPool, extend_hashes
 from neffkit.runtime.engine.limits import check_fits
@@ -42,11 +44,20 @@ from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, PrefillChunk
 from neffkit.runtime.worker.step_output import StepOutput
 
 
+class AdapterPool(Protocol):
+    """The adapter slots requests take at admission (engine/adapters.py)."""
+
+    def acquire(self, seq: SequenceState) -> bool: ...
+
+    def release(self, seq: SequenceState) -> None: ...
+
+
 class Scheduler:
     """Queues and KV blocks. Not thread-safe: one caller drives it (the engine core)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, adapters: AdapterPool | None = None) -> None:
         self.config = config
+        self.adapters = adapters  # the adapters' slots (bundles with `lora:`)
         self.allocator = BlockPool(config.num_blocks, config.prefix_caching)
         # prompt tokens looked up in the prefix cache, and found (vLLM's prefix_cache_queries
         # and prefix_cache_hits)
@@ -86,15 +97,21 @@ class Scheduler:
         self._release(seq)
 
     def admit(self) -> None:
-        """Waiting requests whose whole budget fits in the free blocks, in arrival order."""
+        """Waiting requests whose whole budget fits in the free blocks, in arrival order; one
+        whose adapter finds no free slot waits, and those behind it go on."""
         pool = self.allocator
+        passed: list[SequenceState] = []
         while self.waiting:
             seq = self.waiting[0]
             need = self.config.blocks_for(len(seq.prompt_ids) + seq.max_tokens)
             hits = self._cached_prefix(seq)
             if need - len(hits) + pool.free_among(hits) > pool.num_free:
-                return
+                break
             self.waiting.popleft()
+            if not self._slot(seq):
+                if not seq.finished:  # waits for a slot
+                    passed.append(seq)
+                continue
             pool.take(hits)
             seq.blocks = hits + pool.allocate(need - len(hits))
             seq.num_cached = seq.num_prefilled = len(hits) * self.config.block_size
@@ -103,6 +120,18 @@ class Scheduler:
                 self.cache_queries += len(seq.prompt_ids)
                 self.cache_hits += seq.num_cached
             self.prefilling.append(seq)
+        self.waiting.extendleft(reversed(passed))
+
+    def _slot(self, seq: SequenceState) -> bool:
+        """The request's adapter in a slot (True: it has none, or it got one). An adapter that
+        can no longer be read ends its request with "error" (False, never admitted)."""
+        if seq.adapter_key is None or seq.lora_slot or self.adapters is None:
+            return True
+        try:
+            return self.adapters.acquire(seq)
+        except NeffkitError:
+            seq.finish_reason = "error"
+            return False
 
     def _looks_up(self, seq: SequenceState) -> bool:
         return self.config.prefix_caching and seq.params.prompt_logprobs is None
@@ -112,7 +141,7 @@ class Scheduler:
         if not self._looks_up(seq):
             return []
         bs = self.config.block_size
-        extend_hashes(seq.block_hashes, seq.prompt_ids, bs)
+        extend_hashes(seq.block_hashes, seq.prompt_ids, bs, seq.adapter_key)
         return self.allocator.lookup(seq.block_hashes[: (len(seq.prompt_ids) - 1) // bs])
 
     def _register(self, seq: SequenceState, computed: int, pending: Sequence[int] = ()) -> None:
@@ -128,7 +157,7 @@ class Scheduler:
         tokens = seq.prompt_ids
         if computed > len(tokens):
             tokens = tokens + seq.output_ids + list(pending)
-        extend_hashes(seq.block_hashes, tokens[:computed], bs)
+        extend_hashes(seq.block_hashes, tokens[:computed], bs, seq.adapter_key)
         for i in range(seq.num_registered, full):
             self.allocator.register(seq.blocks[i], seq.block_hashes[i])
         seq.num_registered = full
@@ -292,3 +321,5 @@ class Scheduler:
         if seq.blocks:
             self.allocator.free(seq.blocks[::-1])  # the tail evicted before the shared head
             seq.blocks = []
+        if self.adapters is not None:
+            self.adapters.release(seq)

@@ -54,6 +54,11 @@ class SequenceState:
     penalties: Penalties | None = None
     # with a constraint: its grammar matcher (structured.py), advanced by each output token
     grammar: Any = None
+    # with an adapter (bundles with `lora:`): its name, the key its blocks are hashed with (one
+    # per registration of the name: engine/adapters.py) and its slot once admitted (0: base)
+    adapter: str | None = None
+    adapter_key: str | None = None
+    lora_slot: int = 0
 
     @property
     def processes_logits(self) -> bool:

@@ -37,6 +37,9 @@ class Executor(Protocol):
 
     def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun: ...
 
+    # a static input was rewritten in place (an adapter slot): replace any copy of it
+    def refresh(self, name: str, value: torch.Tensor) -> None: ...
+
 
 def choose_executor(bundle: Bundle, requested: str) -> str:
     """The executor for this bundle: `auto` picks the target's own; mismatches are refused."""
@@ -89,6 +92,9 @@ class AotiExecutor:
 
         return run
 
+    def refresh(self, name: str, value: torch.Tensor) -> None:
+        """Nothing: the graphs read the statics themselves, which were written in place."""
+
 
 class XlaCpuExecutor:
     name = "xla-cpu"
@@ -114,6 +120,9 @@ class XlaCpuExecutor:
             return [np.asarray(o) for o in outs[-user:]]  # the user outputs follow the aliases
 
         return run
+
+    def refresh(self, name: str, value: torch.Tensor) -> None:
+        self.arrays[self.index[name]] = self.xla.put(to_numpy(value))
 
 
 class XlaCpuSpmdExecutor:
@@ -151,6 +160,9 @@ class XlaCpuSpmdExecutor:
             return [np.asarray(o[0]) for o in outs[-user:]]
 
         return run
+
+    def refresh(self, name: str, value: torch.Tensor) -> None:
+        raise BundleError(f"{name}: adapters are not served across ranks yet (tp 1 only)")
 
 
 class NeuronExecutor:
@@ -242,6 +254,9 @@ class NeuronExecutor:
             return [tensor.numpy() for tensor in user]
 
         return run
+
+    def refresh(self, name: str, value: torch.Tensor) -> None:
+        self.resident[name].write_from_numpy(to_numpy(value))
 
 
 def by_position(tensors: Any, kind: str, expected: int, neff: Path) -> list[str]:

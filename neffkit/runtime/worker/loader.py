@@ -26,6 +26,7 @@ from neffkit.platform import heap, host
 from neffkit.platform.cpu_kernels import load_library
 from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.tokenizer import Tokenizer
+from neffkit.runtime.worker.adapters import AdapterSlots, allocate_slots
 from neffkit.runtime.worker.executors import (
     AotiExecutor,
     Executor,
@@ -98,6 +99,7 @@ class LoadedBundle:
     load_seconds: float
     verify: bool = True  # how it was loaded: a draft model's bundle inside loads alike
     executor: str = "auto"
+    adapters: AdapterSlots | None = None  # this rank's adapter slots (bundles with `lora:`)
 
 
 def runtime_lnc(bundle: Bundle) -> int:
@@ -127,8 +129,8 @@ def _executor(
 
 def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Tensor], list[str]]:
     """One rank's static graph inputs, in graph order: its rank (where graphs take it), fresh
-    K/V caches, the decode state (decode_state: device), its weight shard (mapped, not read: the
-    first step pages the weights in)."""
+    K/V caches, the decode state (decode_state: device), empty adapter slots (`lora:`), its
+    weight shard (mapped, not read: the first step pages the weights in)."""
     lay = bundle.record.layout
     shard = bundle.record.weights_of(rank)
     tensors = map_tensors(bundle.path(shard.file))
@@ -137,8 +139,10 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     kv = allocate_kv_cache(len(kv_names), lay.kv_shape, getattr(torch, lay.kv_dtype), device)
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
     state = [torch.zeros(lay.num_blocks, dtype=torch.int64, device=device) for _ in lay.state_names]
-    names = [abi.RANK] * len(rank_input) + kv_names + lay.state_names + list(shard.names)
-    return rank_input + kv + state + weights, names
+    adapters = allocate_slots(lay.lora, lay.tp, device) if lay.lora else []
+    adapter_names = lay.lora.names() if lay.lora else []
+    names = [abi.RANK] * len(rank_input) + kv_names + lay.state_names + adapter_names
+    return rank_input + kv + state + adapters + weights, names + list(shard.names)
 
 
 def _spmd(bundle: Bundle, executor: str) -> bool:
@@ -188,10 +192,29 @@ def load(
         run_with = XlaCpuSpmdExecutor([statics_list, *others], names)
     else:
         run_with = _executor(bundle, chosen, statics_list, names, rank, world_size)
-    statics = set(names)
+    entries = _graph_entries(bundle, rank, set(names), run_with)
+    runner = ModelRunner(entries, SchedulerConfig.of(record))
+    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
+    adapters = _adapter_slots(bundle, dict(zip(names, statics_list, strict=True)), run_with, rank)
+    heap.release_free_memory()
+    return LoadedBundle(
+        bundle,
+        runner,
+        tokenizer,
+        load_seconds=time.perf_counter() - t0,
+        verify=verify,
+        executor=executor,
+        adapters=adapters,
+    )
+
+
+def _graph_entries(
+    bundle: Bundle, rank: int, statics: set[str], run_with: Executor
+) -> list[GraphEntry]:
+    """The graphs this rank runs, each loaded by its executor. Per-rank artifacts
+    (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"."""
     entries = []
-    # per-rank artifacts (parallel.per_rank_artifacts) list their rank; SPMD ones serve "all"
-    for g in (g for g in record.graphs if g.serves(rank)):
+    for g in (g for g in bundle.record.graphs if g.serves(rank)):
         meta = tuple((i.name, i.shape, i.dtype) for i in g.inputs if i.name not in statics)
         b = g.buckets
         entries.append(
@@ -203,9 +226,15 @@ def load(
                 outputs=tuple(o.name for o in g.outputs),
             )
         )
-    runner = ModelRunner(entries, SchedulerConfig.of(record))
-    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
-    heap.release_free_memory()
-    return LoadedBundle(
-        bundle, runner, tokenizer, time.perf_counter() - t0, verify=verify, executor=executor
-    )
+    return entries
+
+
+def _adapter_slots(
+    bundle: Bundle, statics: dict[str, torch.Tensor], run_with: Executor, rank: int
+) -> AdapterSlots | None:
+    """This rank's adapter slots, written through its executor (None: built without `lora:`)."""
+    lay = bundle.record.layout
+    if lay.lora is None:
+        return None
+    tensors = [statics[name] for name in lay.lora.names()]
+    return AdapterSlots(lay.lora, tensors, run_with.refresh, rank, lay.tp)

@@ -88,7 +88,7 @@ class DecodeBuffers:
     """
 
     PER_STEP = (abi.POSITIONS, abi.SLOT_MAPPING, abi.CONTEXT_LENS)  # rewritten every step
-    PER_ROW = (abi.BLOCK_TABLES, abi.SEQ_SLOTS, *abi.SAMPLING_NAMES)
+    PER_ROW = (abi.BLOCK_TABLES, abi.SEQ_SLOTS, *abi.SAMPLING_NAMES, abi.LORA_SLOTS)
 
     def __init__(
         self, graph: GraphEntry, block_size: int, eos_token_ids: tuple[int, ...] = ()
@@ -165,10 +165,13 @@ def padded_metadata(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> dict
 
 
 def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) -> None:
-    """A row's sampling inputs: each the request's `SamplingParams` field of the input's name,
-    but the seed, which the engine draws for an unseeded request (the sequence's)."""
+    """A row's per-request inputs: each sampling one the request's `SamplingParams` field of
+    the input's name, but the seed, which the engine draws for an unseeded request (the
+    sequence's); its adapter slot where the graph takes one."""
     for name in abi.SAMPLING_NAMES:
         meta[name][row] = seq.seed if name == abi.SEED else getattr(seq.params, name)
+    if abi.LORA_SLOTS in meta:
+        meta[abi.LORA_SLOTS][row] = seq.lora_slot
 
 
 class ModelRunner:
