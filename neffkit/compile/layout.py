@@ -112,7 +112,7 @@ def model_layout(
         bitmask_words=-(-cfg.vocab_size // 32) if sampling.structured else 0,
         penalty_tokens=sampling.penalty_tokens(manifest.buckets.context[-1], cfg.vocab_size),
         bias_tokens=sampling.max_logit_bias,
-        lora=lora_record(manifest.lora, cfg, manifest.dtype) if manifest.lora else None,
+        lora=lora_record(manifest.lora, cfg, manifest.dtype, par) if manifest.lora else None,
     )
 
 

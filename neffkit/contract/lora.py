@@ -23,23 +23,33 @@ COLUMN, ROW = "column", "row"  # how tp splits a projection (and its adapter)
 
 @dataclass(frozen=True)
 class LoraTarget(Record):
-    """One adapted projection: its weight's prefix, its whole (unsplit) shape, its tp split."""
+    """One adapted projection: its weight's prefix, its whole (unsplit) shape, its tp split and
+    each rank's (start, size) along the split dimension (the base weight's cut: KV heads
+    replicated where tp exceeds them)."""
 
     prefix: str  # "model.layers.0.self_attn.q_proj"
     in_features: int
     out_features: int
     split: str  # COLUMN (outputs split across ranks) or ROW (inputs split)
+    spans: tuple[tuple[int, int], ...] = ()  # per rank; () at tp 1
 
     @property
     def module(self) -> str:
         """The module name PEFT's `target_modules` uses: "q_proj"."""
         return self.prefix.rsplit(".", 1)[-1]
 
+    def span(self, rank: int) -> tuple[int, int]:
+        """(start, size) of `rank`'s part along the split dimension."""
+        if not self.spans:
+            return 0, self.out_features if self.split == COLUMN else self.in_features
+        return self.spans[rank]
+
     def local(self, tp: int) -> tuple[int, int]:
-        """(in, out) on one rank of `tp`."""
+        """(in, out) on each rank of `tp` (every rank's part has the same size)."""
+        size = self.span(0)[1] if tp > 1 else None
         if self.split == COLUMN:
-            return self.in_features, self.out_features // tp
-        return self.in_features // tp, self.out_features
+            return self.in_features, size or self.out_features
+        return size or self.in_features, self.out_features
 
 
 @dataclass(frozen=True)

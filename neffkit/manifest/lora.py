@@ -1,5 +1,7 @@
 """`lora:`: adapter slots in every graph, so one bundle serves many fine-tunes of its base
-(contract/lora.py says what the graphs take; docs/serving.md#adapters how they are served)."""
+(contract/lora.py says what the graphs take; docs/serving.md#adapters how they are served).
+Targets default to every projection that can take an adapter: all of a dense model's, the
+attention of a mixture of experts (adapters on experts are refused by name)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from typing import Any
 from neffkit.errors import ManifestError
 from neffkit.manifest.fields import describe, mapping, no_unknown, positive_int, string_list
 from neffkit.models.config import ModelConfig
-from neffkit.models.parallel import Parallelism
 
 MAX_LORAS = 64  # slots a graph reads every step: bytes grow with each
 MAX_RANK = 256
@@ -23,13 +24,17 @@ DENSE_MODULES = {
     "up_proj": "column",
     "down_proj": "row",
 }
-# the architectures whose every projection takes an adapter (their graphs are the base decoder's)
-LORA_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the architectures whose graphs add adapters, and the modules that can take one: every
+# projection of the dense families; attention only where the MLP is a mixture of experts
+LORA_ARCHITECTURES = {
+    "LlamaForCausalLM": tuple(DENSE_MODULES),
+    "MistralForCausalLM": tuple(DENSE_MODULES),
+    "Qwen2ForCausalLM": tuple(DENSE_MODULES),
+    "Qwen3ForCausalLM": tuple(DENSE_MODULES),
+    "MixtralForCausalLM": ATTENTION_MODULES,
+    "Qwen3MoeForCausalLM": ATTENTION_MODULES,
+}
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class Lora:
     targets: tuple[str, ...]
 
 
-def read_lora(value: Any, cfg: ModelConfig, parallel: Parallelism) -> Lora | None:
+def read_lora(value: Any, cfg: ModelConfig) -> Lora | None:
     if value is None:
         return None
     raw = mapping(value, "lora")
@@ -52,29 +57,34 @@ def read_lora(value: Any, cfg: ModelConfig, parallel: Parallelism) -> Lora | Non
         raise ManifestError(f"lora.max_loras: {max_loras} is above the limit of {MAX_LORAS}")
     if max_rank > MAX_RANK:
         raise ManifestError(f"lora.max_rank: {max_rank} is above the limit of {MAX_RANK}")
-    if cfg.architecture not in LORA_ARCHITECTURES:
+    available = LORA_ARCHITECTURES.get(cfg.architecture)
+    if available is None:
         raise ManifestError(
             f"lora: adapters are not supported for {cfg.architecture} yet; supported: "
             f"{', '.join(LORA_ARCHITECTURES)}",
             hint="leave the lora section out of this manifest",
         )
-    if parallel.tp > 1:
-        raise ManifestError(
-            f"lora: adapters are served at parallel.tp 1 for now; this manifest has tp "
-            f"{parallel.tp}",
-            hint="build the adapter bundle with tp 1",
-        )
-    targets = tuple(DENSE_MODULES)
+    targets = available
     if "targets" in raw:
         targets = string_list(raw["targets"], "lora.targets")
         if not targets:
             raise ManifestError("lora.targets: expected at least one module name, got []")
         for i, module in enumerate(targets):
-            if module not in DENSE_MODULES:
-                raise ManifestError(
-                    f"lora.targets[{i}]: {describe(module)} is not a projection of "
-                    f"{cfg.architecture}; available: {', '.join(DENSE_MODULES)}"
-                )
+            _check_target(module, f"lora.targets[{i}]", available, cfg.architecture)
         if len(set(targets)) != len(targets):
             raise ManifestError(f"lora.targets: {list(targets)} names a module twice")
     return Lora(max_loras, max_rank, targets)
+
+
+def _check_target(module: Any, field: str, available: tuple[str, ...], arch: str) -> None:
+    if module in available:
+        return
+    if module in DENSE_MODULES:  # an MLP projection of a mixture of experts
+        raise ManifestError(
+            f"{field}: {module!r} is an expert projection of {arch}; adapters on MoE experts are "
+            f"not supported (attention only: {', '.join(available)})"
+        )
+    raise ManifestError(
+        f"{field}: {describe(module)} is not a projection of {arch}; available: "
+        f"{', '.join(available)}"
+    )

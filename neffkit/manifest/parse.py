@@ -165,7 +165,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         ),
         lm_head_dtype=read_lm_head(data.get("lm_head", {}), model_config, model_path),
         quantization=read_quantization(data.get("quantization"), model_config, model_path),
-        lora=read_lora(data.get("lora"), model_config, parallel),
+        lora=read_lora(data.get("lora"), model_config),
     )
 
 

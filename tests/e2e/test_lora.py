@@ -20,7 +20,7 @@ from tests.support.bundles import build_session_bundle
 from tests.support.cli import bundle_json, run_cli, run_ids
 from tests.support.models import LONG, MAX_NEW, MIXED, SHORT
 
-BUCKETS = {"prefill": [16], "prefill_batch": [1, 4], "decode": [1, 4], "context": [64]}
+BUCKETS = {"prefill": [16], "prefill_batch": [1, 4], "decode": [4], "context": [64]}
 REPEATS = [5, 6, 7, 8, 9] * 3  # prompt lookup proposes its continuation
 PROMPTS = [SHORT, LONG, *MIXED, REPEATS]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)

@@ -20,7 +20,10 @@ ADAPTERS: dict[str, tuple[int, list[str], dict[str, Any], int]] = {
     "all8": (8, ALL, {"lora_alpha": 24}, 2),
     "mlp16": (16, ["gate_proj", "up_proj", "down_proj"], {"use_rslora": True}, 3),
     "wide32": (32, ["q_proj"], {}, 4),  # above the test bundles' max_rank
+    "qkvo8": (8, ["q_proj", "k_proj", "v_proj", "o_proj"], {}, 5),  # attention: MoE models too
 }
+DENSE = ("attn4", "all8", "mlp16", "wide32")
+ATTENTION = ("attn4", "qkvo8")
 
 _MAKE = """
 import json, sys, torch, transformers
@@ -39,13 +42,13 @@ for name, (rank, targets, extra, seed) in recipe.items():
 """
 
 
-def make_adapters(model_dir: Path) -> dict[str, Path]:
-    """ADAPTERS of the checkpoint at `model_dir`, by name (made once per machine, in a process
-    of its own: a test worker may hold tracing's fake process group, under which transformers
-    and peft save nothing)."""
+def make_adapters(model_dir: Path, names: tuple[str, ...] = DENSE) -> dict[str, Path]:
+    """ADAPTERS `names` of the checkpoint at `model_dir`, by name (made once per machine, in a
+    process of its own: a test worker may hold tracing's fake process group, under which
+    transformers and peft save nothing)."""
     import peft
 
-    recipe = json.dumps(ADAPTERS, sort_keys=True)
+    recipe = json.dumps({n: ADAPTERS[n] for n in names}, sort_keys=True)
     digest = hashlib.sha256(f"{model_dir}{recipe}{peft.__version__}{_MAKE}".encode()).hexdigest()
 
     def make(out: Path) -> None:
@@ -53,7 +56,7 @@ def make_adapters(model_dir: Path) -> dict[str, Path]:
         subprocess.run(args, cwd=REPO, check=True, capture_output=True)
 
     root = cached_dir(f"adapters/{model_dir.name}-{digest[:16]}", make)
-    return {name: root / name for name in ADAPTERS}
+    return {name: root / name for name in names}
 
 
 def peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]], n: int) -> Any:

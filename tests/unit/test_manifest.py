@@ -226,11 +226,6 @@ BAD = [
         _with("lora", {"targets": ["q_proj", "lm_head"]}),
         "lora.targets[1]: 'lm_head' is not a projection of LlamaForCausalLM",
     ),
-    (
-        "lora at tp 2",
-        _with("lora", {}) | {"parallel": {"tp": 2}},
-        "lora: adapters are served at parallel.tp 1 for now",
-    ),
 ]
 
 
@@ -506,19 +501,25 @@ def test_a_draft_model_must_share_the_vocabulary_and_run_on_one_rank(tmp_path, h
     assert manifest.to_json()["speculation"]["model"] == str(hf_model_dir("llama").resolve())
 
 
-def test_lora_is_refused_for_architectures_without_adapter_graphs(model_dir):
+def test_lora_targets_follow_the_architecture(model_dir):
+    """Every projection of a dense model by default; a mixture of experts' attention only, its
+    expert projections refused by name; architectures without adapter graphs refused."""
     import dataclasses
 
     from neffkit.errors import ManifestError
     from neffkit.manifest.lora import read_lora
-    from neffkit.models.parallel import Parallelism
     from neffkit.models.registry import read_model_config
 
-    cfg = dataclasses.replace(read_model_config(model_dir), architecture="Gemma3ForCausalLM")
-    with pytest.raises(ManifestError, match="lora: adapters are not supported for Gemma3"):
-        read_lora({"max_loras": 2}, cfg, Parallelism())
-    lora = read_lora(
-        {"targets": ["q_proj", "down_proj"]}, read_model_config(model_dir), Parallelism()
-    )
+    dense = read_model_config(model_dir)
+    lora = read_lora({}, dense)
     assert lora is not None and (lora.max_loras, lora.max_rank) == (4, 16)
-    assert lora.targets == ("q_proj", "down_proj")
+    assert lora.targets[-1] == "down_proj" and len(lora.targets) == 7
+    moe = dataclasses.replace(dense, architecture="MixtralForCausalLM")
+    assert read_lora({"max_rank": 8}, moe).targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(
+        ManifestError, match=r"lora.targets\[1\]: 'up_proj' is an expert projection"
+    ):
+        read_lora({"targets": ["q_proj", "up_proj"]}, moe)
+    gemma = dataclasses.replace(dense, architecture="Gemma3ForCausalLM")
+    with pytest.raises(ManifestError, match="lora: adapters are not supported for Gemma3"):
+        read_lora({"max_loras": 2}, gemma)

@@ -5,6 +5,7 @@ by peft where peft can write it, by hand where it cannot."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -174,6 +175,8 @@ def test_shard_splits_as_the_base_projection_does(tmp_path: Path, module: str, s
     target = next(t for t in bundle_lora().targets if t.prefix.endswith(f"0.self_attn.{module}"))
     assert target.split == split
     a, b = read_adapter("sql", tmp_path, bundle_lora()).weights[target.prefix]
+    half = (target.out_features if split == COLUMN else target.in_features) // 2
+    target = dataclasses.replace(target, spans=((0, half), (half, half)))  # the build's tp=2 cut
     parts = [shard(a, b, target, rank, 2) for rank in range(2)]
     n_in, n_out = target.local(2)
     for part_a, part_b in parts:

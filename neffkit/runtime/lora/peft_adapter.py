@@ -98,18 +98,14 @@ def read_adapter(name: str, path: str | Path, lora: LoraRecord) -> Adapter:
 def shard(
     a: torch.Tensor, b: torch.Tensor, target: LoraTarget, rank: int, tp: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's part: column split → B's columns [rank*out/tp : (rank+1)*out/tp]; row split →
-    A's rows [rank*in/tp : ...], as the base projection is split (the other factor is whole)."""
+    """One rank's part, cut as the base projection is (`target.span`): column split → B's
+    columns, row split → A's rows; the other factor whole."""
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} is not one of tp {tp}'s ranks")
-    n_in, n_out = target.local(tp)
+    start, size = target.span(rank) if tp > 1 else (0, None)
     if target.split == COLUMN:
-        if n_out * tp != target.out_features:
-            raise ValueError(f"{target.prefix}: out {target.out_features} does not split by {tp}")
-        return a.contiguous(), b[:, rank * n_out : (rank + 1) * n_out].contiguous()
-    if n_in * tp != target.in_features:
-        raise ValueError(f"{target.prefix}: in {target.in_features} does not split by {tp}")
-    return a[rank * n_in : (rank + 1) * n_in].contiguous(), b.contiguous()
+        return a.contiguous(), b[:, start : None if size is None else start + size].contiguous()
+    return a[start : None if size is None else start + size].contiguous(), b.contiguous()
 
 
 def _check_files(where: _Where) -> Path:

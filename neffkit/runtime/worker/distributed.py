@@ -11,6 +11,7 @@ process-group timeout, never a hang.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -26,13 +27,17 @@ import torch
 import torch.distributed as dist
 
 from neffkit.contract.read import read_bundle
-from neffkit.errors import NeffkitError, RequestError
+from neffkit.errors import AdapterError, NeffkitError, RequestError
 from neffkit.platform.cpus import usable_cpus
+from neffkit.runtime.lora.peft_adapter import Adapter, read_adapter
+from neffkit.runtime.worker.adapters import AdapterSlots
 from neffkit.runtime.worker.loader import LoadedBundle, load
 from neffkit.runtime.worker.runner import GraphEntry, ModelRunner
 
 log = logging.getLogger(__name__)
-STOP, RUN = 0, 1
+STOP, RUN, ADAPTER = 0, 1, 2
+# an ADAPTER message: [slot, name, directory] as JSON, 8 bytes a word (4 KiB at most)
+ADAPTER_WORDS = 512
 DEFAULT_TIMEOUT_S = 60.0
 T = TypeVar("T")
 
@@ -77,18 +82,42 @@ def _packed_size(graph: GraphEntry) -> int:
     return sum(int(np.prod(shape)) for _, shape, _ in graph.meta_specs)
 
 
-def step_buffer_size(runner: ModelRunner) -> int:
-    """One broadcast per step: [command, graph index, metadata of the largest graph]."""
-    return 2 + max(_packed_size(g) for g in runner.graph_list)
+def step_buffer_size(runner: ModelRunner, adapters: bool = False) -> int:
+    """One broadcast per step: [command, graph index, metadata of the largest graph]; with
+    adapter slots, room for an ADAPTER message too."""
+    largest = max(_packed_size(g) for g in runner.graph_list)
+    return 2 + max(largest, ADAPTER_WORDS + 1 if adapters else 0)
+
+
+def _pack_adapter(slot: int, adapter: Adapter | None) -> torch.Tensor:
+    """[byte count, the JSON's bytes 8 to a word]: which adapter a slot now holds (None:
+    zeros), for every rank to read from its directory and cut for itself."""
+    where = [adapter.name, str(adapter.path)] if adapter is not None else None
+    data = json.dumps([slot, where]).encode()
+    words = -(-len(data) // 8)
+    if words > ADAPTER_WORDS:
+        raise AdapterError(f"adapter path too long for the other ranks ({len(data)} bytes)")
+    raw = np.frombuffer(data.ljust(8 * words, b"\0"), dtype=np.int64)
+    return torch.from_numpy(np.concatenate([[len(data)], raw])).clone()
+
+
+def _write_adapter(slots: AdapterSlots, payload: np.ndarray) -> None:
+    """A follower's side of an ADAPTER message: the same adapter read and cut for its ranks."""
+    size = int(payload[0])
+    slot, where = json.loads(payload[1:].tobytes()[:size])
+    adapter = read_adapter(where[0], where[1], slots.lora) if where is not None else None
+    slots.write(slot, adapter)
 
 
 class StepBroadcaster:
     """Rank 0's `ModelRunner.on_run` hook: one broadcast per step (gloo latency dominates)."""
 
-    def __init__(self, runner: ModelRunner, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, runner: ModelRunner, group: dist.ProcessGroup, adapters: bool = False
+    ) -> None:
         self.runner = runner
         self.group = group
-        self.size = step_buffer_size(runner)
+        self.size = step_buffer_size(runner, adapters)
         self._sent: torch.Tensor | None = None  # alive until the next step (freed by us, not gloo)
 
     def _send(self, command: int, index: int, payload: torch.Tensor | None) -> None:
@@ -101,6 +130,10 @@ class StepBroadcaster:
 
     def __call__(self, index: int, meta: dict[str, np.ndarray]) -> None:
         self._send(RUN, index, _pack(self.runner.graph_list[index], meta))
+
+    def adapter(self, slot: int, adapter: Adapter | None) -> None:
+        """`AdapterSlots.on_write`: the followers write the same adapter into `slot`."""
+        self._send(ADAPTER, 0, _pack_adapter(slot, adapter))
 
     def stop(self) -> None:
         self._send(STOP, 0, None)
@@ -126,14 +159,18 @@ def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         ) from exc
 
 
-def follow(runner: ModelRunner, group: dist.ProcessGroup) -> int:
-    """A follower's loop: receive each step from rank 0 and run it. Returns steps run."""
+def follow(runner: ModelRunner, group: dist.ProcessGroup, slots: AdapterSlots | None = None) -> int:
+    """A follower's loop: receive each step from rank 0 and run it (or write an adapter into
+    its slots). Returns steps run."""
     steps = 0
-    buf = torch.zeros(step_buffer_size(runner), dtype=torch.int64)
+    buf = torch.zeros(step_buffer_size(runner, slots is not None), dtype=torch.int64)
     while True:
         _broadcast(buf, group)
         if int(buf[0]) == STOP:
             return steps
+        if int(buf[0]) == ADAPTER and slots is not None:
+            _write_adapter(slots, buf.numpy()[2:])
+            continue
         graph = runner.graph_list[int(buf[1])]
         runner.execute(graph, _unpack(graph, buf.numpy()[2:]))
         steps += 1
@@ -169,7 +206,7 @@ def follower_main(bundle: str, backend: str, timeout_s: float) -> None:
     control = _init(backend, timeout_s)
     try:
         loaded = load(bundle, rank=dist.get_rank(), world_size=dist.get_world_size())
-        follow(loaded.runner, control)
+        follow(loaded.runner, control, loaded.adapters)
     finally:
         dist.destroy_process_group()
 
@@ -233,10 +270,12 @@ def run_ranks(
     try:
         loaded = load(bundle, rank=rank, world_size=world_size)
         if rank != 0:
-            follow(loaded.runner, control)
+            follow(loaded.runner, control, loaded.adapters)
             return None
-        broadcaster = StepBroadcaster(loaded.runner, control)
+        broadcaster = StepBroadcaster(loaded.runner, control, loaded.adapters is not None)
         loaded.runner.on_run = broadcaster
+        if loaded.adapters is not None:
+            loaded.adapters.on_write = broadcaster.adapter
         try:
             return leader(loaded)
         except RuntimeError as exc:  # a collective inside a graph failed: a peer is gone

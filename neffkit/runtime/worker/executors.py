@@ -37,8 +37,9 @@ class Executor(Protocol):
 
     def load(self, bundle: Bundle, graph: GraphRecord, num_meta: int) -> GraphRun: ...
 
-    # a static input was rewritten in place (an adapter slot): replace any copy of it
-    def refresh(self, name: str, value: torch.Tensor) -> None: ...
+    # a static input was rewritten in place (an adapter slot; one tensor per rank the executor
+    # runs): replace any copy of it
+    def refresh(self, name: str, values: list[torch.Tensor]) -> None: ...
 
 
 def choose_executor(bundle: Bundle, requested: str) -> str:
@@ -92,7 +93,7 @@ class AotiExecutor:
 
         return run
 
-    def refresh(self, name: str, value: torch.Tensor) -> None:
+    def refresh(self, name: str, values: list[torch.Tensor]) -> None:
         """Nothing: the graphs read the statics themselves, which were written in place."""
 
 
@@ -121,8 +122,8 @@ class XlaCpuExecutor:
 
         return run
 
-    def refresh(self, name: str, value: torch.Tensor) -> None:
-        self.arrays[self.index[name]] = self.xla.put(to_numpy(value))
+    def refresh(self, name: str, values: list[torch.Tensor]) -> None:
+        self.arrays[self.index[name]] = self.xla.put(to_numpy(values[0]))
 
 
 class XlaCpuSpmdExecutor:
@@ -161,8 +162,8 @@ class XlaCpuSpmdExecutor:
 
         return run
 
-    def refresh(self, name: str, value: torch.Tensor) -> None:
-        raise BundleError(f"{name}: adapters are not served across ranks yet (tp 1 only)")
+    def refresh(self, name: str, values: list[torch.Tensor]) -> None:
+        self.arrays[self.index[name]] = self.xla.put_ranks([to_numpy(v) for v in values])
 
 
 class NeuronExecutor:
@@ -255,8 +256,8 @@ class NeuronExecutor:
 
         return run
 
-    def refresh(self, name: str, value: torch.Tensor) -> None:
-        self.resident[name].write_from_numpy(to_numpy(value))
+    def refresh(self, name: str, values: list[torch.Tensor]) -> None:
+        self.resident[name].write_from_numpy(to_numpy(values[0]))
 
 
 def by_position(tensors: Any, kind: str, expected: int, neff: Path) -> list[str]:

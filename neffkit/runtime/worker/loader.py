@@ -186,16 +186,17 @@ def load(
         load_library(bundle.path(library))
     device = "cuda" if record.target == "cuda" else "cpu"
     statics_list, names = _rank_statics(bundle, rank, device)
+    by_rank = {rank: statics_list}
     run_with: Executor
     if spmd:
-        others = [_rank_statics(bundle, r, device)[0] for r in range(1, world_size)]
-        run_with = XlaCpuSpmdExecutor([statics_list, *others], names)
+        by_rank |= {r: _rank_statics(bundle, r, device)[0] for r in range(1, world_size)}
+        run_with = XlaCpuSpmdExecutor(list(by_rank.values()), names)
     else:
         run_with = _executor(bundle, chosen, statics_list, names, rank, world_size)
     entries = _graph_entries(bundle, rank, set(names), run_with)
     runner = ModelRunner(entries, SchedulerConfig.of(record))
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
-    adapters = _adapter_slots(bundle, dict(zip(names, statics_list, strict=True)), run_with, rank)
+    adapters = _adapter_slots(bundle, names, by_rank, run_with)
     heap.release_free_memory()
     return LoadedBundle(
         bundle,
@@ -230,11 +231,16 @@ def _graph_entries(
 
 
 def _adapter_slots(
-    bundle: Bundle, statics: dict[str, torch.Tensor], run_with: Executor, rank: int
+    bundle: Bundle, names: list[str], by_rank: dict[int, list[torch.Tensor]], run_with: Executor
 ) -> AdapterSlots | None:
-    """This rank's adapter slots, written through its executor (None: built without `lora:`)."""
+    """The adapter slots of the ranks this process holds, written through its executor (None:
+    built without `lora:`)."""
     lay = bundle.record.layout
     if lay.lora is None:
         return None
-    tensors = [statics[name] for name in lay.lora.names()]
-    return AdapterSlots(lay.lora, tensors, run_with.refresh, rank, lay.tp)
+    index = {name: i for i, name in enumerate(names)}
+    tensors = {
+        rank: [statics[index[name]] for name in lay.lora.names()]
+        for rank, statics in by_rank.items()
+    }
+    return AdapterSlots(lay.lora, tensors, run_with.refresh, lay.tp)
