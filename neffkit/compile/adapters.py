@@ -3,13 +3,10 @@ whole shape and how tp splits it (contract/lora.py), from the model's config alo
 
 from __future__ import annotations
 
-import torch
-
 from neffkit.contract.lora import LoraRecord, LoraTarget
 from neffkit.manifest.lora import DENSE_MODULES, Lora
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
-from neffkit.models.shards import Shards
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -29,25 +26,19 @@ def projection_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
     return shapes[module]
 
 
-def _no_tensors(name: str) -> torch.Tensor:
-    raise AssertionError(f"{name}: the cuts are read from the config alone")
-
-
 def rank_spans(cfg: ModelConfig, par: Parallelism, module: str) -> tuple[tuple[int, int], ...]:
     """Each rank's (start, size) of a projection along its split dimension: the cut the base
-    weight gets (models/shards.py), so an adapter splits exactly as its projection."""
+    weight gets (models/shards.py: query heads and the MLP split evenly, KV heads split or
+    replicated where tp exceeds them), so an adapter splits exactly as its projection."""
     if par.tp == 1:
         return ()
-    spans = []
+    d, spans = cfg.head_dim, []
     for rank in range(par.tp):
-        cut = Shards(cfg, par, rank, _no_tensors, set())
-        by_module = {
-            "q_proj": (cut.q0, cut.heads * cfg.head_dim),
-            "k_proj": (cut.k0, cut.kv_rows),
-            "v_proj": (cut.k0, cut.kv_rows),
-            "o_proj": (cut.q0, cut.heads * cfg.head_dim),
-        }
-        spans.append(by_module.get(module, (cut.i0, cut.inter)))
+        heads, inter = cfg.num_heads // par.tp, cfg.intermediate_size // par.tp
+        kv = (cfg.kv_head_start(par, rank) * d, cfg.kv_heads_per_rank(par) * d)
+        by_module = {"k_proj": kv, "v_proj": kv, "gate_proj": (rank * inter, inter)}
+        by_module |= {"up_proj": by_module["gate_proj"], "down_proj": by_module["gate_proj"]}
+        spans.append(by_module.get(module, (rank * heads * d, heads * d)))  # q_proj, o_proj
     return tuple(spans)
 
 

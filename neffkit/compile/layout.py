@@ -225,7 +225,7 @@ def uses_kernel(layout: ModelLayout) -> bool:
     weight taking the kernel form at some row count: every decode row count, and the larger
     ones the build measured)?"""
     policy = layout.projection
-    if policy.attention_kernel:
+    if policy.attention_kernel or (policy.lora_kernel and layout.lora is not None):
         return True
     if policy.kernel == "off" or policy.max_rows == 0:
         return False
@@ -270,7 +270,11 @@ def projection_policy(manifest: Manifest, backend: Backend) -> ProjectionPolicy:
     # through the kernel (`ProjectionPolicy.prefill_attention_kernel`)
     scalar_bf16 = attention and manifest.dtype == "bfloat16" and isa.chosen_class() == "avx2"
     return dataclasses.replace(
-        policy, kernel=mode, attention_kernel=attention, prefill_attention_kernel=scalar_bf16
+        policy,
+        kernel=mode,
+        attention_kernel=attention,
+        prefill_attention_kernel=scalar_bf16,
+        lora_kernel=manifest.lora is not None,
     )
 
 

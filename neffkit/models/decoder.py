@@ -23,12 +23,11 @@ import torch
 
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
-from neffkit.contract.lora import LORA_A, LORA_B
 from neffkit.kernels import attention as attn
+from neffkit.kernels import lora
 from neffkit.kernels.activation import gated
 from neffkit.kernels.intquant import PackedWeight, QuantScheme, graph_weights
 from neffkit.kernels.kv import from_cache, gather_context, to_cache, write_kv
-from neffkit.kernels.lora import lora_delta, slot_mask
 from neffkit.kernels.norm import rms_norm
 from neffkit.kernels.rope import apply_rope, rope_cos_sin
 from neffkit.models.config import ModelConfig
@@ -48,8 +47,6 @@ from neffkit.models.sampling_head import SamplingHead
 from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ, keeps_float32
 from neffkit.models.step import Span, Step
 from neffkit.targets import E4M3FN_MAX
-
-LORA_MASK = "lora.mask"  # w's entry for the step's per-token slot mask (kernels/lora.py)
 
 
 def int_graph_weights(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -105,6 +102,8 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         self.caches_per_layer = len(abi.KV_KINDS[cfg.kv_kind])
         # attention through neffkit::paged_decode_attention (forms.ProjectionPolicy)
         self.attention_kernel = projection.attends_in_kernel(shape.phase, shape.rows)
+        # adapters of decode and verify rows through neffkit::lora_rows (kernels/lora.py)
+        self.lora_kernel = projection.lora_kernel and not shape.rule.packed
 
     # ------------------------------------------------------------ the forward
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -124,8 +123,8 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         if cfg.weight_quant:  # integer / fp4 weights: widened next to their matmul
             w = int_graph_weights(w, cfg)
         if shape.adapters:  # each token's adapter slot, for every adapted projection
-            a = next(t for n, t in w.items() if n.endswith(LORA_A))  # [in, max_loras, rank]
-            w[LORA_MASK] = slot_mask(m[abi.LORA_SLOTS], m.get(abi.SEQ_IDS), a.shape[1], a.dtype)
+            slots, seq_ids = m[abi.LORA_SLOTS], m.get(abi.SEQ_IDS)
+            lora.step_inputs(w, slots, seq_ids, shape.tokens, self.lora_kernel)
         state_slots = None
         if last_tokens is not None:  # clamped like every index from the host (audit NK303)
             state_slots = m[abi.SEQ_SLOTS].clamp(0, last_tokens.shape[0] - 1)
@@ -369,7 +368,7 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
     ) -> list[torch.Tensor]:
         """Projections of one input, biases added: one kernel call where it takes them all."""
         outs = project_many(x, [w[f"{p}.weight"] for p in prefixes], self.projection)
-        outs = [self.adapt(x, w, p, out) for p, out in zip(prefixes, outs, strict=True)]
+        outs = lora.adapted(x, w, prefixes, outs)
         biases = [w.get(f"{p}.bias") for p in prefixes]
         return [out if bias is None else out + bias for out, bias in zip(outs, biases, strict=True)]
 
@@ -378,10 +377,7 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
     ) -> torch.Tensor:
         """`out` plus x through each token's adapter, where `prefix` has slots (`lora:`); under
         tp a row-parallel one's delta is a partial sum too, reduced with `out`."""
-        a = w.get(f"{prefix}.{LORA_A}")
-        if a is None:
-            return out
-        return out + lora_delta(x, a, w[f"{prefix}.{LORA_B}"], w[LORA_MASK])
+        return lora.adapted(x, w, (prefix,), [out])[0]
 
     def reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Sum row-parallel partial outputs over ranks, then add the (whole) bias once.

@@ -43,6 +43,9 @@ class ProjectionPolicy:
     # (AVX2: oneDNN has none, and ATen's bf16 GEMM is a scalar loop), where the graph's form
     # would cost seconds a prompt (docs/performance.md#cpu-classes)
     prefill_attention_kernel: bool = False
+    # cpu decode and verify graphs of bundles with `lora:`: each row's adapter through
+    # neffkit::lora_rows (kernels/lora.py), which reads only the slots the rows use
+    lora_kernel: bool = False
     # cpu graphs: the sampler skips what no row of a step needs (drawing when every row is
     # greedy, the grammar mask when it allows every token) through torch.cond, and ranks the
     # vocabulary by chunks (kernels/sampling.py); static-graph targets (XLA) run every path

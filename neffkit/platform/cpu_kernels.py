@@ -4,7 +4,8 @@
 width), `neffkit::int8_rows` (csrc/int8_rows.cpp: W8A8, int8 rows times int8 weights, int32
 sums through VNNI, AMX-int8 or AVX2's byte multiply-adds), `neffkit::int8_blocks`
 (csrc/int8_blocks.cpp: 4- and 8-bit weights times rows quantized to int8 per block of 32
-inputs, llama.cpp's arithmetic, integer sums through VNNI or AVX2).
+inputs, llama.cpp's arithmetic, integer sums through VNNI or AVX2), `neffkit::lora_rows`
+(csrc/lora_rows.cpp: a few rows' LoRA deltas, each row through its own adapter slot).
 
 Every kernel is written once over csrc/vec16.h's 16-lane vector: one zmm on the AVX-512 class,
 two ymm on the AVX2 class (platform/isa.py), so a build compiles the library for its class.
@@ -41,6 +42,7 @@ SOURCES = (
     CSRC / "packed_rows.cpp",
     CSRC / "int8_rows.cpp",
     CSRC / "int8_blocks.cpp",
+    CSRC / "lora_rows.cpp",
 )
 LIBRARY_NAME = "libneffkit_cpu.so"
 OP = "blocked_rows"
@@ -179,6 +181,13 @@ def _register_fake() -> None:
     torch.library.register_fake("neffkit::packed_rows")(_packed_rows_fake)
     torch.library.register_fake("neffkit::int8_rows")(_int8_rows_fake)
     torch.library.register_fake("neffkit::int8_blocks")(_int8_blocks_fake)
+    torch.library.register_fake("neffkit::lora_rows")(_lora_rows_fake)
+
+
+def _lora_rows_fake(
+    x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], slots: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], sum(t.shape[2] for t in b)))
 
 
 def _blocked_rows_fake(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:

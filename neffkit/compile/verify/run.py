@@ -76,7 +76,9 @@ def eager_runner(layout: ModelLayout, spec: GraphSpec) -> Runner:
     # projections as matmuls in the reference: the broadcast forms Inductor fuses into
     # reductions would materialise a [rows, out, in] product in eager mode (1 GB for a
     # 128k-vocab LM head); attention in the graph's own form, which checks the cpu kernel
-    eager = dataclasses.replace(layout.projection, max_rows=0, attention_kernel=False)
+    eager = dataclasses.replace(
+        layout.projection, max_rows=0, attention_kernel=False, lora_kernel=False
+    )
     module, specs = decoder_module(dataclasses.replace(layout, projection=eager), spec)
     names = [s.name for s in specs]
 
