@@ -13,6 +13,48 @@ from neffkit.cli.app import cli, local_bundle
 from neffkit.errors import NeffkitError
 from neffkit.runtime.sampling_params import OFFLINE
 
+LORA_MODULES = "--lora-modules"
+
+
+class _RunCommand(click.Command):
+    """`run`, whose `--lora-modules` takes several values after one flag as vLLM's does (argparse
+    nargs="+"): each argument after its value that reads as one more (NAME=PATH, or a JSON
+    object) is one more `--lora-modules`; repeating the flag works too."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _spread(args, LORA_MODULES))
+
+
+def _spread(args: list[str], flag: str) -> list[str]:
+    """`flag a b c` as `flag a flag b flag c`, up to an argument that is not a value."""
+    out: list[str] = []
+    state = ""  # "value": the next argument is the flag's; "more": more values may follow
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        if state == "value":
+            out.append(arg)
+            state = "more"
+            continue
+        if state == "more" and not arg.startswith("-") and ("=" in arg or arg.startswith("{")):
+            out += [flag, arg]
+            continue
+        state = "value" if arg == flag else "more" if arg.startswith(flag + "=") else ""
+        out.append(arg)
+    return out
+
+
+def _lora_modules(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> list:
+    """Each `--lora-modules` value as a LoraModule (a bad one: a usage error, exit 2)."""
+    if not values:
+        return []
+    from neffkit.runtime.serve.lora import parse_lora_module
+
+    try:
+        return [parse_lora_module(v) for v in values]
+    except NeffkitError as exc:
+        raise click.BadParameter(exc.message, param_hint=LORA_MODULES) from None
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -21,7 +63,7 @@ def _parse_ids(text: str) -> list[int]:
         raise NeffkitError(f"--prompt-ids: expected comma-separated ints, got {text!r}") from exc
 
 
-@cli.command()
+@cli.command(cls=_RunCommand)
 @click.argument("bundle", callback=lambda _ctx, _param, value: local_bundle(value))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Prompt token ids: 1,2,3.")
@@ -76,6 +118,22 @@ def _parse_ids(text: str) -> list[int]:
     default=None,
     metavar="[NAME=]PATH",
     help="Generate with the PEFT adapter at PATH (a bundle built with lora:).",
+)
+@click.option(
+    LORA_MODULES,
+    "lora_modules",
+    multiple=True,
+    callback=_lora_modules,
+    metavar="NAME=PATH ...",
+    help="Server: serve the PEFT adapter at PATH as model NAME (a bundle built with lora:); "
+    'several may follow one flag; or JSON: {"name": ..., "path": ..., "base_model_name": ...}.',
+)
+@click.option(
+    "--max-cpu-loras",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Server: adapters kept read in memory (default and at least: the bundle's max_loras); "
+    "one evicted is read again from its directory when next asked for.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
@@ -187,6 +245,8 @@ def run(
     if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
         server["threads"] = threads
         sys.exit(_serve(bundle, executor, dist_timeout, no_prefix_caching, no_speculation, server))
+    if server["lora_modules"]:
+        raise click.UsageError(f"{LORA_MODULES} is the server's; with a prompt, use --lora")
 
     request = GenerateRequest(
         texts=list(prompts),
@@ -263,4 +323,6 @@ def _serve(
         threads=server["threads"],
         http_limits=limits,
         public_metrics=server["public_metrics"],
+        lora_modules=server["lora_modules"],
+        max_cpu_loras=server["max_cpu_loras"],
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.adapters import LORA_BUCKETS, ORACLE_NAMES, PROMPTS, make_adapters, peft_greedy
 from tests.support.bundles import (
     BUNDLES_IN_TEST,
     EP,
@@ -26,7 +27,7 @@ from tests.support.bundles import (
     lowered_build,
 )
 from tests.support.cache import cached_dir
-from tests.support.models import EXTRA, MODELS, PARALLEL, hf_greedy_ids
+from tests.support.models import EXTRA, MAX_NEW, MODELS, PARALLEL, hf_greedy_ids
 from tests.support.server import Server, build_serve_bundle
 
 
@@ -156,6 +157,37 @@ def server(serve_bundle: Path) -> Iterator[Server]:
     srv = Server(serve_bundle, "--served-model-name", "tiny")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Path:
+    """The tiny Llama with two adapter slots of rank up to 16 on every projection, and n-gram
+    speculation (verify graphs): the multi-LoRA tests' (test_lora.py, test_lora_server.py)."""
+    return build_session_bundle(
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_lora",
+        buckets=LORA_BUCKETS,
+        lora={"max_loras": 2, "max_rank": 16},
+        speculation={"method": "ngram", "num_tokens": 3},
+    ).bundle
+
+
+@pytest.fixture(scope="session")
+def adapters(hf_model_dir: Callable[[str], Path]) -> dict[str, Path]:
+    """PEFT adapters of the tiny Llama by name (tests/support/adapters.py)."""
+    return make_adapters(hf_model_dir("llama"))
+
+
+@pytest.fixture(scope="session")
+def oracle(
+    hf_model_dir: Callable[[str], Path], adapters: dict[str, Path]
+) -> dict[str | None, list[list[int]]]:
+    """name (None: the base) → HF + peft's greedy tokens of each of PROMPTS."""
+    base = hf_model_dir("llama")
+    return {
+        n: peft_greedy(base, adapters[n] if n else None, PROMPTS, MAX_NEW) for n in ORACLE_NAMES
+    }
 
 
 @pytest.fixture(scope="session")

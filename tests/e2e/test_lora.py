@@ -15,41 +15,12 @@ from neffkit.runtime.engine.llm import LLM
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.worker.loader import load
 from tests.support import REPO
-from tests.support.adapters import make_adapters, peft_greedy
-from tests.support.bundles import build_session_bundle
+from tests.support.adapters import PROMPTS, REPEATS
 from tests.support.cli import bundle_json, run_cli, run_ids
-from tests.support.models import LONG, MAX_NEW, MIXED, SHORT
+from tests.support.models import LONG, MAX_NEW, SHORT
 
-BUCKETS = {"prefill": [16], "prefill_batch": [1, 4], "decode": [4], "context": [64]}
-REPEATS = [5, 6, 7, 8, 9] * 3  # prompt lookup proposes its continuation
-PROMPTS = [SHORT, LONG, *MIXED, REPEATS]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def lora_bundle(session_dir: Path, hf_model_dir) -> Path:
-    """Two slots of rank up to 16 on every projection, and n-gram speculation (verify graphs)."""
-    return build_session_bundle(
-        session_dir,
-        hf_model_dir("llama"),
-        "llama_lora",
-        buckets=BUCKETS,
-        lora={"max_loras": 2, "max_rank": 16},
-        speculation={"method": "ngram", "num_tokens": 3},
-    ).bundle
-
-
-@pytest.fixture(scope="module")
-def adapters(hf_model_dir) -> dict[str, Path]:
-    return make_adapters(hf_model_dir("llama"))
-
-
-@pytest.fixture(scope="module")
-def oracle(hf_model_dir, adapters):
-    """name (None: the base) → HF + peft's greedy tokens of each of PROMPTS."""
-    base = hf_model_dir("llama")
-    names = [None, "attn4", "all8", "mlp16"]
-    return {n: peft_greedy(base, adapters[n] if n else None, PROMPTS, MAX_NEW) for n in names}
+# the fixtures lora_bundle, adapters and oracle are tests/e2e/conftest.py's
 
 
 def _served(adapters: dict[str, Path]) -> dict[str, Path]:

@@ -134,7 +134,6 @@ def _gauge(text: str, name: str) -> float:
     ("body", "param", "fragment"),
     [
         (b"{not json", None, "not valid JSON"),
-        ({"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": "ten"}, "max_tokens", "must be int"),
         ({"model": "tiny", "prompt": "hi", "max_tokens": -1}, "max_tokens", "must be >= 0"),
         ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "number"),
@@ -153,6 +152,17 @@ def test_bad_requests_get_400(server: Server, body, param, fragment) -> None:
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_an_unknown_model_gets_vllms_404(server: Server) -> None:
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert resp.status_code == 404
+    assert resp.json()["error"] == {
+        "message": "The model `gpt-9` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
 
 
 def test_chat_bad_messages_get_400(server: Server) -> None:

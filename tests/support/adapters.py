@@ -12,6 +12,14 @@ from typing import Any
 
 from tests.support import REPO
 from tests.support.cache import cached_dir
+from tests.support.models import LONG, MIXED, SHORT
+
+# the lora_bundle fixture's (tests/e2e/conftest.py): two slots of rank up to 16, n-gram speculation
+LORA_BUCKETS = {"prefill": [16], "prefill_batch": [1, 4], "decode": [1, 4], "context": [64]}
+REPEATS = [5, 6, 7, 8, 9] * 3  # prompt lookup proposes its continuation
+# the prompts the `oracle` fixture continues, under the base and each adapter it serves
+PROMPTS = [SHORT, LONG, *MIXED, REPEATS]
+ORACLE_NAMES = [None, "attn4", "all8", "mlp16"]
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name → rank, targets, extra LoraConfig fields, seed

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neffkit.errors import AdapterError, RequestError
 from neffkit.runtime.lora.peft_adapter import Adapter, read_adapter
 from neffkit.runtime.worker.adapters import AdapterSlots
 from neffkit.runtime.worker.batch import SequenceState
+
+if TYPE_CHECKING:
+    from neffkit.runtime.worker.loader import LoadedBundle
 
 _KEYS = itertools.count(1)
 
@@ -57,16 +63,26 @@ class AdapterManager:
         self._clock = itertools.count(1)
 
     # ------------------------------------------------------------------ registration
-    def register(self, name: str, path: str | Path) -> Registered:
-        """Read and check the adapter, then serve it as `name` (AdapterError: it cannot be)."""
-        if name in self.registered:
-            raise AdapterError(f"adapter {name!r} is already loaded", hint="unload it first")
-        adapter = read_adapter(name, path, self.slots_io.lora)
+    def register(self, name: str, path: str | Path, adapter: Adapter | None = None) -> Registered:
+        """Read and check the adapter (unless `adapter` is it, read already), then serve it as
+        `name` (AdapterError: it cannot be)."""
+        self.check_free(name)
+        if adapter is None:
+            adapter = read_adapter(name, path, self.slots_io.lora)
         entry = Registered(name, Path(path), f"{name}#{next(_KEYS)}")
         self.registered[name] = entry
         self._sources[entry.key] = (name, entry.path)
         self._remember(entry.key, adapter)
         return entry
+
+    def check_free(self, name: str) -> None:
+        if name in self.registered:
+            raise AdapterError(f"adapter {name!r} is already loaded", hint="unload it first")
+
+    def read(self, name: str, path: str | Path) -> Adapter:
+        """The adapter at `path`, read and checked against the slots (AdapterError); safe from
+        any thread, as it touches nothing of the manager's."""
+        return read_adapter(name, path, self.slots_io.lora)
 
     def unregister(self, name: str) -> None:
         """Stop serving `name`: new requests for it are refused; running ones finish on their
@@ -106,6 +122,14 @@ class AdapterManager:
             self.slots[seq.lora_slot - 1].users -= 1
             seq.lora_slot = 0
 
+    def stats(
+        self, admitted: list[SequenceState], waiting: Iterable[SequenceState]
+    ) -> tuple[list[str], list[str], int]:
+        """vLLM's lora_requests_info: the adapters of the admitted and of the waiting requests
+        (by name, unloaded ones too while their requests run), and max_loras."""
+        running = sorted({s.adapter for s in admitted if s.adapter})
+        return running, sorted({s.adapter for s in waiting if s.adapter}), self.max_loras
+
     def running(self) -> list[str]:
         """Names of the adapters with admitted requests."""
         names = {e.key: e.name for e in self.registered.values()}
@@ -129,3 +153,102 @@ class AdapterManager:
         self._cache[key] = adapter
         while len(self._cache) > self.max_cpu_loras:
             self._cache.popitem(last=False)
+
+
+def adapter_manager(
+    loaded: LoadedBundle, modules: Mapping[str, str | Path], max_cpu_loras: int | None = None
+) -> AdapterManager | None:
+    """The adapters a bundle with slots serves, `modules` registered (None: it has no slots)."""
+    if loaded.adapters is None:
+        if modules:
+            raise AdapterError(
+                f"{loaded.bundle.root}: built without adapter slots; cannot serve "
+                f"{', '.join(modules)}",
+                hint="add a lora: section to the manifest and rebuild",
+            )
+        return None
+    manager = AdapterManager(loaded.adapters, max_cpu_loras)
+    for name, path in modules.items():
+        manager.register(name, path)
+    return manager
+
+
+# a reply to the server: (call id, why it was refused (None: done), whether no adapter of that
+# name is loaded)
+Reply = tuple[int, str | None, bool]
+
+
+class AdapterCalls:
+    """The server's loads and unloads, for the engine core's loop. A load's adapter is read and
+    checked on a thread of its own (reading a large one must not hold up the engine's steps),
+    then registered by the loop when it collects the answers (`replies`); an unload is done at
+    once. Each call is answered with its id."""
+
+    def __init__(self, manager: AdapterManager | None) -> None:
+        self.manager = manager
+        self._pool: ThreadPoolExecutor | None = None
+        self._reading: list[tuple[int, str, str, Future[Adapter]]] = []
+        self._answered: list[Reply] = []
+
+    def pending(self) -> bool:
+        return bool(self._reading)
+
+    def handle(self, msg: tuple) -> None:
+        """`("load", call_id, name, path)` or `("unload", call_id, name)` from the server."""
+        reply = self.load(*msg[1:4]) if msg[0] == "load" else self.unload(*msg[1:3])
+        if reply is not None:
+            self._answered.append(reply)
+
+    def replies(self) -> list[Reply]:
+        """The answers due: those given at once, then the loads whose adapter was read since
+        (registered now)."""
+        answered, self._answered = self._answered, []
+        return answered + self._finished()
+
+    def load(self, cid: int, name: str, path: str) -> Reply | None:
+        """Start reading the adapter (None: answered once read), or the refusal."""
+        if self.manager is None:
+            return cid, "this bundle was built without adapter slots (lora:)", False
+        try:
+            self.manager.check_free(name)
+        except AdapterError as exc:
+            return cid, _said(exc), False
+        if any(n == name for _, n, _, _ in self._reading):
+            return cid, f"adapter {name!r} is being loaded", False
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="neffkit-adapter-read")
+        self._reading.append((cid, name, path, self._pool.submit(self.manager.read, name, path)))
+        return None
+
+    def unload(self, cid: int, name: str) -> Reply:
+        if self.manager is None or name not in self.manager.registered:
+            return cid, f"adapter {name!r} is not loaded", True
+        self.manager.unregister(name)  # its running requests finish on their slot
+        return cid, None, False
+
+    def _finished(self) -> list[Reply]:
+        """Register the adapters read since the last call; the answers to their loads."""
+        if not self._reading:
+            return []
+        assert self.manager is not None
+        replies: list[Reply] = []
+        still = []
+        for call in self._reading:
+            cid, name, path, read = call
+            if not read.done():
+                still.append(call)
+                continue
+            try:
+                self.manager.register(name, path, read.result())
+                replies.append((cid, None, False))
+            except AdapterError as exc:
+                replies.append((cid, _said(exc), False))
+            except Exception as exc:  # noqa: BLE001 - an unreadable file: the caller's to fix
+                replies.append((cid, f"adapter {name!r} ({path}): {exc}", False))
+        self._reading = still
+        return replies
+
+
+def _said(exc: AdapterError) -> str:
+    """The refusal as a client reads it: the message, and the raise site's hint if it has one."""
+    return f"{exc.message} ({exc.own_hint})" if exc.own_hint else exc.message

@@ -6,9 +6,10 @@ directly. When serving, an AOTInductor graph call holds the GIL for its whole ru
 thread inside the HTTP server would serialise every graph call with all request handling; as in
 vLLM's V1 engine core, the core runs in its own process and talks to the server over one pipe:
 the server sends `("add", id, prompt_ids, params, adapter)` and `("abort", id, reason)`, the core
-answers once per step with every request's new tokens and the scheduler's state. Detokenisation
-stays in the server (core_client.py). With tp > 1 this process is rank 0 and starts the other
-ranks, as an offline run does.
+answers once per step with every request's new tokens and the scheduler's state; and each
+`("load", call_id, name, path)` / `("unload", call_id, name)` with an ADAPTER message (a load's
+adapter is read on a thread: the steps go on). Detokenisation stays in the server
+(core_client.py). With tp > 1 this process is rank 0 and starts the other ranks, as offline.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ if TYPE_CHECKING:  # loading a bundle imports torch: the core process does it wh
     from neffkit.runtime.worker.loader import LoadedBundle
 
 # messages core → server
-READY, STEP, FAILED = "ready", "step", "failed"
+READY, STEP, FAILED, ADAPTER = "ready", "step", "failed", "adapter"
 # request ids, unique in the process: the runner's decode buffers tell rows apart by them, and
 # several engines may drive one loaded bundle in turn
 REQUEST_IDS = itertools.count()
 COMPILE_POLL_S = 0.01  # an engine with nothing but grammars compiling looks for news this often
+ADAPTER_POLL_S = 0.01  # ... and one with nothing but an adapter being read
 
 
 class CoreOutput(NamedTuple):
@@ -208,54 +210,91 @@ def new_output(rid: int, seq: SequenceState, sent: int) -> CoreOutput:
     )
 
 
-def serve_engine(core: EngineCore, conn: Connection) -> None:
-    """The core process's loop: messages in, one STEP message out per engine step."""
-    live: dict[int, SequenceState] = {}
-    sent: dict[int, int] = {}
-    conn.send((READY, core.max_model_len))
-    while True:
-        if not core.has_work():
-            conn.poll(None)  # idle: sleep until the server sends something
+class _Stopped(Exception):
+    """The server said stop, or is gone without a word: nobody to serve."""
+
+
+class _Serving:
+    """The core process's side of the pipe: the live requests, what each has been sent, and
+    the server's adapter loads and unloads (answered by their call ids)."""
+
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        from neffkit.runtime.engine.adapters import AdapterCalls  # torch: this process only
+
+        self.core, self.conn = core, conn
+        self.live: dict[int, SequenceState] = {}
+        self.sent: dict[int, int] = {}
+        self.calls = AdapterCalls(core.adapters)
+
+    def receive(self) -> bool:
+        """Handle every message waiting (True: any came); _Stopped when told to stop."""
         changed = False
-        while conn.poll():
+        while self.conn.poll():
             try:
-                msg = conn.recv()
-            except EOFError:  # the server is gone without a word: nobody to serve
-                return
+                msg = self.conn.recv()
+            except EOFError:
+                raise _Stopped() from None
             changed = True
             if msg[0] == "stop":
-                return
+                raise _Stopped()
             if msg[0] == "add":
                 _, rid, prompt_ids, params, adapter = msg
                 try:
-                    live[rid], sent[rid] = core.add_request(prompt_ids, params, adapter), 0
+                    self.live[rid] = self.core.add_request(prompt_ids, params, adapter)
+                    self.sent[rid] = 0
                 except RequestError:  # the server validates first; this is a safety net
-                    conn.send((STEP, ([CoreOutput(rid, [], "error")], None)))
+                    self.conn.send((STEP, ([CoreOutput(rid, [], "error")], None)))
             elif msg[0] == "abort":
                 _, rid, reason = msg
-                if rid in live:
-                    core.abort(live.pop(rid), reason)
-                    sent.pop(rid)
-        outputs = []
-        if core.has_work():
-            core.step()
-            for rid, seq in list(live.items()):
-                if len(seq.output_ids) == sent[rid] and not seq.finished:
-                    continue
-                outputs.append(new_output(rid, seq, sent[rid]))
-                sent[rid] = len(seq.output_ids)
-                if seq.finished:
-                    del live[rid], sent[rid]
+                if rid in self.live:
+                    self.core.abort(self.live.pop(rid), reason)
+                    self.sent.pop(rid)
+            elif msg[0] in ("load", "unload"):
+                self.calls.handle(msg)
+        for reply in self.calls.replies():  # with adapters read meanwhile registered first
+            self.conn.send((ADAPTER, reply))
+        return changed
+
+    def step(self) -> list[CoreOutput]:
+        """One engine step; every live request's news."""
+        outputs: list[CoreOutput] = []
+        if not self.core.has_work():
+            return outputs
+        self.core.step()
+        for rid, seq in list(self.live.items()):
+            if len(seq.output_ids) == self.sent[rid] and not seq.finished:
+                continue
+            outputs.append(new_output(rid, seq, self.sent[rid]))
+            self.sent[rid] = len(seq.output_ids)
+            if seq.finished:
+                del self.live[rid], self.sent[rid]
+        return outputs
+
+
+def step_stats(core: EngineCore) -> tuple:
+    """The scheduler's state after a step, for the server's metrics (metrics.observe_stats):
+    with adapter slots, the adapters of the admitted and of the waiting requests too."""
+    s, sp = core.scheduler, core.scheduler.spec
+    spec = (sp.drafts, sp.draft_tokens, sp.accepted_tokens, tuple(sp.accepted_per_position))
+    lora = core.adapters.stats([*s.prefilling, *s.running], s.waiting) if core.adapters else None
+    return (len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits, spec, lora)
+
+
+def serve_engine(core: EngineCore, conn: Connection) -> None:
+    """The core process's loop: messages in, one STEP message out per engine step, an ADAPTER
+    message per load or unload asked."""
+    serving = _Serving(core, conn)
+    conn.send((READY, core.max_model_len))
+    while True:
+        if not core.has_work():  # idle: sleep until the server sends something
+            conn.poll(ADAPTER_POLL_S if serving.calls.pending() else None)
+        try:
+            changed = serving.receive()
+        except _Stopped:
+            return
+        outputs = serving.step()
         if outputs or changed:
-            s = core.scheduler
-            spec = (
-                s.spec.drafts,
-                s.spec.draft_tokens,
-                s.spec.accepted_tokens,
-                tuple(s.spec.accepted_per_position),
-            )
-            stats = (len(s.running), s.num_waiting, s.kv_usage, s.cache_queries, s.cache_hits, spec)
-            conn.send((STEP, (outputs, stats)))
+            conn.send((STEP, (outputs, step_stats(core))))
 
 
 def engine_threads(requested: int | None = None) -> int:
@@ -277,13 +316,17 @@ def core_main(
     prefix_caching: bool,
     speculation: bool,
     threads: int | None = None,
+    lora_modules: dict[str, str] | None = None,
+    max_cpu_loras: int | None = None,
 ) -> None:
-    """Entry point of the core process (spawned by the server)."""
+    """Entry point of the core process (spawned by the server); `lora_modules` (name → PEFT
+    directory) are registered before it says READY, so a bad one stops the server's start."""
     try:
         import torch
 
         full = engine_threads(threads)
         torch.set_num_threads(full)
+        from neffkit.runtime.engine.adapters import adapter_manager
         from neffkit.runtime.engine.loading import attach_proposer, grammars_of
         from neffkit.runtime.worker.distributed import run_on_ranks
 
@@ -302,6 +345,7 @@ def core_main(
                     speculation,
                     grammars=grammars_of(loaded),
                     governor=governor(loaded),
+                    adapters=adapter_manager(loaded, lora_modules or {}, max_cpu_loras),
                 ),
                 conn,
             ),
@@ -329,6 +373,8 @@ def start_core(
     prefix_caching: bool = True,
     speculation: bool = True,
     threads: int | None = None,
+    lora_modules: dict[str, str] | None = None,
+    max_cpu_loras: int | None = None,
 ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -342,6 +388,8 @@ def start_core(
             prefix_caching,
             speculation,
             threads,
+            lora_modules,
+            max_cpu_loras,
         ),
         name="neffkit-engine-core",
         daemon=True,

@@ -4,7 +4,10 @@ The engine core runs in its own process (engine/core.py). This side validates re
 the bundle's buckets before they are sent (a 400, not a failed sequence), bounds the queue (503),
 detokenises incrementally, applies stop strings, and records the latency metrics (TTFT,
 inter-token latency, end-to-end) next to the tokens they measure. A reader thread receives one
-message per engine step and hands each request's events to its callback.
+message per engine step and hands each request's events to its callback, and the core's answer
+to each adapter load or unload to the future its caller waits on. The adapters served (by name)
+are tracked here, changed in the same order as the requests sent, so a request names an adapter
+the core has.
 """
 
 from __future__ import annotations
@@ -13,18 +16,19 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from neffkit.errors import BundleError, NeffkitError, RequestError
+from neffkit.errors import AdapterError, BundleError, NeffkitError, RequestError
 from neffkit.runtime.config import SchedulerConfig
-from neffkit.runtime.engine.core import FAILED, READY, STEP, CoreOutput
+from neffkit.runtime.engine.core import ADAPTER, FAILED, READY, STEP, CoreOutput
 from neffkit.runtime.engine.detokenizer import IncrementalDetokenizer
 from neffkit.runtime.engine.limits import check_fits
 from neffkit.runtime.engine.metrics import Metrics
-from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.sampling_params import SamplingParams, shown
 from neffkit.runtime.tokenizer import Tokenizer
 from neffkit.runtime.worker.step_output import TokenLogprobs
 
@@ -35,6 +39,15 @@ class ServerBusy(RequestError):
     """The waiting queue is full (503)."""
 
     default_hint = "retry later, or serve with a larger --max-waiting (docs/serving.md#scheduling)"
+
+
+class NotFound(RequestError):
+    """A request names a model (or adapter) this server does not serve (404)."""
+
+
+def unknown_model(name: str) -> NotFound:
+    """vLLM's 404 for a request's `model` that is neither the served model nor an adapter."""
+    return NotFound(f"The model `{shown(name, name)}` does not exist.", param="model")
 
 
 class EngineDead(NeffkitError):
@@ -86,7 +99,9 @@ class EngineClient:
         metrics: Metrics,
         max_waiting: int = 256,
         on_failure: Callable[[str], None] | None = None,
+        lora_modules: Mapping[str, str] | None = None,
     ) -> None:
+        """`lora_modules`: the adapters the core registers as it starts (name → directory)."""
         self.core, self.conn = core, conn
         self.on_failure = on_failure  # called once, from the reader thread, when the core dies
         self.config = config  # the bundle's buckets and block counts: requests checked here
@@ -98,6 +113,12 @@ class EngineClient:
         self._lock = threading.Lock()  # guards _live and the pipe's send side
         self._error: str | None = None
         self._stopping = False
+        # adapters served (name → directory) and being loaded; the calls awaiting the core's
+        # answer: id → (future, name, directory: a load's)
+        self.adapters: dict[str, str] = dict(lora_modules or {})
+        self._loading: set[str] = set()
+        self._calls: dict[int, tuple[Future[None], str, str | None]] = {}
+        self._call_ids = itertools.count()
         self._reader = threading.Thread(target=self._read, name="neffkit-engine-io", daemon=True)
 
     @property
@@ -151,6 +172,8 @@ class EngineClient:
             raise EngineDead(f"the engine failed: {self._error}")
         check_fits(self.config, prompt_ids, params)
         with self._lock:
+            if adapter is not None and adapter not in self.adapters:  # unloaded meanwhile
+                raise unknown_model(adapter)
             queued = sum(1 for s in self._live.values() if s.first_token_at is None)
             if queued >= self.max_waiting:
                 raise ServerBusy(
@@ -172,7 +195,45 @@ class EngineClient:
             self._live[stream.rid] = stream
             self.conn.send(("add", stream.rid, stream.prompt_ids, params, adapter))
         self.metrics.prompt_tokens.inc(len(prompt_ids))
+        if adapter is not None:
+            self.metrics.lora_request(adapter)
         return stream
+
+    def load_adapter(self, name: str, path: str) -> Future[None]:
+        """Ask the core to serve the adapter at `path` as `name`: done when the future is (its
+        exception: AdapterError, it cannot be served; EngineDead). RequestError: the name is
+        taken."""
+        with self._lock:
+            if name in self.adapters or name in self._loading:
+                raise RequestError(
+                    f"adapter {name!r} is already loaded", hint="unload it first", param="lora_name"
+                )
+            self._loading.add(name)
+            return self._call(("load", name, path), name, path)
+
+    def unload_adapter(self, name: str) -> Future[None]:
+        """Stop serving `name`: requests naming it from now on get a 404, those already sent
+        finish (NotFound: no adapter of that name is loaded)."""
+        with self._lock:
+            if name not in self.adapters:
+                raise NotFound(f"adapter {name!r} is not loaded", param="lora_name")
+            del self.adapters[name]
+            return self._call(("unload", name), name, None)
+
+    def _call(self, msg: tuple[str, ...], name: str, path: str | None) -> Future[None]:
+        """Send a load or unload with a new call id (the lock held)."""
+        if self._error is not None:
+            raise EngineDead(f"the engine failed: {self._error}")
+        future: Future[None] = Future()
+        cid = next(self._call_ids)
+        self._calls[cid] = (future, name, path)
+        try:
+            self.conn.send((msg[0], cid, *msg[1:]))
+        except OSError:  # the core is gone: the reader thread reports why
+            del self._calls[cid]
+            self._loading.discard(name)
+            raise EngineDead("the engine is not running") from None
+        return future
 
     def abort(self, stream: Stream, reason: str = "abort") -> None:
         """The client went away (or a stop string matched): the core frees its KV blocks."""
@@ -201,6 +262,8 @@ class EngineClient:
             if kind == FAILED:
                 self._fail(str(payload))
                 return
+            if kind == ADAPTER:
+                self._answer(*payload)
             if kind == STEP:
                 outputs, stats = payload
                 for out in outputs:
@@ -225,14 +288,36 @@ class EngineClient:
                 break
         return delta, kept
 
+    def _answer(self, cid: int, refused: str | None, missing: bool) -> None:
+        """The core's answer to a load or unload: a loaded adapter is served from now on."""
+        with self._lock:
+            call = self._calls.pop(cid, None)
+            if call is None:
+                return
+            future, name, path = call
+            if path is not None:
+                self._loading.discard(name)
+                if refused is None:
+                    self.adapters[name] = path
+        if refused is None:
+            future.set_result(None)
+        else:
+            future.set_exception(
+                NotFound(refused, param="lora_name") if missing else AdapterError(refused)
+            )
+
     def _fail(self, detail: str) -> None:
-        """The core is gone: every live request ends with the cause; then the server stops."""
+        """The core is gone: every live request (and adapter call) ends with the cause; then
+        the server stops."""
         self._error = detail
         log.error("neffkit: the engine failed: %s", detail)
         with self._lock:
             streams, self._live = list(self._live.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
         for stream in streams:
             stream.emit(Event(detail, [], finish_reason="error"))
+        for future, _, _ in calls:
+            future.set_exception(EngineDead(f"the engine failed: {detail}"))
         if self.on_failure is not None:
             self.on_failure(detail)
 

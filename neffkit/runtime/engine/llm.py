@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from neffkit.errors import AdapterError, RequestError
-from neffkit.runtime.engine.adapters import AdapterManager
+from neffkit.runtime.engine.adapters import adapter_manager
 from neffkit.runtime.engine.core import EngineCore, engine_threads
 from neffkit.runtime.engine.limits import check_fits
 from neffkit.runtime.engine.loading import attach_proposer, grammars_of
@@ -80,24 +80,6 @@ class LLM:
             if timings.prefill_chunks + timings.decode_steps == calls:  # never, if blocks add up
                 raise RuntimeError("the scheduler ran no graph in a step with work waiting")
         return seqs
-
-
-def adapter_manager(
-    loaded: LoadedBundle, modules: Mapping[str, str | Path], max_cpu_loras: int | None = None
-) -> AdapterManager | None:
-    """The adapters a bundle with slots serves, `modules` registered (None: it has no slots)."""
-    if loaded.adapters is None:
-        if modules:
-            raise AdapterError(
-                f"{loaded.bundle.root}: built without adapter slots; cannot serve "
-                f"{', '.join(modules)}",
-                hint="add a lora: section to the manifest and rebuild",
-            )
-        return None
-    manager = AdapterManager(loaded.adapters, max_cpu_loras)
-    for name, path in modules.items():
-        manager.register(name, path)
-    return manager
 
 
 @dataclass(frozen=True)

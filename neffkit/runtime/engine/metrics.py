@@ -3,13 +3,18 @@
 Dashboards and alerts written for vLLM (`vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds`, `vllm:num_requests_running`,
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries` and
-`vllm:prefix_cache_hits` (in tokens), token and request counters) work against
-neffkit unchanged; every series carries `model_name`. One registry per server, not the global one.
+`vllm:prefix_cache_hits` (in tokens), token and request counters, `vllm:lora_requests_info`) work
+against neffkit unchanged; every series carries `model_name`. One registry per server, not the
+global one. `neffkit:lora_requests_total{lora_name}` counts each adapter's requests.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LORA_INFO_SERIES = 64  # vllm:lora_requests_info's label sets kept (the most recently seen)
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -43,6 +48,7 @@ class Metrics:
         self._add_token_counters()
         self._add_spec_decode()
         self._seen: dict[str, int] = {}  # the last running total of each counter series
+        self._add_lora()
         self._success = Counter(
             "vllm:request_success",
             "Finished requests by reason.",
@@ -98,6 +104,37 @@ class Metrics:
             registry=self.registry,
         )
 
+    def _add_lora(self) -> None:
+        """Adapters: vLLM's info gauge (its labels say which adapters run and wait; its value is
+        when that was seen) and a request counter per adapter."""
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_series: OrderedDict[tuple[str, ...], None] = OrderedDict()  # last set last
+        self.lora_requests = Counter(
+            "neffkit:lora_requests",
+            "Requests for each LoRA adapter.",
+            ["model_name", "lora_name"],
+            registry=self.registry,
+        )
+
+    def lora_request(self, name: str) -> None:
+        self.lora_requests.labels(lora_name=name, **self._label).inc()
+
+    def _observe_lora(self, running: list[str], waiting: list[str], max_loras: int) -> None:
+        """The series of these adapters set to now: as vLLM, each set of adapters seen keeps its
+        series at the time it was last seen (the newest is the state now); unlike vLLM, only the
+        LORA_INFO_SERIES last seen are kept, so the label sets cannot grow without end."""
+        labels = (self._label["model_name"], str(max_loras), ",".join(waiting), ",".join(running))
+        self._lora_series[labels] = None
+        self._lora_series.move_to_end(labels)
+        while len(self._lora_series) > LORA_INFO_SERIES:
+            self.lora_info.remove(*self._lora_series.popitem(last=False)[0])
+        self.lora_info.labels(*labels).set_to_current_time()
+
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, ["model_name"], registry=self.registry).labels(**self._label)
 
@@ -112,9 +149,13 @@ class Metrics:
         queries: int = 0,
         hits: int = 0,
         spec: tuple = (0, 0, 0, ()),
+        lora: tuple[list[str], list[str], int] | None = None,
     ) -> None:
         """The scheduler's state after an engine step (sent by the engine core); the prefix
-        cache's queries and hits come as running totals."""
+        cache's queries and hits come as running totals; `lora` (bundles with adapter slots):
+        the adapters running and waiting, and max_loras."""
+        if lora is not None:
+            self._observe_lora(*lora)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)

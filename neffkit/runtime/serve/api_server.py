@@ -1,6 +1,7 @@
 """The server process (`neffkit run --serve`): reads the bundle, starts the engine core in its own
 process and the engine client beside it, and runs the FastAPI application (app.py) under uvicorn
-until SIGINT/SIGTERM or the engine's death, then stops the core.
+until SIGINT/SIGTERM or the engine's death, then stops the core. `--lora-modules` adapters are
+registered by the core before it is ready, so a bad one stops the start.
 
 Binds 127.0.0.1 unless told otherwise; `--api-key` requires `Authorization: Bearer KEY` on every
 route but /health. uvicorn runs with the limits of `HttpLimits`
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neffkit.contract.read import read_bundle
+from neffkit.errors import AdapterError
 from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.engine.core import start_core
 from neffkit.runtime.engine.core_client import EngineClient
@@ -26,6 +28,7 @@ from neffkit.runtime.engine.metrics import Metrics
 from neffkit.runtime.engine.structured import GrammarLimits
 from neffkit.runtime.serve.access import HttpLimits, enable_access_log
 from neffkit.runtime.serve.app import App, create_app
+from neffkit.runtime.serve.lora import LoraModule, runtime_updating
 from neffkit.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -142,21 +145,21 @@ def serve(
     threads: int | None = None,
     http_limits: HttpLimits | None = None,
     public_metrics: bool = False,
+    lora_modules: list[LoraModule] | None = None,
+    max_cpu_loras: int | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM (exit status 0), or until the engine dies (1, after every
-    in-flight request got its 5xx). The engine core runs in its own process (engine/core.py)."""
+    """Serve until SIGINT/SIGTERM (exit 0), or the engine's death (1, once requests got 5xx)."""
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
     record = bundle.record
     name = model_name or record.name
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
-    core, conn = start_core(
-        bundle_path, executor, dist_timeout_s, prefix_caching, speculation, threads
-    )
-    limits = http_limits or HttpLimits()
-    http = _HttpServer(host, port, limits)
-    layout = SchedulerConfig.of(record)
-    client = EngineClient(core, conn, layout, tokenizer, metrics, max_waiting, http.shut_down)
+    paths, parents = _adapters(lora_modules or [], name)
+    engine = (executor, dist_timeout_s, prefix_caching, speculation, threads)
+    core, conn = start_core(bundle_path, *engine, paths, max_cpu_loras)
+    http = _HttpServer(host, port, http_limits or HttpLimits())
+    lay = SchedulerConfig.of(record)
+    client = EngineClient(core, conn, lay, tokenizer, metrics, max_waiting, http.shut_down, paths)
     try:
         client.start()
         app = App(
@@ -171,8 +174,10 @@ def serve(
             tool_parser=tool_parser,
             compact_json=compact_json,
             grammar_limits=GrammarLimits(timeout_s=grammar_timeout_s),
-            max_request_bytes=limits.max_request_bytes,
+            max_request_bytes=http.limits.max_request_bytes,
             public_metrics=public_metrics,
+            lora_parents=parents,
+            runtime_lora=runtime_updating(),
         )
         if access_log:
             enable_access_log()
@@ -180,3 +185,15 @@ def serve(
     finally:
         client.stop()
     return 1 if client.failure is not None else 0
+
+
+def _adapters(modules: list[LoraModule], served: str) -> tuple[dict[str, str], dict[str, str]]:
+    """`--lora-modules`' directories and named bases, by name (AdapterError: a name given twice,
+    or the served model's)."""
+    paths: dict[str, str] = {}
+    for module in modules:
+        if module.name in paths or module.name == served:
+            taken = "given twice" if module.name in paths else "the served model's name"
+            raise AdapterError(f"--lora-modules: {module.name!r} is {taken}")
+        paths[module.name] = module.path
+    return paths, {m.name: m.base_model_name for m in modules if m.base_model_name}

@@ -6,13 +6,15 @@ Requests are parsed and validated in protocol.py, checked against the bundle's b
 to the engine core by core_client.py; this module turns their events into responses.
 
 POST /v1/completions and /v1/chat/completions (SSE streaming with `data: [DONE]`, `usage`,
-`stream_options.include_usage`), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM
-names). Bad requests get a 400 with an OpenAI-style error body naming the field; a full waiting
-queue gets a 503. A client that disconnects mid-request has its sequence and KV blocks freed.
-`api_key` requires `Authorization: Bearer KEY` on every route but /health (access.py), and a body
-over `max_request_bytes` gets a 413. What costs CPU in proportion to a request's size (parsing its
-JSON, its fields, tokenizing its prompts and checking their length) runs on worker threads, so a
-large request never stalls the event loop: /health and other streams keep answering.
+`stream_options.include_usage`; `model` names the served model or a LoRA adapter, lora.py, which
+also adds the adapter routes), GET /v1/models, /health, /version, /metrics (Prometheus, vLLM
+names). Bad requests get a 400 with an OpenAI-style error body naming the field, a model not
+served a 404; a full waiting queue gets a 503. A client that disconnects mid-request has its
+sequence and KV blocks freed. `api_key` requires `Authorization: Bearer KEY` on every route but
+/health (access.py), and a body over `max_request_bytes` gets a 413. What costs CPU in proportion
+to a request's size (parsing its JSON, its fields, tokenizing its prompts and checking their
+length) runs on worker threads, so a large request never stalls the event loop: /health and
+other streams keep answering.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from neffkit.runtime.serve.access import (
     error_body,
     read_body,
 )
+from neffkit.runtime.serve.lora import adapter_of, add_lora, model_cards
 from neffkit.runtime.serve.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -58,7 +61,7 @@ from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
 T = TypeVar("T")
-ParseBody = Callable[[dict[str, Any], str], ApiRequest]
+ParseBody = Callable[[dict[str, Any], str], T]  # a body and the served model's name
 
 
 # ---------------------------------------------------------------- the app
@@ -93,8 +96,13 @@ class App:
         grammar_limits: GrammarLimits | None = None,
         max_request_bytes: int = HttpLimits.max_request_bytes,
         public_metrics: bool = False,
+        lora_parents: dict[str, str] | None = None,
+        runtime_lora: bool = False,
     ) -> None:
+        """`lora_parents`: the base model an adapter names (`--lora-modules`' base_model_name;
+        unnamed: the served model); `runtime_lora`: the adapter load and unload routes."""
         self.loop, self.metrics = engine_loop, metrics
+        self.lora_parents, self.runtime_lora = dict(lora_parents or {}), runtime_lora
         self.max_request_bytes, self.public_metrics = max_request_bytes, public_metrics
         self.tool_parser = tool_parser
         self.compact_json = compact_json  # JSON constraints without whitespace unless asked
@@ -108,13 +116,13 @@ class App:
         self.created = int(time.time())
         self.digest = bundle.digest
 
-    async def parse(self, request: Request, known: frozenset[str], parse: ParseBody) -> ApiRequest:
+    async def parse(self, request: Request, known: frozenset[str], parse: ParseBody[T]) -> T:
         """The body read (415 unless JSON, 413 over the limit), then on a worker thread: its
         JSON parsed, its unknown fields logged or refused, its fields parsed."""
         raw = await read_body(request, self.max_request_bytes)
         request_id = request.scope.get(REQUEST_ID, "-")
 
-        def work() -> ApiRequest:
+        def work() -> T:
             body = parse_body(raw)
             self.unknown_fields.check(body, known, request_id)
             return parse(body, self.model_name)
@@ -167,7 +175,9 @@ class App:
 
     # ------------------------------------------------------------ running
 
-    def submit(self, parsed: ApiRequest, prompts: list[list[int]]) -> Choices:
+    def submit(
+        self, parsed: ApiRequest, prompts: list[list[int]], adapter: str | None = None
+    ) -> Choices:
         """Every choice (prompt × n) to the engine, on one queue of (index, event); if one is
         refused, the ones already sent are aborted."""
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -185,7 +195,9 @@ class App:
                         loop.call_soon_threadsafe(queue.put_nowait, (index, event))
 
                     choices.streams.append(
-                        self.loop.submit(ids, params, parsed.stop, emit, parsed.include_stop)
+                        self.loop.submit(
+                            ids, params, parsed.stop, emit, parsed.include_stop, adapter
+                        )
                     )
         except Exception:
             choices.abort(self.loop)
@@ -211,14 +223,16 @@ class App:
         return [merge_events(p) for p in parts]
 
     async def respond(self, request: Request, parsed: ApiRequest, kind: ChunksKind) -> Response:
-        """Submit, then stream (SSE) or wait for the whole answer."""
+        """Submit, then stream (SSE) or wait for the whole answer (its `model`: the one asked,
+        an adapter's name as vLLM echoes it)."""
+        adapter = adapter_of(self, parsed.model)
         parsed = await self.check_constraints(parsed)
         prompts = await asyncio.to_thread(_shallow, lambda: self.checked_prompts(parsed))
-        choices = self.submit(parsed, prompts)
+        choices = self.submit(parsed, prompts, adapter)
         shape = (
-            ChatChunks(self.model_name, self.tokenizer, parsed, prompts, self.tool_parser)
+            ChatChunks(parsed.model, self.tokenizer, parsed, prompts, self.tool_parser)
             if kind is ChatChunks
-            else kind(self.model_name, self.tokenizer, parsed, prompts)
+            else kind(parsed.model, self.tokenizer, parsed, prompts)
         )
         if parsed.stream:
             return StreamingResponse(
@@ -306,6 +320,7 @@ def create_app(app_state: App) -> FastAPI:
     _add_errors(api, app_state)
     add_http_errors(api)
     _add_routes(api, app_state)
+    add_lora(api, app_state)
     if app_state.api_key:
         open_paths = {"/health", "/metrics"} if app_state.public_metrics else {"/health"}
         api.add_middleware(ApiKey, key=app_state.api_key, open_paths=frozenset(open_paths))
@@ -358,20 +373,7 @@ def _add_routes(api: FastAPI, s: App) -> None:
 
     @api.get("/v1/models")
     async def models() -> Response:  # a JSONResponse: FastAPI builds no response model for it
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": s.model_name,
-                        "object": "model",
-                        "created": s.created,
-                        "owned_by": "neffkit",
-                        "max_model_len": s.loop.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": model_cards(s)})
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -111,6 +111,7 @@ class ApiRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
     tools: tuple[dict[str, Any], ...] = ()  # chat: rendered by the template (tool_choice none too)
     tool_request: ToolRequest | None = None  # chat: what tool_choice asks (tools.py)
+    model: str = ""  # the `model` asked for: the served one, or an adapter's name
 
 
 def _huge_int(text: str) -> int | float:
@@ -176,12 +177,10 @@ def check_unsupported(body: dict[str, Any], also: dict[str, tuple[object, ...]])
             )
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
-    model = _get(body, "model", (str,), served)
-    if model != served:
-        raise RequestError(
-            f"model {model!r} does not exist; this server has {served!r}", param="model"
-        )
+def check_model(body: dict[str, Any], served: str) -> str:
+    """The model asked for (a string; left out: the served one). Whether the server has it (the
+    served model or a loaded adapter, else a 404) is the server's to say."""
+    return _get(body, "model", (str,), served)
 
 
 def _sampling(
@@ -297,7 +296,7 @@ def _n(body: dict[str, Any], prompts: int) -> int:
 def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
     """A /v1/completions body. `logprobs: N` returns each token's logprob and the N most likely
     alternatives; with `echo`, the prompt's tokens too (the first one has none)."""
-    check_model(body, served)
+    model = check_model(body, served)
     check_unsupported(body, {"top_logprobs": (None,)})
     prompts = _prompts(body)
     top = _get(body, "logprobs", (int,), None)
@@ -320,6 +319,7 @@ def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
         echo=echo,
         return_token_ids=return_token_ids,
         tokens_as_ids=tokens_as_ids,
+        model=model,
     )
 
 
@@ -342,7 +342,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
 
 
 def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
-    check_model(body, served)
+    model = check_model(body, served)
     check_unsupported(body, {"echo": (None, False)})  # vLLM's chat echo is another feature
     flat = parse_messages(body)
     field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -377,4 +377,5 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
         tokens_as_ids=tokens_as_ids,
         tools=tuple(body.get("tools") or ()),
         tool_request=tools,
+        model=model,
     )
