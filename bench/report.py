@@ -33,8 +33,10 @@ from report_classes import classes  # noqa: E402
 from report_engine import batch, burst, decode, matrix, mla, moe, overhead, roofline, tp  # noqa: E402
 from report_peers import llamacpp, peers  # noqa: E402
 from report_serving import (  # noqa: E402
+    lora,
     prefix_cache,
     serve,
+    serve_lora,
     serve_prefix,
     speculation,
     structured,
@@ -82,6 +84,8 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("speculation", speculation),
     ("speculation_draft", speculation),
     ("structured", structured),
+    ("lora", lora),
+    ("serve_lora", serve_lora),
     ("threads", threads),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),

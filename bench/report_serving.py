@@ -158,3 +158,55 @@ def threads(d: dict[str, Any]) -> str:
         f"`taskset -c 0` the engine takes {d['taskset_c0_engine_threads']} thread(s) by "
         "default.\n\n" + table(header, rows)
     )
+
+
+def lora(d: dict[str, Any]) -> str:
+    """bench/lora.py: the decode step with adapter slots, and an adapter's load."""
+    steps, load = d["step_ms"], d["adapter_load"]
+    rows = [
+        ["base bundle, base rows", f"{steps['base']:.2f}", "1.00×"],
+        [
+            f"{d['max_loras']} slots, base rows",
+            f"{steps['slots_base_rows']:.2f}",
+            f"{d['ratio_base_rows_vs_base']:.2f}×",
+        ],
+        [
+            f"{d['max_loras']} slots, {d['max_loras']} distinct adapters",
+            f"{steps['slots_4_adapters']:.2f}",
+            f"{d['ratio_4_adapters_vs_base']:.2f}×",
+        ],
+    ]
+    return (
+        f"**Adapters** (`bench/lora.py`, {d['model']}, batch {d['batch']}, rank {d['rank']} on "
+        f"every projection; {d['rounds']} alternating rounds, medians): the decode step, host "
+        "work included. Loading a rank-"
+        f"{d['rank']} adapter: read and checked {load['read_ms']:.1f} ms, written into a slot "
+        f"{load['write_ms']:.1f} ms.\n\n" + table(["decode batch", "step ms", "vs base"], rows)
+    )
+
+
+def serve_lora(d: dict[str, Any]) -> str:
+    """bench/serve.py --adapters: the server with adapters, and a load while it serves."""
+    base, mixed, load = d["base"], d["adapters"], d["load_during_base"]
+    rows = [
+        [
+            "base bundle, base model",
+            f"{base['output_tokens_per_s']:.0f}",
+            f"{base['itl_median_ms']:.1f}",
+        ],
+        [
+            f"slots, {d['adapters']} adapters by client",
+            f"{mixed['output_tokens_per_s']:.0f}",
+            f"{mixed['itl_median_ms']:.1f}",
+        ],
+    ]
+    return (
+        f"**Serving adapters** (`bench/serve.py --adapters`, {d['clients']} streaming clients): "
+        "the base bundle against the bundle with slots serving a distinct adapter per client "
+        f"({mixed['itl_median_ms'] / base['itl_median_ms']:.2f}× the inter-token latency). "
+        f"`POST /v1/load_lora_adapter` while {d['clients']} requests decode: answered in "
+        f"{load['load_ms']:.0f} ms; the longest gap between two tokens during it "
+        f"{load['longest_gap_during_load_ms']:.0f} ms, against a median gap of "
+        f"{load['median_gap_ms']:.0f} ms and a p99 gap of {load['p99_gap_outside_load_ms']:.0f} "
+        "ms outside it.\n\n" + table(["server", "output tok/s", "ITL median ms"], rows)
+    )

@@ -12,6 +12,9 @@ fixed length, outputs a fixed length with ignore_eos, so every request does the 
                                                   # the 125M model of bench/batch.py
     python bench/serve.py --shared-prefix 128 --name serve_prefix
                                                   # shared prefixes, prefix caching on and off
+    python bench/serve.py --adapters --requests-per-client 4
+                                                  # SmolLM2: 4 LoRA adapters against the base,
+                                                  # and an adapter loaded mid-run (serve_lora.py)
 
 With --shared-prefix N each prompt is one of --prefixes shared N-token prefixes followed by its
 own --input-len tokens (a system prompt and a question), and the run serves the same requests
@@ -206,7 +209,19 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a shared prefix")
     ap.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes")
     ap.add_argument("--name", default="serve", help="result file: bench/results/NAME.json")
+    ap.add_argument(
+        "--adapters",
+        action="store_true",
+        help="SmolLM2 with 4 LoRA adapters against the base, and a load mid-run (serve_lora.py)",
+    )
+    ap.add_argument("--clients", type=int, default=8, help="--adapters: concurrent clients")
     args = ap.parse_args()
+    if args.adapters:
+        from serve_lora import run_adapters
+
+        name = args.name if args.name != "serve" else "serve_lora"
+        print(f"written {write_result(name, run_adapters(args))}")
+        return
     vocab = 1000
     result: dict[str, Any] = {
         "bundle": str(

@@ -8,7 +8,7 @@ vLLM's V1 engine core, the core runs in its own process and talks to the server 
 the server sends `("add", id, prompt_ids, params, adapter)` and `("abort", id, reason)`, the core
 answers once per step with every request's new tokens and the scheduler's state; and each
 `("load", call_id, name, path)` / `("unload", call_id, name)` with an ADAPTER message (a load's
-adapter is read on a thread: the steps go on). Detokenisation stays in the server
+adapter is read between two steps). Detokenisation stays in the server
 (core_client.py). With tp > 1 this process is rank 0 and starts the other ranks, as offline.
 """
 
