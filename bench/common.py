@@ -39,12 +39,16 @@ def cold_env(root: Path) -> dict[str, str]:
     }
 
 
-def decode_step_times(engine: Any, prompts: list[list[int]], steps: int) -> list[float]:
-    """Wall time of each engine step once every sequence is decoding (host work included)."""
+def decode_step_times(
+    engine: Any, prompts: list[list[int]], steps: int, adapters: list[str | None] | None = None
+) -> list[float]:
+    """Wall time of each engine step once every sequence is decoding (host work included);
+    `adapters`: each prompt's adapter (bundles with `lora:`)."""
     from neffkit.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
+    names = adapters or [None] * len(prompts)
+    seqs = [engine.add_request(p, params, name) for p, name in zip(prompts, names, strict=True)]
     while any(not s.output_ids for s in seqs):
         engine.step()
     times = []

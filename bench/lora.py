@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 WORK = REPO / "bench" / "work" / "lora"
@@ -75,22 +75,9 @@ def adapters() -> list[Path]:
 
 def step_ms(engine: Any, names: list[str | None], steps: int) -> float:
     """Median wall time of a decode step once all BATCH rows decode (host work included)."""
-    from neffkit.runtime.sampling_params import SamplingParams
-
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    seqs = [
-        engine.add_request([rng.randrange(3, 40000) for _ in range(32)], params, name)
-        for name in names
-    ]
-    while any(not s.output_ids for s in seqs):
-        engine.step()
-    times = []
-    while engine.has_work():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return 1000 * median(times)
+    prompts = [[rng.randrange(3, 40000) for _ in range(32)] for _ in names]
+    return 1000 * median(decode_step_times(engine, prompts, steps, names))
 
 
 def load_ms(llm: Any, paths: list[Path]) -> dict[str, float]:

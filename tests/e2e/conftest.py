@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.adapters import LORA_BUCKETS, ORACLE_NAMES, PROMPTS, make_adapters, peft_greedy
+from tests.support.adapters import (
+    ORACLE_NAMES,
+    PROMPTS,
+    build_lora_bundle,
+    make_adapters,
+    peft_greedy,
+)
 from tests.support.bundles import (
     BUNDLES_IN_TEST,
     EP,
@@ -161,16 +167,8 @@ def server(serve_bundle: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="session")
 def lora_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Path:
-    """The tiny Llama with two adapter slots of rank up to 16 on every projection, and n-gram
-    speculation (verify graphs): the multi-LoRA tests' (test_lora.py, test_lora_server.py)."""
-    return build_session_bundle(
-        session_dir,
-        hf_model_dir("llama"),
-        "llama_lora",
-        buckets=LORA_BUCKETS,
-        lora={"max_loras": 2, "max_rank": 16},
-        speculation={"method": "ngram", "num_tokens": 3},
-    ).bundle
+    """The multi-LoRA tests' bundle (tests/support/adapters.py)."""
+    return build_lora_bundle(session_dir, hf_model_dir)
 
 
 @pytest.fixture(scope="session")

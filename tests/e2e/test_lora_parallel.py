@@ -9,8 +9,8 @@ import pytest
 from neffkit.runtime.engine.llm import LLM
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.worker.loader import load
-from tests.support.adapters import ATTENTION, make_adapters, peft_greedy
-from tests.support.bundles import build_session_bundle, lowered_build
+from tests.support.adapters import ATTENTION, build_moe_lora_lowered, make_adapters, peft_greedy
+from tests.support.bundles import build_session_bundle
 from tests.support.cli import run_ids
 from tests.support.models import LONG, MAX_NEW, MIXED, SHORT
 
@@ -37,20 +37,11 @@ def test_tp2_ranks_write_their_cut_of_each_adapter(session_dir, hf_model_dir):
         assert got == peft_greedy(model, served[name], PROMPTS, MAX_NEW), name
 
 
-@pytest.mark.parametrize("kind", ["mixtral"])
-def test_moe_attention_adapters_at_tp2_lowered_on_xla_cpu(kind, session_dir, hf_model_dir):
+def test_moe_attention_adapters_at_tp2_lowered_on_xla_cpu(session_dir, hf_model_dir):
     """A mixture of experts (attention-only adapters), at tp=2 with ep=2 (each rank's cut of A
     or B), lowered to HLO and run on XLA:CPU, every rank in this process: equal to HF + peft."""
-    model = hf_model_dir(kind)
-    lowered = lowered_build(
-        session_dir,
-        model,
-        f"{kind}_lora_neuron_tp2",
-        "--lower-only",
-        buckets={"prefill": [16], "prefill_batch": [1, 2], "decode": [2], "context": [64]},
-        parallel={"tp": 2, "ep": 2},
-        lora={"max_loras": 2, "max_rank": 8},
-    )
+    model = hf_model_dir("mixtral")
+    lowered = build_moe_lora_lowered(session_dir, hf_model_dir)
     served = make_adapters(model, ATTENTION)
     llm = LLM(load(lowered, executor="xla-cpu"), lora_modules=served)
     names = [None, *ATTENTION]

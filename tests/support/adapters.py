@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import REPO
+from tests.support.bundles import build_session_bundle, lowered_build, prebuild
 from tests.support.cache import cached_dir
 from tests.support.models import LONG, MIXED, SHORT
 
 # the lora_bundle fixture's (tests/e2e/conftest.py): two slots of rank up to 16, n-gram speculation
-LORA_BUCKETS = {"prefill": [16], "prefill_batch": [1, 4], "decode": [1, 4], "context": [64]}
+LORA_BUCKETS = {"prefill": [16], "prefill_batch": [1, 4], "decode": [4], "context": [64]}
 REPEATS = [5, 6, 7, 8, 9] * 3  # prompt lookup proposes its continuation
 # the prompts the `oracle` fixture continues, under the base and each adapter it serves
 PROMPTS = [SHORT, LONG, *MIXED, REPEATS]
@@ -80,3 +81,31 @@ def peft_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]],
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
     return [hf_greedy_ids(model, prompt, n) for prompt in prompts]
+
+
+@prebuild("llama_lora")
+def build_lora_bundle(session_dir: Path, hf_model_dir: Any) -> Path:
+    """The tiny Llama with two adapter slots of rank up to 16 on every projection, and n-gram
+    speculation (verify graphs): the multi-LoRA tests' (test_lora.py, test_lora_server.py)."""
+    return build_session_bundle(
+        session_dir,
+        hf_model_dir("llama"),
+        "llama_lora",
+        buckets=LORA_BUCKETS,
+        lora={"max_loras": 2, "max_rank": 16},
+        speculation={"method": "ngram", "num_tokens": 3},
+    ).bundle
+
+
+@prebuild("mixtral_lora_neuron_tp2")
+def build_moe_lora_lowered(session_dir: Path, hf_model_dir: Any) -> Path:
+    """Mixtral with attention adapter slots at tp=2, ep=2, lowered to HLO (test_lora_parallel)."""
+    return lowered_build(
+        session_dir,
+        hf_model_dir("mixtral"),
+        "mixtral_lora_neuron_tp2",
+        "--lower-only",
+        buckets={"prefill": [16], "prefill_batch": [1, 2], "decode": [2], "context": [64]},
+        parallel={"tp": 2, "ep": 2},
+        lora={"max_loras": 2, "max_rank": 8},
+    )
