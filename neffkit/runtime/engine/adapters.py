@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,7 +36,6 @@ class Registered:
     name: str
     path: Path
     key: str  # unique per registration: the prefix cache's extra key
-    requests: int = 0  # requests that named it (per-adapter counts for the metrics)
 
 
 @dataclass
@@ -63,26 +61,16 @@ class AdapterManager:
         self._clock = itertools.count(1)
 
     # ------------------------------------------------------------------ registration
-    def register(self, name: str, path: str | Path, adapter: Adapter | None = None) -> Registered:
-        """Read and check the adapter (unless `adapter` is it, read already), then serve it as
-        `name` (AdapterError: it cannot be)."""
-        self.check_free(name)
-        if adapter is None:
-            adapter = read_adapter(name, path, self.slots_io.lora)
+    def register(self, name: str, path: str | Path) -> Registered:
+        """Read and check the adapter, then serve it as `name` (AdapterError: it cannot be)."""
+        if name in self.registered:
+            raise AdapterError(f"adapter {name!r} is already loaded", hint="unload it first")
+        adapter = read_adapter(name, path, self.slots_io.lora)
         entry = Registered(name, Path(path), f"{name}#{next(_KEYS)}")
         self.registered[name] = entry
         self._sources[entry.key] = (name, entry.path)
         self._remember(entry.key, adapter)
         return entry
-
-    def check_free(self, name: str) -> None:
-        if name in self.registered:
-            raise AdapterError(f"adapter {name!r} is already loaded", hint="unload it first")
-
-    def read(self, name: str, path: str | Path) -> Adapter:
-        """The adapter at `path`, read and checked against the slots (AdapterError); safe from
-        any thread, as it touches nothing of the manager's."""
-        return read_adapter(name, path, self.slots_io.lora)
 
     def unregister(self, name: str) -> None:
         """Stop serving `name`: new requests for it are refused; running ones finish on their
@@ -96,7 +84,6 @@ class AdapterManager:
         entry = self.registered.get(name)
         if entry is None:
             raise RequestError(f"adapter {name!r} is not loaded", param="model")
-        entry.requests += 1
         return entry.key
 
     # ------------------------------------------------------------------ slots
@@ -129,11 +116,6 @@ class AdapterManager:
         (by name, unloaded ones too while their requests run), and max_loras."""
         running = sorted({s.adapter for s in admitted if s.adapter})
         return running, sorted({s.adapter for s in waiting if s.adapter}), self.max_loras
-
-    def running(self) -> list[str]:
-        """Names of the adapters with admitted requests."""
-        names = {e.key: e.name for e in self.registered.values()}
-        return sorted({names.get(s.key, "") for s in self.slots if s.users and s.key} - {""})
 
     # ------------------------------------------------------------------ memory
     def _adapter(self, seq: SequenceState) -> Adapter:
@@ -179,78 +161,35 @@ Reply = tuple[int, str | None, bool]
 
 
 class AdapterCalls:
-    """The server's loads and unloads, for the engine core's loop. A load's adapter is read and
-    checked between two steps, in the loop: ~20 ms for SmolLM2's rank-16 adapters, less than a
-    step (bench/serve.py --adapters). On a thread it took 1.2 s instead of 0.07 and made the
-    steps meanwhile up to 5x slower (the graph call holds the GIL, and the reader's ops compete
-    for the step's cores). Registered when the loop collects the answers (`replies`); an
-    unload is done at once. Each call is answered with its id."""
+    """The server's loads and unloads, for the engine core's loop, each answered with its id.
+    A load's adapter is read, checked and registered between two steps, in the loop: ~20 ms for
+    SmolLM2's rank-16 adapters, less than a step (bench/serve.py --adapters). On a thread it
+    took 1.2 s instead of 0.07 and made the steps meanwhile up to 5x slower (the graph call
+    holds the GIL, and the reader's ops compete for the step's cores)."""
 
     def __init__(self, manager: AdapterManager | None) -> None:
         self.manager = manager
-        self._reading: list[tuple[int, str, str, Future[Adapter]]] = []
-        self._answered: list[Reply] = []
 
-    def pending(self) -> bool:
-        return bool(self._reading)
-
-    def handle(self, msg: tuple) -> None:
+    def handle(self, msg: tuple) -> Reply:
         """`("load", call_id, name, path)` or `("unload", call_id, name)` from the server."""
-        reply = self.load(*msg[1:4]) if msg[0] == "load" else self.unload(*msg[1:3])
-        if reply is not None:
-            self._answered.append(reply)
+        return self.load(*msg[1:4]) if msg[0] == "load" else self.unload(*msg[1:3])
 
-    def replies(self) -> list[Reply]:
-        """The answers due: those given at once, then the loads whose adapter was read since
-        (registered now)."""
-        answered, self._answered = self._answered, []
-        return answered + self._finished()
-
-    def load(self, cid: int, name: str, path: str) -> Reply | None:
-        """Start reading the adapter (None: answered once read), or the refusal."""
+    def load(self, cid: int, name: str, path: str) -> Reply:
         if self.manager is None:
             return cid, "this bundle was built without adapter slots (lora:)", False
         try:
-            self.manager.check_free(name)
+            self.manager.register(name, path)
         except AdapterError as exc:
             return cid, _said(exc), False
-        if any(n == name for _, n, _, _ in self._reading):
-            return cid, f"adapter {name!r} is being loaded", False
-        read: Future[Adapter] = Future()
-        try:
-            read.set_result(self.manager.read(name, path))
-        except Exception as exc:  # noqa: BLE001 - answered as the load's refusal
-            read.set_exception(exc)
-        self._reading.append((cid, name, path, read))
-        return None
+        except Exception as exc:  # noqa: BLE001 - an unreadable file: the caller's to fix
+            return cid, f"adapter {name!r} ({path}): {exc}", False
+        return cid, None, False
 
     def unload(self, cid: int, name: str) -> Reply:
         if self.manager is None or name not in self.manager.registered:
             return cid, f"adapter {name!r} is not loaded", True
         self.manager.unregister(name)  # its running requests finish on their slot
         return cid, None, False
-
-    def _finished(self) -> list[Reply]:
-        """Register the adapters read since the last call; the answers to their loads."""
-        if not self._reading:
-            return []
-        assert self.manager is not None
-        replies: list[Reply] = []
-        still = []
-        for call in self._reading:
-            cid, name, path, read = call
-            if not read.done():
-                still.append(call)
-                continue
-            try:
-                self.manager.register(name, path, read.result())
-                replies.append((cid, None, False))
-            except AdapterError as exc:
-                replies.append((cid, _said(exc), False))
-            except Exception as exc:  # noqa: BLE001 - an unreadable file: the caller's to fix
-                replies.append((cid, f"adapter {name!r} ({path}): {exc}", False))
-        self._reading = still
-        return replies
 
 
 def _said(exc: AdapterError) -> str:

@@ -49,7 +49,6 @@ READY, STEP, FAILED, ADAPTER = "ready", "step", "failed", "adapter"
 # several engines may drive one loaded bundle in turn
 REQUEST_IDS = itertools.count()
 COMPILE_POLL_S = 0.01  # an engine with nothing but grammars compiling looks for news this often
-ADAPTER_POLL_S = 0.01  # ... and one with nothing but an adapter being read
 
 
 class CoreOutput(NamedTuple):
@@ -122,9 +121,7 @@ class EngineCore:
             seed=seed & 0xFFFFFFFF,
         )
         if adapter is not None:
-            if self.adapters is None:
-                raise RequestError(f"this bundle serves no adapters ({adapter!r})", param="model")
-            seq.adapter, seq.adapter_key = adapter, self.adapters.key(adapter)
+            seq.adapter, seq.adapter_key = adapter, self.adapter_key(adapter)
         if params.structured is not None:
             if self.grammars is None:
                 raise RequestError(
@@ -138,6 +135,12 @@ class EngineCore:
             seq.grammar = compiled.result().deep_copy()  # a refused one queues nothing
         self._queue(seq)
         return seq
+
+    def adapter_key(self, name: str) -> str:
+        """The key a request for adapter `name` is queued under (RequestError: not served)."""
+        if self.adapters is None:
+            raise RequestError(f"this bundle serves no adapters ({name!r})", param="model")
+        return self.adapters.key(name)
 
     def _queue(self, seq: SequenceState) -> None:
         self.scheduler.add(seq)  # checks what the bundle can serve
@@ -250,9 +253,7 @@ class _Serving:
                     self.core.abort(self.live.pop(rid), reason)
                     self.sent.pop(rid)
             elif msg[0] in ("load", "unload"):
-                self.calls.handle(msg)
-        for reply in self.calls.replies():  # with adapters read meanwhile registered first
-            self.conn.send((ADAPTER, reply))
+                self.conn.send((ADAPTER, self.calls.handle(msg)))
         return changed
 
     def step(self) -> list[CoreOutput]:
@@ -287,7 +288,7 @@ def serve_engine(core: EngineCore, conn: Connection) -> None:
     conn.send((READY, core.max_model_len))
     while True:
         if not core.has_work():  # idle: sleep until the server sends something
-            conn.poll(ADAPTER_POLL_S if serving.calls.pending() else None)
+            conn.poll(None)
         try:
             changed = serving.receive()
         except _Stopped:

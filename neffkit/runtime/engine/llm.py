@@ -70,8 +70,8 @@ class LLM:
             check_fits(self.core.scheduler.config, prompt, p)
             if p.structured is not None and self.core.grammars is not None:
                 self.core.grammars.check(p.structured)
-            if name is not None and (self.adapters is None or name not in self.adapters.registered):
-                raise RequestError(f"adapter {name!r} is not loaded", param="model")
+            if name is not None:
+                self.core.adapter_key(name)  # served here
         seqs = [self.core.add_request(prompt, p, name) for prompt, p, name in triples]
         timings = self.core.runner.timings
         while self.core.has_work():
