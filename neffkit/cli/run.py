@@ -277,13 +277,16 @@ def run(
 
 
 def _named_path(value: str, option: str) -> tuple[str, str]:
-    """`NAME=PATH`, or a bare PATH named after its last part."""
-    name, sep, path = value.partition("=")
-    if not sep:
-        name, path = Path(value).name, value
-    if not name or not path:
-        raise click.BadParameter(f"expected NAME=PATH, got {value!r}", param_hint=option)
-    return name, path
+    """`--lora`: what `--lora-modules` takes (NAME=PATH, or JSON), or a bare PATH named after
+    its last part."""
+    from neffkit.runtime.serve.lora import parse_lora_module
+
+    bare = "=" not in value and not value.lstrip().startswith("{")
+    try:
+        module = parse_lora_module(f"{Path(value).name}={value}" if bare else value)
+    except NeffkitError as exc:
+        raise click.BadParameter(exc.message, param_hint=option) from None
+    return module.name, module.path
 
 
 def _serve(
