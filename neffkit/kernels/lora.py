@@ -1,7 +1,8 @@
-"""LoRA deltas for a batch that mixes adapters: every row's tokens through its own slot's A and B,
-as two dense matmuls over all slots with a one-hot mask between them (punica's BGMV as one
-gathered product: no loop over adapters, no per-token gather of A and B, and the same ops on
-every target's lowering)."""
+"""LoRA deltas for a batch that mixes adapters: every row's tokens through its own slot's A and
+B, no loop over adapters. Two forms: the graph's own, two dense matmuls over all slots with a
+one-hot mask between them (the same ops on every target's lowering; prefill), and on cpu decode
+and verify rows neffkit::lora_rows (csrc/lora_rows.cpp), which reads only the slots the rows use
+(punica's BGMV)."""
 
 from __future__ import annotations
 
