@@ -1,6 +1,7 @@
 """neffkit::lora_rows (csrc/lora_rows.cpp) against the graph's own form (kernels/lora.py): each
 row through its slot's A and B, the base's rows zero, slots out of range clamped; float32 and
-bf16, ranks with and without a 16-lane tail, widths with and without a partial block."""
+bf16, ranks with and without a 16-lane tail, widths with and without a partial block, inputs
+in one chunk or split between threads, more adapted rows than one pass carries."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ def library() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rank", [8, 16, 32])
-def test_lora_rows_equals_the_masked_form(dtype, rank):
+@pytest.mark.parametrize("n_in", [96, 200])
+def test_lora_rows_equals_the_masked_form(dtype, rank, n_in):
     gen = torch.Generator().manual_seed(rank)
-    loras, n_in, outs = 3, 96, (64, 200, 16)
-    x = torch.randn(2, 4, n_in, generator=gen).to(dtype)  # 2 sequences of 4 tokens (verify)
+    loras, outs = 3, (64, 200, 16)
+    x = torch.randn(3, 4, n_in, generator=gen).to(dtype)  # 3 sequences of 4 tokens (verify)
     pairs = [
         (
             (torch.randn(n_in, loras, rank, generator=gen) * 0.1).to(dtype),
@@ -31,7 +33,17 @@ def test_lora_rows_equals_the_masked_form(dtype, rank):
         )
         for out in outs
     ]
-    for row_slots in ([0, 2], [3, 3], [1, 9], [-4, 0]):  # 9 and -4: clamped to 3 and 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 200 inputs: two chunks, each thread's partial sums added up
+    try:
+        check_rows(x, pairs, loras)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_rows(x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]], loras: int) -> None:
+    dtype = x.dtype
+    for row_slots in ([0, 2, 1], [3, 3, 3], [1, 9, 2], [-4, 0, 0]):  # 9, -4: clamped to 3, 0
         seq = torch.tensor(row_slots)
         tokens = seq.clamp(0, loras).unsqueeze(1).expand(-1, 4).reshape(-1)
         got = lora_rows(x, pairs, tokens)
