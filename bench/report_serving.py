@@ -179,7 +179,13 @@ def lora(d: dict[str, Any]) -> str:
     return (
         f"**Adapters** (`bench/lora.py`, {d['model']}, batch {d['batch']}, rank {d['rank']} on "
         f"every projection; {d['rounds']} alternating rounds, medians): the decode step, host "
-        "work included. Loading a rank-"
+        "work included"
+        + (
+            f" (the median of each round's ratio: {d['ratio_4_adapters_vs_base_paired']:.2f}×)"
+            if "ratio_4_adapters_vs_base_paired" in d
+            else ""
+        )
+        + ". Loading a rank-"
         f"{d['rank']} adapter: read and checked {load['read_ms']:.1f} ms, written into a slot "
         f"{load['write_ms']:.1f} ms.\n\n" + table(["decode batch", "step ms", "vs base"], rows)
     )
@@ -195,7 +201,7 @@ def serve_lora(d: dict[str, Any]) -> str:
             f"{base['itl_median_ms']:.1f}",
         ],
         [
-            f"slots, {d['adapters']} adapters by client",
+            f"slots, a distinct adapter for each of {d['clients']} clients",
             f"{mixed['output_tokens_per_s']:.0f}",
             f"{mixed['itl_median_ms']:.1f}",
         ],
