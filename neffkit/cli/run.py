@@ -135,6 +135,21 @@ def _parse_ids(text: str) -> list[int]:
     help="Server: adapters kept read in memory (default and at least: the bundle's max_loras); "
     "one evicted is read again from its directory when next asked for.",
 )
+@click.option(
+    "--scheduling-policy",
+    type=click.Choice(["fcfs", "priority"]),
+    default="fcfs",
+    show_default=True,
+    help="Who waits and who is preempted when KV blocks run short: arrival order, or each "
+    "request's `priority` (lower first, ties by arrival; vLLM's).",
+)
+@click.option(
+    "--num-gpu-blocks-override",
+    "num_blocks",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Use this many KV blocks (the null block included, as vLLM counts) of the bundle's.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Server: address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Server: port.")
 @click.option(
@@ -242,8 +257,9 @@ def run(
     from neffkit.runtime.engine.llm import GenerateRequest, run_offline
     from neffkit.runtime.sampling_params import SamplingParams
 
+    scheduling = _scheduling(server)
     if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
-        server["threads"] = threads
+        server["threads"], server["scheduling"] = threads, scheduling
         sys.exit(_serve(bundle, executor, dist_timeout, no_prefix_caching, no_speculation, server))
     if server["lora_modules"]:
         raise click.UsageError(f"{LORA_MODULES} is the server's; with a prompt, use --lora")
@@ -264,6 +280,7 @@ def run(
         speculation=not no_speculation,
         threads=threads,
         lora=_named_path(lora, "--lora") if lora else None,
+        scheduling=scheduling,
     )
     # JSON as run_offline writes it: "outputs", each with "text" and "token_ids"
     report: dict[str, Any] | None = run_offline(bundle, request, dist_timeout, executor)
@@ -274,6 +291,14 @@ def run(
         return
     for out in report["outputs"]:
         click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
+
+
+def _scheduling(options: dict[str, Any]) -> Any:
+    """--scheduling-policy and --num-gpu-blocks-override (taken out of `options`), offline and
+    served alike."""
+    from neffkit.runtime.config import SchedulingOptions
+
+    return SchedulingOptions(options.pop("scheduling_policy"), options.pop("num_blocks"))
 
 
 def _named_path(value: str, option: str) -> tuple[str, str]:
@@ -328,4 +353,5 @@ def _serve(
         public_metrics=server["public_metrics"],
         lora_modules=server["lora_modules"],
         max_cpu_loras=server["max_cpu_loras"],
+        scheduling=server["scheduling"],
     )

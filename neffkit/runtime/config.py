@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from neffkit.contract.records import BundleRecord, LayoutRecord, ModelRecord, SpeculationRecord
+from neffkit.errors import NeffkitError
+
+POLICIES = ("fcfs", "priority")  # --scheduling-policy (engine/policy.py)
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class SchedulerConfig:
     model: ModelRecord
     prefix_caching: bool = True  # full prompt blocks shared across requests (kv_blocks.py)
     speculation: SpeculationRecord | None = None  # verify graphs in the bundle (spec_decode/)
+    policy: str = "fcfs"  # who waits and who is preempted (engine/policy.py)
+    blocks_override: int | None = None  # fewer KV blocks than the bundle's (null block included)
 
     @classmethod
     def of(cls, record: BundleRecord) -> SchedulerConfig:
@@ -33,7 +38,7 @@ class SchedulerConfig:
 
     @property
     def num_blocks(self) -> int:  # block 0 included (the null block, never handed out)
-        return self.layout.num_blocks
+        return self.blocks_override or self.layout.num_blocks
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:  # tokens per prefill chunk
@@ -89,6 +94,27 @@ class SchedulerConfig:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class SchedulingOptions:
+    """How an engine schedules its bundle (`neffkit run` flags, vLLM's): `policy` (fcfs or
+    priority) and `num_blocks`, a KV pool smaller than the bundle's (vLLM's
+    --num-gpu-blocks-override; the null block included, as vLLM counts)."""
+
+    policy: str = "fcfs"
+    num_blocks: int | None = None
+
+    def apply(self, config: SchedulerConfig) -> SchedulerConfig:
+        if self.policy not in POLICIES:
+            raise NeffkitError(f"--scheduling-policy {self.policy!r}: one of {', '.join(POLICIES)}")
+        built = config.layout.num_blocks
+        if self.num_blocks is not None and not 2 <= self.num_blocks <= built:
+            raise NeffkitError(
+                f"--num-gpu-blocks-override {self.num_blocks}: this bundle's KV cache holds "
+                f"{built} blocks (the null block included); give 2 to {built}"
+            )
+        return replace(config, policy=self.policy, blocks_override=self.num_blocks)
 
 
 def smallest_fitting(buckets: Sequence[int], need: int) -> int | None:

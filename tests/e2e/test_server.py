@@ -140,6 +140,8 @@ def _gauge(text: str, name: str) -> float:
         ({"model": "tiny", "prompt": 5}, "prompt", "prompt must be"),
         ({"model": "tiny", "prompt": list(range(1, 70))}, "prompt", "context buckets: [64]"),
         ({"model": "tiny", "prompt": "hi", "stop": 3}, "stop", "stop must be"),
+        ({"model": "tiny", "prompt": "hi", "priority": 1}, "priority", "first come, first"),
+        ({"model": "tiny", "prompt": "hi", "priority": 1.5}, "priority", "must be int"),
     ],
 )
 def test_bad_requests_get_400(server: Server, body, param, fragment) -> None:

@@ -24,9 +24,9 @@ from multiprocessing.process import BaseProcess
 
 from neffkit.errors import AdapterError, BundleError, NeffkitError, RequestError
 from neffkit.runtime.config import SchedulerConfig
-from neffkit.runtime.engine.core import ADAPTER, FAILED, READY, STEP, CoreOutput
+from neffkit.runtime.engine.core_process import ADAPTER, FAILED, READY, STEP, CoreOutput
 from neffkit.runtime.engine.detokenizer import IncrementalDetokenizer
-from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.engine.limits import check_fits, check_priority
 from neffkit.runtime.engine.metrics import Metrics
 from neffkit.runtime.sampling_params import SamplingParams, shown
 from neffkit.runtime.tokenizer import Tokenizer
@@ -165,11 +165,13 @@ class EngineClient:
         emit: Callable[[Event], None],
         include_stop: bool = False,
         adapter: str | None = None,
+        priority: int = 0,
     ) -> Stream:
         """Validate (RequestError → 400), bound the queue (→ 503), send to the core (with the
-        name of the adapter the request runs with, if any)."""
+        name of the adapter the request runs with, if any, and its priority)."""
         if self._error is not None:
             raise EngineDead(f"the engine failed: {self._error}")
+        check_priority(self.config.policy, priority)
         check_fits(self.config, prompt_ids, params)
         with self._lock:
             if adapter is not None and adapter not in self.adapters:  # unloaded meanwhile
@@ -193,7 +195,7 @@ class EngineClient:
                 detok=detok,
             )
             self._live[stream.rid] = stream
-            self.conn.send(("add", stream.rid, stream.prompt_ids, params, adapter))
+            self.conn.send(("add", stream.rid, stream.prompt_ids, params, adapter, priority))
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         if adapter is not None:
             self.metrics.lora_request(adapter)

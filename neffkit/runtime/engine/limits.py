@@ -45,9 +45,21 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
         )
     if config.blocks_for(total) > config.num_blocks - 1:
         raise RequestError(
-            f"request needs {config.blocks_for(total)} KV blocks; the bundle has "
-            f"{config.num_blocks - 1}",
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({budget}) needs "
+            f"{config.blocks_for(total)} KV blocks of {config.block_size} tokens; the KV pool "
+            f"holds {config.num_blocks - 1}",
+            hint="shorten the prompt or lower max_tokens (a request must fit the pool alone)",
             param="prompt",
+        )
+
+
+def check_priority(policy: str, priority: int) -> None:
+    """A priority means something only under the priority policy (vLLM refuses it too)."""
+    if priority and policy != "priority":
+        raise RequestError(
+            f"priority {shown(priority)}: this server schedules first come, first served",
+            hint="start it with --scheduling-policy priority, or leave priority out",
+            param="priority",
         )
 
 

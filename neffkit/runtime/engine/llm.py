@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from neffkit.errors import AdapterError, RequestError
+from neffkit.runtime.config import SchedulingOptions
 from neffkit.runtime.engine.adapters import adapter_manager
 from neffkit.runtime.engine.core import EngineCore, engine_threads
-from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.engine.limits import check_fits, check_priority
 from neffkit.runtime.engine.loading import attach_proposer, grammars_of
 from neffkit.runtime.sampling_params import OFFLINE, SamplingParams
 from neffkit.runtime.worker.batch import SequenceState
@@ -35,9 +36,10 @@ class LLM:
         speculation: bool = True,
         lora_modules: Mapping[str, str | Path] | None = None,
         max_cpu_loras: int | None = None,
+        scheduling: SchedulingOptions | None = None,
     ) -> None:
         """`lora_modules`: adapters by name (PEFT directories), for a bundle built with `lora:`;
-        more can be added with `load_lora`."""
+        more can be added with `load_lora`. `scheduling`: the policy, a smaller KV pool."""
         self.loaded = attach_proposer(loaded)
         self.adapters = adapter_manager(loaded, lora_modules or {}, max_cpu_loras)
         self.core = EngineCore(
@@ -46,6 +48,7 @@ class LLM:
             speculation,
             grammars=grammars_of(loaded),
             adapters=self.adapters,
+            scheduling=scheduling,
         )
 
     def load_lora(self, name: str, path: str | Path) -> None:
@@ -59,20 +62,28 @@ class LLM:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         adapters: str | None | list[str | None] = None,
+        priority: list[int] | None = None,
     ) -> list[SequenceState]:
         """Run prompts to completion together; results in the order given. Every prompt is
         checked before any runs, so a request that cannot fit fails the whole call at once.
-        `adapters`: the adapter every prompt runs with, or one per prompt (None: the base)."""
+        `adapters`: the adapter every prompt runs with, or one per prompt (None: the base);
+        `priority`: one per prompt (vLLM's; the priority scheduling policy)."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         names = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
+        ranks = priority if priority is not None else [0] * len(prompts)
         triples = list(zip(prompts, per_prompt, names, strict=True))
-        for prompt, p, name in triples:
-            check_fits(self.core.scheduler.config, prompt, p)
+        config = self.core.scheduler.config
+        for (prompt, p, name), rank in zip(triples, ranks, strict=True):
+            check_priority(config.policy, rank)
+            check_fits(config, prompt, p)
             if p.structured is not None and self.core.grammars is not None:
                 self.core.grammars.check(p.structured)
             if name is not None:
                 self.core.adapter_key(name)  # served here
-        seqs = [self.core.add_request(prompt, p, name) for prompt, p, name in triples]
+        seqs = [
+            self.core.add_request(prompt, p, name, rank)
+            for (prompt, p, name), rank in zip(triples, ranks, strict=True)
+        ]
         timings = self.core.runner.timings
         while self.core.has_work():
             calls = timings.prefill_chunks + timings.decode_steps
@@ -93,6 +104,7 @@ class GenerateRequest:
     speculation: bool = True  # False: plain decoding in a bundle with verify graphs
     threads: int | None = None  # engine threads (None: platform/cpus.py's default)
     lora: tuple[str, str] | None = None  # (name, PEFT directory): every prompt runs with it
+    scheduling: SchedulingOptions = SchedulingOptions()  # the policy, a smaller KV pool
 
 
 def run_offline(
@@ -129,7 +141,13 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
     if tok is not None:
         prompts += [tok.encode_chat([{"role": "user", "content": c}]) for c in request.chats]
     lora = dict([request.lora]) if request.lora else {}
-    llm = LLM(loaded, request.prefix_caching, request.speculation, lora_modules=lora)
+    llm = LLM(
+        loaded,
+        request.prefix_caching,
+        request.speculation,
+        lora_modules=lora,
+        scheduling=request.scheduling,
+    )
     t0 = time.perf_counter()
     seqs = llm.generate(prompts, request.params, request.lora[0] if request.lora else None)
     wall = time.perf_counter() - t0

@@ -88,6 +88,9 @@ class Metrics:
         self.cache_hits = self._counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."
         )
+        self.preemptions = self._counter(
+            "vllm:num_preemptions", "Requests preempted (blocks taken back, to recompute)."
+        )
 
     def _add_spec_decode(self) -> None:
         """Speculative decoding: drafts proposed and accepted, in total and by draft position."""
@@ -148,19 +151,24 @@ class Metrics:
         kv_usage: float,
         queries: int = 0,
         hits: int = 0,
+        preemptions: int = 0,
         spec: tuple = (0, 0, 0, ()),
         lora: tuple[list[str], list[str], int] | None = None,
     ) -> None:
         """The scheduler's state after an engine step (sent by the engine core); the prefix
-        cache's queries and hits come as running totals; `lora` (bundles with adapter slots):
-        the adapters running and waiting, and max_loras."""
+        cache's queries and hits, and the preemptions, come as running totals; `lora`
+        (bundles with adapter slots): the adapters running and waiting, and max_loras."""
         if lora is not None:
             self._observe_lora(*lora)
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
         *spec_totals, positions = spec
-        totals = [("queries", self.cache_queries, queries), ("hits", self.cache_hits, hits)]
+        totals = [
+            ("queries", self.cache_queries, queries),
+            ("hits", self.cache_hits, hits),
+            ("preemptions", self.preemptions, preemptions),
+        ]
         pairs = enumerate(zip(self.spec, spec_totals, strict=True))
         totals += [(f"spec{i}", counter, total) for i, (counter, total) in pairs]
         totals += [

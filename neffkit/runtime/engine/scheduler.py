@@ -5,10 +5,15 @@ next chunks of up to `prefill_batch` waiting prompts into one row of tokens (per
 ids; the smallest sequence, token and context buckets that fit; prompts longer than the largest
 token bucket run as several chunks), so a burst of arrivals does not queue one prompt per step;
 then one decode step over the running
-sequences (the smallest batch and context buckets that fit, rows padded). KV blocks for a
-request's whole budget (prompt + max_tokens) are reserved when it is admitted, so a running
-request never runs out of cache and nothing is ever preempted. Block 0 is the null block: padding
-slots and -1 block-table entries land there, so it is never handed out.
+sequences (the smallest batch and context buckets that fit, rows padded). Block 0 is the null
+block: padding slots and -1 block-table entries land there, so it is never handed out.
+
+KV blocks are taken as they are needed (vLLM v1): a request is admitted on its prompt's blocks
+(plus a watermark of free ones while others run), and each decode step gives a row the block its
+next token (and drafts) need. When a step's block cannot be had, a running request is preempted
+by recompute (policy.py: which one, and what it keeps). A request whose prompt + max_tokens
+would not fit the whole pool alone is refused when it is added, so every admitted request can
+finish.
 
 Prefix caching (vLLM's semantics, kv_blocks.py): at admission a prompt takes the cached blocks of
 its longest cached prefix and its prefill starts at the first uncached token; the last prompt
@@ -31,6 +36,7 @@ from neffkit.errors import NeffkitError
 from neffkit.runtime.config import SchedulerConfig, smallest_fitting
 from neffkit.runtime.engine.kv_blocks import BlockPool, extend_hashes
 from neffkit.runtime.engine.limits import check_fits
+from neffkit.runtime.engine.policy import WATERMARK, enqueue, rank, reset_for_recompute, victim
 from neffkit.runtime.spec_decode.proposer import (
     BatchProposer,
     SpecCounters,
@@ -63,6 +69,8 @@ class Scheduler:
         # and prefix_cache_hits)
         self.cache_queries = 0
         self.cache_hits = 0
+        self.preemptions = 0  # vLLM's num_preemptions
+        self.watermark = max(1, int(WATERMARK * self.allocator.num_usable))
         self.spec = SpecCounters()
         # prompt lookup's; a draft model's is set by the engine, which holds its graphs
         spec = config.speculation
@@ -75,7 +83,7 @@ class Scheduler:
 
     def add(self, seq: SequenceState) -> None:
         check_fits(self.config, seq.prompt_ids, seq.params)
-        self.waiting.append(seq)
+        enqueue(self.waiting, seq, self.config.policy)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -97,15 +105,17 @@ class Scheduler:
         self._release(seq)
 
     def admit(self) -> None:
-        """Waiting requests whose whole budget fits in the free blocks, in arrival order; one
-        whose adapter finds no free slot waits, and those behind it go on."""
+        """Waiting requests, in the policy's order, whose prompt's blocks are free (beside
+        running requests, with the watermark left over); under the priority policy one that
+        does not fit preempts running requests ranked after it. One whose adapter finds no free
+        slot waits, and those behind it go on."""
         pool = self.allocator
         passed: list[SequenceState] = []
         while self.waiting:
             seq = self.waiting[0]
-            need = self.config.blocks_for(len(seq.prompt_ids) + seq.max_tokens)
             hits = self._cached_prefix(seq)
-            if need - len(hits) + pool.free_among(hits) > pool.num_free:
+            need = self.config.blocks_for(len(seq.prefill_ids))
+            if not self._room_for(seq, need, hits):
                 break
             self.waiting.popleft()
             if not self._slot(seq):
@@ -116,11 +126,71 @@ class Scheduler:
             seq.blocks = hits + pool.allocate(need - len(hits))
             seq.num_cached = seq.num_prefilled = len(hits) * self.config.block_size
             seq.num_registered = len(hits)
-            if self._looks_up(seq):
+            if self._looks_up(seq) and not seq.preemptions:
                 self.cache_queries += len(seq.prompt_ids)
                 self.cache_hits += seq.num_cached
             self.prefilling.append(seq)
         self.waiting.extendleft(reversed(passed))
+
+    def _room_for(self, seq: SequenceState, need: int, hits: list[int]) -> bool:
+        """Are `need` blocks (`hits` of them cached) free for `seq`, making room under the
+        priority policy by preempting admitted requests ranked after it?"""
+        pool = self.allocator
+        while True:
+            busy = bool(self.running or self.prefilling)
+            short = need - len(hits) + pool.free_among(hits) - pool.num_free
+            if short + (self.watermark if busy else 0) <= 0:
+                return True
+            if self.config.policy != "priority":
+                return False
+            key = rank(seq, "priority")
+            after = [s for s in (*self.running, *self.prefilling) if rank(s, "priority") > key]
+            last = victim(after, "priority")
+            if last is None:
+                return False
+            self._preempt(last)
+
+    def _preempt(self, seq: SequenceState) -> None:
+        """Take an admitted request's blocks back; it waits to recompute (policy.py)."""
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.blocks:
+            self.allocator.free(seq.blocks[::-1])
+        if self.adapters is not None:
+            self.adapters.release(seq)
+        reset_for_recompute(seq)
+        self.preemptions += 1
+        enqueue(self.waiting, seq, self.config.policy)
+
+    def _grow(self, rows: list[SequenceState]) -> list[SequenceState]:
+        """Each row's blocks for this step's tokens, preempting (the policy's last admitted
+        request first, maybe a row itself) while the pool is short; the rows left."""
+        pool, kept = self.allocator, []
+        for seq in rows:
+            if seq not in self.running:  # preempted for an earlier row
+                continue
+            need = self._step_blocks(seq) - len(seq.blocks)
+            while need > pool.num_free:
+                last = victim([*self.running, *self.prefilling], self.config.policy)
+                assert last is not None  # seq itself is running
+                self._preempt(last)
+                if last is seq:
+                    break
+            if seq in self.running:
+                if need > 0:
+                    seq.blocks += pool.allocate(need)
+                kept.append(seq)
+        return [s for s in kept if s in self.running]
+
+    def _step_blocks(self, seq: SequenceState) -> int:
+        """Blocks a decode step needs a row to hold: its last token's position, and with
+        speculation the drafts' after it (within its budget, which fits the pool)."""
+        spec = self.config.speculation
+        ahead = spec.num_tokens if spec is not None else 0
+        budget = len(seq.prompt_ids) + seq.max_tokens
+        return self.config.blocks_for(min(seq.length + ahead, budget))
 
     def _slot(self, seq: SequenceState) -> bool:
         """The request's adapter in a slot (True: it has none, or it got one). An adapter that
@@ -140,9 +210,9 @@ class Scheduler:
         """The cached blocks the prompt can start from: full blocks before its last token."""
         if not self._looks_up(seq):
             return []
-        bs = self.config.block_size
-        extend_hashes(seq.block_hashes, seq.prompt_ids, bs, seq.adapter_key)
-        return self.allocator.lookup(seq.block_hashes[: (len(seq.prompt_ids) - 1) // bs])
+        bs, tokens = self.config.block_size, seq.prefill_ids
+        extend_hashes(seq.block_hashes, tokens, bs, seq.adapter_key)
+        return self.allocator.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
 
     def _register(self, seq: SequenceState, computed: int, pending: Sequence[int] = ()) -> None:
         """Cache the blocks whose tokens are all in the cache now (`computed` tokens: the
@@ -177,7 +247,7 @@ class Scheduler:
             seqs += [s for s in list(self.prefilling)[1:] if s.params.prompt_logprobs is None]
         chunks: list[PrefillChunk] = []
         for seq in seqs[: lay.prefill_batch[-1]]:
-            n = min(len(seq.prompt_ids) - seq.num_prefilled, budget)
+            n = min(len(seq.prefill_ids) - seq.num_prefilled, budget)
             if n == 0:
                 break
             chunks.append(PrefillChunk(seq, seq.num_prefilled, n))
@@ -196,12 +266,12 @@ class Scheduler:
         for row, chunk in enumerate(batch.chunks):
             seq = chunk.seq
             top = seq.params.prompt_logprobs
-            if top is not None:  # position p scores prompt token p + 1 (a one-row call)
+            if top is not None and not seq.output_ids:  # p scores prompt token p + 1 (one row)
                 last = min(chunk.length, len(seq.prompt_ids) - 1 - chunk.start)
                 seq.prompt_logprobs += out.prompt_logprobs(range(0, last), top)
             seq.num_prefilled += chunk.length
             self._register(seq, seq.num_prefilled)
-            if seq.num_prefilled < len(seq.prompt_ids):
+            if seq.num_prefilled < len(seq.prefill_ids):
                 continue
             self.prefilling.remove(seq)
             done.append(seq)
@@ -221,6 +291,9 @@ class Scheduler:
         if len(self.running) > largest:
             # Rotate so that more sequences than the largest bucket all make progress.
             self.running = self.running[largest:] + rows
+        rows = self._grow(rows)
+        if not rows:
+            return None
         verify = self._verify_batch(rows)
         if verify is not None:
             return verify

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from neffkit.contract.read import read_bundle
 from neffkit.errors import AdapterError
-from neffkit.runtime.config import SchedulerConfig
-from neffkit.runtime.engine.core import start_core
+from neffkit.runtime.config import SchedulerConfig, SchedulingOptions
 from neffkit.runtime.engine.core_client import EngineClient
+from neffkit.runtime.engine.core_process import start_core
 from neffkit.runtime.engine.metrics import Metrics
 from neffkit.runtime.engine.structured import GrammarLimits
 from neffkit.runtime.serve.access import HttpLimits, enable_access_log
@@ -147,6 +147,7 @@ def serve(
     public_metrics: bool = False,
     lora_modules: list[LoraModule] | None = None,
     max_cpu_loras: int | None = None,
+    scheduling: SchedulingOptions | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit 0), or the engine's death (1, once requests got 5xx)."""
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
@@ -156,9 +157,9 @@ def serve(
     metrics = Metrics(name)
     paths, parents = _adapters(lora_modules or [], name)
     engine = (executor, dist_timeout_s, prefix_caching, speculation, threads)
-    core, conn = start_core(bundle_path, *engine, paths, max_cpu_loras)
+    lay = (scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))  # checked first
+    core, conn = start_core(bundle_path, *engine, paths, max_cpu_loras, scheduling)
     http = _HttpServer(host, port, http_limits or HttpLimits())
-    lay = SchedulerConfig.of(record)
     client = EngineClient(core, conn, lay, tokenizer, metrics, max_waiting, http.shut_down, paths)
     try:
         client.start()

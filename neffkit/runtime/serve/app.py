@@ -196,7 +196,13 @@ class App:
 
                     choices.streams.append(
                         self.loop.submit(
-                            ids, params, parsed.stop, emit, parsed.include_stop, adapter
+                            ids,
+                            params,
+                            parsed.stop,
+                            emit,
+                            parsed.include_stop,
+                            adapter,
+                            parsed.priority,
                         )
                     )
         except Exception:

@@ -71,6 +71,7 @@ _COMMON_FIELDS = (
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "priority",
     "response_format",
     "structured_outputs",
     *GUIDED,
@@ -112,6 +113,7 @@ class ApiRequest:
     tools: tuple[dict[str, Any], ...] = ()  # chat: rendered by the template (tool_choice none too)
     tool_request: ToolRequest | None = None  # chat: what tool_choice asks (tools.py)
     model: str = ""  # the `model` asked for: the served one, or an adapter's name
+    priority: int = 0  # --scheduling-policy priority: lower first (vLLM's)
 
 
 def _huge_int(text: str) -> int | float:
@@ -320,7 +322,16 @@ def parse_completion(body: dict[str, Any], served: str) -> ApiRequest:
         return_token_ids=return_token_ids,
         tokens_as_ids=tokens_as_ids,
         model=model,
+        priority=_priority(body),
     )
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM's `priority`: any 64-bit integer (whether the server's policy takes one is the
+    engine's to say)."""
+    value = _get(body, "priority", (int,), 0)
+    check_int(value, "priority", INT64_MIN)
+    return int(value)
 
 
 def _id_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -378,4 +389,5 @@ def parse_chat(body: dict[str, Any], served: str) -> ApiRequest:
         tools=tuple(body.get("tools") or ()),
         tool_request=tools,
         model=model,
+        priority=_priority(body),
     )

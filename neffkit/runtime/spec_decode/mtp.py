@@ -39,7 +39,7 @@ class MtpProposer(GraphProposer):
         at = 0
         for i, chunk in enumerate(batch.chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.length
-            following = seq.prompt_ids[start + 1 : start + n + 1]
+            following = seq.prefill_ids[start + 1 : start + n + 1]
             if len(following) < n:  # the prompt's last position: the token just sampled
                 following = [*following, out.tokens[i]]
             meta[abi.INPUT_IDS][0, at : at + n] = following
@@ -51,7 +51,7 @@ class MtpProposer(GraphProposer):
         for i, chunk in enumerate(batch.chunks):
             state, end = chunk.seq.drafting, chunk.start + chunk.length
             state.computed, state.hidden = end, []
-            if end == len(chunk.seq.prompt_ids):
+            if end == len(chunk.seq.prefill_ids):
                 state.head = (int(tokens[i]), mtp_hidden[at + chunk.length - 1].copy())
             at += chunk.length
         self.prefill_s += time.perf_counter() - t0

@@ -59,6 +59,8 @@ class SequenceState:
     adapter: str | None = None
     adapter_key: str | None = None
     lora_slot: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower first, ties by arrival (request_id)
+    preemptions: int = 0  # times its blocks were taken back; it recomputed its tokens after each
 
     @property
     def processes_logits(self) -> bool:
@@ -79,6 +81,13 @@ class SequenceState:
         if self.params.max_tokens is None:
             raise ValueError(f"request {self.request_id} was queued without a max_tokens")
         return self.params.max_tokens
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The tokens a prefill computes: the prompt; after a preemption, the prompt and the
+        tokens generated so far (recomputed: the same K/V, then the next token, drawn with
+        the same seed at the same position, so outputs do not change)."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
     def length(self) -> int:

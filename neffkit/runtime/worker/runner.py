@@ -102,7 +102,8 @@ class DecodeBuffers:
         self.ids, self.seq_slots = m.get(abi.INPUT_IDS), m.get(abi.SEQ_SLOTS)
         self.pos, self.slots = m[abi.POSITIONS], m[abi.SLOT_MAPPING]
         self.tables, self.lens = m[abi.BLOCK_TABLES], m[abi.CONTEXT_LENS]
-        self.rows: list[tuple[int, int] | None] = [None] * graph.rows  # (request, blocks) per row
+        # (request, its preemptions, blocks) per row: a request preempted since holds new blocks
+        self.rows: list[tuple[int, int, int] | None] = [None] * graph.rows
         every = (*self.PER_STEP, abi.INPUT_IDS)
         self._step_bytes = sum(m[n].nbytes for n in every if n in m)
         self._row_bytes = sum(m[n].nbytes for n in self.PER_ROW if n in m)
@@ -123,18 +124,18 @@ class DecodeBuffers:
             self.slots[i, 0] = abi.slot(seq.blocks[used - 1], pos, bs)
             self.lens[i] = pos + 1
             row = self.rows[i]
-            new_request = row is None or row[0] != seq.request_id
+            new_request = row is None or row[:2] != (seq.request_id, seq.preemptions)
             if new_request or seq.processes_logits:  # counts and min_tokens move every step
                 write_row(self.meta, i, seq, self.eos_token_ids)
                 logits_changed = True
-            if self.rows[i] != (seq.request_id, used):
+            if self.rows[i] != (seq.request_id, seq.preemptions, used):
                 if new_request:
                     write_sampling(self.meta, i, seq)
                     if self.seq_slots is not None:
                         self.seq_slots[i] = abi.state_slot(seq.blocks)
                 self.tables[i, :used] = seq.blocks[:used]
                 self.tables[i, used:] = -1
-                self.rows[i] = (seq.request_id, used)
+                self.rows[i] = (seq.request_id, seq.preemptions, used)
                 rows_changed = True
         for i in range(len(seqs), len(self.rows)):
             if self.rows[i] is not None:
@@ -224,7 +225,7 @@ class ModelRunner:
             span = slice(at, at + n)
             meta[abi.POSITIONS][0, span] = positions
             meta[abi.SLOT_MAPPING][0, span] = abi.slots_of(blocks, positions, bs)
-            meta[abi.INPUT_IDS][0, span] = seq.prompt_ids[start : start + n]
+            meta[abi.INPUT_IDS][0, span] = seq.prefill_ids[start : start + n]
             if abi.SEQ_IDS in meta:  # a packed graph: each token's sequence
                 meta[abi.SEQ_IDS][0, span] = i
             used = self.config.blocks_for(start + n)
@@ -238,14 +239,14 @@ class ModelRunner:
             at += n
         # a chunk that is not its prompt's last samples nothing that is kept: no mask needed
         matchers = [
-            c.seq.grammar if c.start + c.length == len(c.seq.prompt_ids) else None
+            c.seq.grammar if c.start + c.length == len(c.seq.prefill_ids) else None
             for c in batch.chunks
         ]
         if any(m is not None for m in matchers):
             fill_bitmasks(meta, matchers, self.grammars)
         if abi.TARGET_IDS in meta:  # each position's next prompt token (0 past the end)
             (chunk,) = batch.chunks  # prompt logprobs prefill alone (Scheduler.next_prefill)
-            following = chunk.seq.prompt_ids[chunk.start + 1 : chunk.start + chunk.length + 1]
+            following = chunk.seq.prefill_ids[chunk.start + 1 : chunk.start + chunk.length + 1]
             meta[abi.TARGET_IDS][0, : len(following)] = following
         return graph, meta
 
