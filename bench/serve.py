@@ -15,6 +15,9 @@ fixed length, outputs a fixed length with ignore_eos, so every request does the 
     python bench/serve.py --adapters --requests-per-client 4
                                                   # SmolLM2: 4 LoRA adapters against the base,
                                                   # and an adapter loaded mid-run (serve_lora.py)
+    python bench/serve.py --preemption --requests-per-client 2
+                                                  # SmolLM2 under a KV pool that forces
+                                                  # preemption (serve_preemption.py)
 
 With --shared-prefix N each prompt is one of --prefixes shared N-token prefixes followed by its
 own --input-len tokens (a system prompt and a question), and the run serves the same requests
@@ -214,8 +217,21 @@ def main() -> None:
         action="store_true",
         help="SmolLM2 with 4 LoRA adapters against the base, and a load mid-run (serve_lora.py)",
     )
-    ap.add_argument("--clients", type=int, default=8, help="--adapters: concurrent clients")
+    ap.add_argument(
+        "--preemption",
+        action="store_true",
+        help="SmolLM2 under a KV pool that forces preemption and the whole pool "
+        "(serve_preemption.py)",
+    )
+    ap.add_argument("--clients", type=int, default=8, help="--adapters, --preemption: clients")
+    ap.add_argument("--rounds", type=int, default=3, help="--preemption: alternating rounds")
     args = ap.parse_args()
+    if args.preemption:
+        from serve_preemption import run_preemption
+
+        name = args.name if args.name != "serve" else "serve_preemption"
+        print(f"written {write_result(name, run_preemption(args))}")
+        return
     if args.adapters:
         from serve_lora import run_adapters
 
