@@ -216,3 +216,29 @@ def serve_lora(d: dict[str, Any]) -> str:
         f"{load['median_gap_ms']:.0f} ms and a p99 gap of {load['p99_gap_outside_load_ms']:.0f} "
         "ms outside it.\n\n" + table(["server", "output tok/s", "ITL median ms"], rows)
     )
+
+
+def serve_preemption(d: dict[str, Any]) -> str:
+    """bench/serve.py --preemption: serving under a KV pool that forces preemption."""
+    med = d["medians"]
+    rows = [
+        [
+            f"{label} ({d['blocks'][key] - 1} blocks of {d['block_size']} tokens)",
+            f"{med[key]['output_tokens_per_s']:.0f}",
+            f"{med[key]['itl_median_ms']:.1f}",
+            f"{med[key]['longest_gap_ms']:.0f}",
+            f"{med[key]['preemptions']:.0f}",
+        ]
+        for key, label in (("whole_pool", "whole"), ("pool_48_blocks", "smaller"))
+    ]
+    return (
+        f"**Serving under KV pressure** (`bench/serve.py --preemption`, {d['model']}, "
+        f"{d['clients']} streaming clients x {d['requests_per_client']} requests of "
+        f"{d['input_len']} + {d['output_len']} tokens, {d['rounds']} alternating rounds, "
+        "medians): the bundle's whole KV pool holds every running request at its longest; "
+        "`--num-gpu-blocks-override` gives a pool that holds 3, so requests are admitted on "
+        "their prompts and preempted by recompute as they grow "
+        f"({d['throughput_preempting_vs_whole']:.2f}x the throughput; the longest gap is a "
+        "preempted request waiting to run again).\n\n"
+        + table(["KV pool", "output tok/s", "ITL median ms", "longest gap ms", "preemptions"], rows)
+    )
