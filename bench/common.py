@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,3 +132,25 @@ class HFDecoder:
             _ = token.tolist()  # the host reads the token, as a server must
             times.append(time.perf_counter() - t0)
         return times
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(bundle: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.terminate()
+    proc.wait()
+    raise SystemExit("the server did not become healthy")

@@ -17,16 +17,20 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median  # noqa: E402
+from common import (  # noqa: E402
+    free_port,
+    median,  # noqa: E402
+    start_server,
+)
 from llamacpp_build import THREADS  # noqa: E402
-from serve import _free_port, run_level, start_server, workload  # noqa: E402
+from serve import run_level, workload  # noqa: E402
 
 
 class LlamaServer:
     """`llama-server -np 8` on a GGUF, stopped when the block ends."""
 
     def __init__(self, binary: Path, model: Path, parallel: int = 8) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [
             str(binary),

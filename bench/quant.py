@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, ensure_bundle, median, start_server, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "quant"
 MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -213,7 +213,6 @@ def served_rss(path: Path) -> dict[str, Any]:
     """RSS of the server on `path` after two answered requests (a short prompt, and one of 300
     tokens: five prefill chunks)."""
     import httpx
-    from serve import start_server
 
     proc, url = start_server(path, "--no-access-log")
     try:

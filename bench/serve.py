@@ -30,9 +30,7 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,13 +39,12 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import (  # noqa: E402
+    REPO,
+    ensure_bundle,
+    start_server,
+    write_result,
+)
 
 
 async def one_request(
@@ -157,22 +154,6 @@ def engine_only(bundle: Path, concurrency: int, in_len: int, out_len: int, vocab
     t0 = time.perf_counter()
     engine.generate(prompts, params)
     return concurrency * out_len / (time.perf_counter() - t0)
-
-
-def start_server(bundle: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "neffkit", "run", str(bundle), "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.terminate()
-    proc.wait()
-    raise SystemExit("the server did not become healthy")
 
 
 def serve_levels(url: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:

@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 import httpx
+from common import start_server
 from lora import adapters, bundles
-from serve import start_server
 
 Stream = list[float]  # the times a request's tokens arrived
 

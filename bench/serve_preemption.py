@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 import httpx
+from common import start_server
 from lora import bundles
-from serve import start_server
 from serve_lora import Stream, clients
 
 OUTPUT_LEN = 200

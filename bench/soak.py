@@ -32,8 +32,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
-from serve import start_server  # noqa: E402
+from common import REPO, ensure_bundle, start_server, write_result  # noqa: E402
 from soak_traffic import HOSTILE, PREFIXES, QUESTIONS, SCHEMA  # noqa: E402
 
 MANIFEST = REPO / "manifests" / "smollm2-soak.yaml"

@@ -27,8 +27,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import bundle as batch_bundle  # noqa: E402
-from common import median, write_result  # noqa: E402
-from serve import run_level, start_server, workload  # noqa: E402
+from common import median, start_server, write_result  # noqa: E402
+from serve import run_level, workload  # noqa: E402
 
 SETTINGS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "default": ((), {}),
