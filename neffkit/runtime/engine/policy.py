@@ -52,7 +52,7 @@ def reset_for_recompute(seq: SequenceState) -> None:
     already sent stay sent (a request with outputs does not collect them again); those of a
     prompt still prefilling are collected afresh."""
     seq.blocks = []
-    seq.num_prefilled = seq.num_cached = seq.num_registered = 0
+    seq.num_prefilled = seq.num_registered = 0  # num_cached: its first admission's, reported
     seq.drafting = DraftState()  # a draft model's cache lived in the same blocks
     if not seq.output_ids:
         seq.prompt_logprobs = []

@@ -124,11 +124,13 @@ class Scheduler:
                 continue
             pool.take(hits)
             seq.blocks = hits + pool.allocate(need - len(hits))
-            seq.num_cached = seq.num_prefilled = len(hits) * self.config.block_size
+            seq.num_prefilled = len(hits) * self.config.block_size
             seq.num_registered = len(hits)
-            if self._looks_up(seq) and not seq.preemptions:
-                self.cache_queries += len(seq.prompt_ids)
-                self.cache_hits += seq.num_cached
+            if not seq.preemptions:  # what its response reports: the first admission's (vLLM)
+                seq.num_cached = seq.num_prefilled
+            if self._looks_up(seq):
+                self.cache_queries += len(seq.prefill_ids)
+                self.cache_hits += seq.num_prefilled
             self.prefilling.append(seq)
         self.waiting.extendleft(reversed(passed))
 
