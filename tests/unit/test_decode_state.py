@@ -179,3 +179,22 @@ def test_decode_metadata_bytes_per_step(hf_model_dir, tmp_path):
     assert sent["host"][1] == 4 * 4 * 8  # tokens, positions, slots, lengths: 4 rows of int64
     assert sent["device"][1] == 3 * 4 * 8  # the tokens stay on the device
     assert sent["device"][0] > sent["device"][1] and sent["host"][0] > sent["host"][1]
+
+
+def test_a_preempted_request_back_in_its_row_gets_its_new_blocks(hf_model_dir, tmp_path):
+    """After a preemption a request recomputes into other blocks; if it lands in the row it had,
+    at the same block count, its table and (device state) seq_slots are rewritten all the same."""
+    path = write_manifest(
+        tmp_path / "m.yaml",
+        hf_model_dir("llama"),
+        buckets={"prefill": [16], "decode": [4], "context": [32]},
+    )
+    layout = dataclasses.replace(model_layout(load_manifest(path), "cpu"), decode_state="device")
+    buffers = DecodeBuffers(_entry(layout, 4), BS)
+    seq = SequenceState(7, [1, 2, 3], SamplingParams(max_tokens=8), seed=0, output_ids=[4])
+    seq.blocks = [1, 2]
+    buffers.fill([seq])
+    seq.blocks, seq.preemptions = [5, 6], 1  # recomputed into blocks 5, 6
+    buffers.fill([seq])
+    assert buffers.meta["block_tables"][0].tolist()[:1] == [5]
+    assert buffers.meta["seq_slots"][0] == 5
