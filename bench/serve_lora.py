@@ -6,9 +6,10 @@ Three runs on SmolLM2-135M-Instruct (bench/lora.py's bundles and rank-16 adapter
 - the bundle with 4 adapter slots, served with `--lora-modules` of the 4 adapters, each client
   naming its own (clients % 4): a decode batch of 8 mixes 4 distinct adapters;
 - the same bundle and clients on the base (3 adapters served), one long request each, while
-  another loads the fourth through `POST /v1/load_lora_adapter` once they all decode: the load's
-  wall time, and the longest gap between two streamed tokens of any request during it, against
-  the median gap (a step) and the p99 gap outside it.
+  another loads the fourth through `POST /v1/load_lora_adapter` (and unloads it) five times
+  once they all decode: each load's wall time, and the longest gap between two streamed tokens
+  of any request during it, against the median gap (a step), the longest gap in same-length
+  windows between loads, and the p99 gap outside the loads.
 """
 
 from __future__ import annotations
@@ -69,31 +70,54 @@ def summary(streams: list[Stream], wall: float) -> dict[str, float]:
     }
 
 
+LOADS = 5  # load + unload cycles while the clients decode
+SPACING_S = 0.6  # between two loads; a control window sits halfway between
+
+
+def _longest(pairs: list[tuple[float, float]], start: float, end: float) -> float:
+    """The longest gap between two streamed tokens that overlaps [start, end]."""
+    return max((b - a for a, b in pairs if b > start and a < end), default=0.0)
+
+
 async def load_during(url: str, models: list[str], args: Any, path: str) -> dict[str, float]:
-    """The base clients, and a load of the adapter at `path` once they are decoding."""
+    """The base clients, and LOADS loads (each unloaded again) of the adapter at `path` once
+    they are decoding: each load's wall time and the longest gap between two tokens of any
+    request during it, against the same-length windows halfway between loads (what the host
+    does with no load) and the median gap (a step)."""
 
-    async def load() -> tuple[float, float]:
-        await asyncio.sleep(2.0)  # every client's first request decoding
+    async def loads() -> list[tuple[float, float]]:
+        await asyncio.sleep(1.0)  # every client's first request decoding
+        spans = []
         async with httpx.AsyncClient(timeout=600) as http:
-            t0 = time.perf_counter()
-            body = {"lora_name": "loaded", "lora_path": path}
-            resp = await http.post(f"{url}/v1/load_lora_adapter", json=body)
-            resp.raise_for_status()
-            return t0, time.perf_counter()
+            for i in range(LOADS):
+                t0 = time.perf_counter()
+                body = {"lora_name": f"loaded{i}", "lora_path": path}
+                resp = await http.post(f"{url}/v1/load_lora_adapter", json=body)
+                resp.raise_for_status()
+                spans.append((t0, time.perf_counter()))
+                await http.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": f"loaded{i}"})
+                await asyncio.sleep(SPACING_S)
+        return spans
 
-    # one long request a client: every row decodes while the load runs (no prefill between)
-    run = clients(url, models, 1, args.input_len, 3 * args.output_len)
-    (streams, wall), (start, end) = await asyncio.gather(run, load())
+    # one long request a client: every row decodes while the loads run (no prefill between)
+    run = clients(url, models, 1, args.input_len, 3 * args.output_len)  # within 256 tokens
+    (streams, wall), spans = await asyncio.gather(run, loads())
     pairs = [(a, b) for s in streams for a, b in zip(s, s[1:], strict=False)]
-    during = [b - a for a, b in pairs if b > start and a < end]
-    outside = sorted(b - a for a, b in pairs if not (b > start and a < end))
+    during = [_longest(pairs, start, end) for start, end in spans]
+    half = SPACING_S / 2
+    control = [_longest(pairs, end + half, 2 * end - start + half) for start, end in spans]
+    outside = sorted(b - a for a, b in pairs if not any(b > s and a < e for s, e in spans))
+    median_gap = statistics.median(outside)
     return {
         **summary(streams, wall),
-        "load_ms": 1000 * (end - start),
-        "longest_gap_during_load_ms": 1000 * max(during, default=0.0),
-        "gaps_during_load": len(during),
-        "median_gap_ms": 1000 * statistics.median(outside),
+        "loads": LOADS,
+        "load_ms": 1000 * statistics.median(e - s for s, e in spans),
+        "longest_gap_during_load_ms": 1000 * max(during),
+        "longest_gap_during_load_median_ms": 1000 * statistics.median(during),
+        "longest_gap_in_control_windows_median_ms": 1000 * statistics.median(control),
+        "median_gap_ms": 1000 * median_gap,
         "p99_gap_outside_load_ms": 1000 * outside[int(0.99 * (len(outside) - 1))],
+        "stall_added_median_ms": 1000 * (statistics.median(during) - median_gap),
     }
 
 
