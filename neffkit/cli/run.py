@@ -11,6 +11,7 @@ import click
 
 from neffkit.cli.app import cli, local_bundle
 from neffkit.errors import NeffkitError
+from neffkit.runtime.config import POLICIES, SchedulingOptions
 from neffkit.runtime.sampling_params import OFFLINE
 
 LORA_MODULES = "--lora-modules"
@@ -137,7 +138,7 @@ def _parse_ids(text: str) -> list[int]:
 )
 @click.option(
     "--scheduling-policy",
-    type=click.Choice(["fcfs", "priority"]),
+    type=click.Choice(POLICIES),
     default="fcfs",
     show_default=True,
     help="Who waits and who is preempted when KV blocks run short: arrival order, or each "
@@ -293,11 +294,9 @@ def run(
         click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
 
 
-def _scheduling(options: dict[str, Any]) -> Any:
+def _scheduling(options: dict[str, Any]) -> SchedulingOptions:
     """--scheduling-policy and --num-gpu-blocks-override (taken out of `options`), offline and
     served alike."""
-    from neffkit.runtime.config import SchedulingOptions
-
     return SchedulingOptions(options.pop("scheduling_policy"), options.pop("num_blocks"))
 
 

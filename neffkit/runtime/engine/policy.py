@@ -20,7 +20,6 @@ from collections.abc import Iterable
 
 from neffkit.runtime.worker.batch import DraftState, SequenceState
 
-POLICIES = ("fcfs", "priority")
 # blocks kept free when admitting beside running requests: room for their next tokens, so an
 # admission does not preempt at the next step (vLLM's watermark: 1% of the blocks)
 WATERMARK = 0.01
@@ -48,10 +47,9 @@ def victim(candidates: Iterable[SequenceState], policy: str) -> SequenceState | 
 
 
 def reset_for_recompute(seq: SequenceState) -> None:
-    """A preempted request, as it waits again: no blocks, nothing computed. Prompt logprobs
-    already sent stay sent (a request with outputs does not collect them again); those of a
-    prompt still prefilling are collected afresh."""
-    seq.blocks = []
+    """A preempted request, its blocks given back, as it waits again: nothing computed. Prompt
+    logprobs already sent stay sent (a request with outputs does not collect them again); those
+    of a prompt still prefilling are collected afresh."""
     seq.num_prefilled = seq.num_registered = 0  # num_cached: its first admission's, reported
     seq.drafting = DraftState()  # a draft model's cache lived in the same blocks
     if not seq.output_ids:

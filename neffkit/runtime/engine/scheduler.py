@@ -154,14 +154,7 @@ class Scheduler:
 
     def _preempt(self, seq: SequenceState) -> None:
         """Take an admitted request's blocks back; it waits to recompute (policy.py)."""
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq.blocks:
-            self.allocator.free(seq.blocks[::-1])
-        if self.adapters is not None:
-            self.adapters.release(seq)
+        self._release(seq)
         reset_for_recompute(seq)
         self.preemptions += 1
         enqueue(self.waiting, seq, self.config.policy)
