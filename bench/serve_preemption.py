@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import re
 import statistics
-import time
 from typing import Any
 
 import httpx
 from common import start_server
 from lora import bundles
-from serve_lora import Stream, clients
+from serve_lora import clients, summary
 
 OUTPUT_LEN = 200
 BUDGETS = {"whole_pool": None, "pool_48_blocks": 49}
@@ -36,23 +35,14 @@ def _preemptions(url: str) -> float:
 
 def _one_run(url: str, args: Any) -> dict[str, float]:
     before = _preemptions(url)
-    t0 = time.perf_counter()
     streams, wall = asyncio.run(
         clients(url, ["base"] * args.clients, args.requests_per_client, args.input_len, OUTPUT_LEN)
     )
-    return {
-        **_summary(streams, wall, t0),
-        "preemptions": _preemptions(url) - before,
-    }
-
-
-def _summary(streams: list[Stream], wall: float, t0: float) -> dict[str, float]:
     gaps = [b - a for s in streams for a, b in zip(s, s[1:], strict=False)]
     return {
-        "output_tokens_per_s": sum(len(s) for s in streams) / wall,
-        "itl_median_ms": 1000 * statistics.median(gaps),
-        "itl_p99_ms": 1000 * sorted(gaps)[int(0.99 * (len(gaps) - 1))],
+        **summary(streams, wall),
         "longest_gap_ms": 1000 * max(gaps),
+        "preemptions": _preemptions(url) - before,
     }
 
 
