@@ -50,7 +50,7 @@ class EagerGraphs:
             elif s.name in self.weights:
                 inputs.append(self.weights[s.name])
             else:
-                value = meta.get(s.name, np.full(s.shape, abi.PAD_VALUES.get(s.name, 0)))
+                value = meta.get(s.name, np.full(s.shape, abi.pad_value(s.name)))
                 inputs.append(torch.from_numpy(np.asarray(value, dtype=s.dtype)))
         with torch.no_grad():
             return module(*inputs)[0].numpy()
@@ -68,7 +68,8 @@ def eager_greedy(
     rows, bs = len(prompts), layout.block_size
     context = _round_up(max(map(len, prompts)) + max_new, bs)
     per_row = context // bs
-    layout = dataclasses.replace(layout, num_blocks=rows * per_row + 1)
+    # every layer's cache whole (one KV group): the windows are the masks' alone here
+    layout = dataclasses.replace(layout, num_blocks=rows * per_row + 1, kv_groups=())
     tables = 1 + np.arange(rows * per_row).reshape(rows, per_row)
     tokens = _round_up(sum(map(len, prompts)), 16)
     graphs = EagerGraphs(

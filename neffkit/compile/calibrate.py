@@ -148,12 +148,9 @@ def eager_prefill(
     position, float32 [T, vocab] (the benchmarks' KL divergence reads them). `observe(layer, q,
     k, positional, step)` sees each layer's q and k before their positional encoding."""
     cfg, bs, tokens = layout.config, layout.block_size, len(ids)
-    layout = dataclasses.replace(
-        layout,
-        num_blocks=tokens // bs + 1,
-        prompt_logprobs=logits,
-        projection=dataclasses.replace(layout.projection, max_rows=0),
-    )
+    projection = dataclasses.replace(layout.projection, max_rows=0)
+    layout = dataclasses.replace(layout, num_blocks=tokens // bs + 1, kv_groups=())  # whole caches
+    layout = dataclasses.replace(layout, prompt_logprobs=logits, projection=projection)
     spec = GraphSpec("prefill", Phase.PREFILL, 1, tokens, tokens)
     module, specs = decoder_module(layout, spec)
     weights = [t for _, t in iter_rank_weights(model_dir, cfg, layout.storage, layout.par, 0)]

@@ -17,9 +17,11 @@ from neffkit.compile.backends.base import Backend
 from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape, TensorSpec
+from neffkit.contract.kv_groups import KVGroup, layer_groups, plan_groups, size_groups
 from neffkit.errors import BuildError, ManifestError
 from neffkit.kernels.int8_blocks import blocks_kernel_scheme
 from neffkit.kernels.intquant import QuantScheme
+from neffkit.manifest.sections import kv_bytes_per_token
 from neffkit.models.forms import (
     KEY_FORMS,
     PLAIN,
@@ -86,6 +88,7 @@ def model_layout(
     spec, sampling = manifest.speculation, manifest.sampling
     is_mtp = takes_hidden(cfg)  # the MTP layer's own graphs
     hidden = cfg.hidden_size if is_mtp or (spec is not None and spec.method == "mtp") else 0
+    groups = kv_groups(manifest)
     return ModelLayout(
         config=cfg,
         dtype=manifest.dtype,
@@ -95,7 +98,8 @@ def model_layout(
             for name, shape, dtype in specs
         ),
         block_size=manifest.kv_cache.block_size,
-        num_blocks=manifest.kv_cache.num_blocks,
+        num_blocks=groups[0].num_blocks if groups else manifest.kv_cache.num_blocks,
+        kv_groups=groups,
         max_top_k=manifest.sampling.max_top_k,
         max_logprobs=manifest.sampling.max_logprobs,
         prompt_logprobs=manifest.sampling.prompt_logprobs,
@@ -114,6 +118,29 @@ def model_layout(
         bias_tokens=sampling.max_logit_bias,
         lora=lora_record(manifest.lora, cfg, manifest.dtype, par) if manifest.lora else None,
     )
+
+
+def kv_groups(manifest: Manifest) -> tuple[KVGroup, ...]:
+    """The KV groups (contract/kv_groups.py): none where every layer keeps every position.
+    A sliding group's sequence holds the window behind the longest step: the largest prefill
+    bucket, or a block plus a verify step's drafts."""
+    cfg, kv, buckets = manifest.model_config, manifest.kv_cache, manifest.buckets
+    spec, bs, context = manifest.speculation, kv.block_size, buckets.context[-1]
+    chunk = max(buckets.prefill[-1], bs + (spec.num_tokens if spec is not None else 0))
+    plan = plan_groups(cfg.sliding_windows, bs, context, chunk)
+    if not kv.hybrid or (len(plan) == 1 and plan[0][0] is None):
+        return ()
+    if spec is not None and spec.method == "draft":
+        raise ManifestError(
+            "speculation.method draft: a draft model over sliding-window KV groups is not "
+            "supported (the draft's cache follows the target's one block table)",
+            hint="use speculation.method ngram",
+        )
+    budget = None
+    if kv.memory_mb is not None:  # layer-blocks the budget holds, split by need
+        per_layer = kv_bytes_per_token(cfg, manifest.parallel, kv.dtype) // cfg.num_layers
+        budget = kv.memory_mb * 2**20 // (bs * per_layer)
+    return size_groups(plan, kv.num_blocks, context // bs, budget)
 
 
 def _kernel_reads_fp8(manifest: Manifest, policy: ProjectionPolicy, storage: Storage) -> bool:
@@ -150,6 +177,10 @@ def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
         penalty_tokens=layout.penalty_tokens,
         bias_tokens=layout.bias_tokens,
         adapters=layout.lora is not None,
+        group_blocks=tuple(g.num_blocks for g in layout.kv_groups),
+        layer_group=layer_groups(layout.kv_groups, layout.config.num_layers)
+        if layout.kv_groups
+        else (),
     )
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from neffkit.contract.abi import PHASES, GraphKey, Phase, TensorSpec
 from neffkit.contract.codec import JsonObject, OptionValue
+from neffkit.contract.kv_groups import KVGroup
 from neffkit.contract.lora import LoraRecord
 from neffkit.contract.records import (
     ArtifactMetadata,
@@ -162,6 +163,8 @@ class ModelLayout:
     # cpu_kernel auto: what the build measured per decode row count (compile/autotune.py)
     kernel_timings: tuple[FormTiming, ...] = ()
     lora: LoraRecord | None = None  # adapter slots (the manifest's `lora:`)
+    # KV groups (contract/kv_groups.py); empty: every layer's cache has num_blocks blocks
+    kv_groups: tuple[KVGroup, ...] = ()
 
 
 # --------------------------------------------------------------------------------------- traces

@@ -22,12 +22,12 @@ from neffkit.compile.cache.local import KEY_JSON, link_or_copy
 from neffkit.compile.layout import projection_form
 from neffkit.compile.units import GraphUnit, ModelLayout
 from neffkit.contract.bundle import write_bundle_json, write_zst_text
+from neffkit.contract.fp8 import Fp8Record
 from neffkit.contract.records import (
     AuditRecord,
     BucketLists,
     BundleRecord,
     FindingRecord,
-    Fp8Record,
     GraphBuckets,
     GraphRecord,
     KernelTiming,
@@ -177,6 +177,7 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         penalty_tokens=layout.penalty_tokens,
         bias_tokens=layout.bias_tokens,
         lora=layout.lora,
+        kv_groups=layout.kv_groups,
     )
 
 

@@ -2,8 +2,8 @@
 
 models/ builds graphs that take exactly these inputs in this order, the runtime fills them,
 `build --verify` makes representative ones, and bundle.json records them per graph (the names
-appear in the io-alias map). One place, so the three cannot drift. Imports nothing from neffkit
-and no torch.
+appear in the io-alias map). One place, so the three cannot drift. Imports only the contract's
+KV groups, and no torch.
 
 Input order: metadata (built on the host), `rank` where graphs need it, the KV cache (one tensor
 per layer and kind), the device-resident decode state, the adapter slots (bundles with `lora:`),
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from neffkit.contract.kv_groups import group_input
 
 # ---------------------------------------------------------------------------------- names
 INPUT_IDS = "input_ids"  # [lines, T] token ids (decode with device state: none)
@@ -78,6 +80,13 @@ PAD_VALUES: dict[str, float] = {
     "repetition_penalty": 1.0,
     BIAS_IDS: -1,
 }
+
+
+def pad_value(name: str) -> float:
+    """What metadata input `name` holds in a padding row (a KV group's tables and slots as the
+    first group's)."""
+    return PAD_VALUES.get(name.partition(".")[0] if name[-1:].isdigit() else name, 0)
+
 
 KV_KINDS = {"mha": ("k", "v"), "mla": ("kv",)}  # cache tensors per layer, by cache kind
 
@@ -181,12 +190,6 @@ def slots_of(blocks: Any, positions: Any, block_size: int) -> Any:
     return slot(blocks[positions // block_size], positions, block_size)
 
 
-def state_slot(blocks: list[int]) -> int:
-    """A sequence's slot in the device decode state: its first KV block, which no other live
-    sequence holds (block 0, the null block, is never handed out: it is the padding slot)."""
-    return blocks[0]
-
-
 # ---------------------------------------------------------------------------------- specs
 @dataclass(frozen=True)
 class TensorSpec:
@@ -225,10 +228,20 @@ class GraphShape:
     penalty_tokens: int = 0
     bias_tokens: int = 0
     adapters: bool = False  # takes `lora_slots` (the bundle has adapter slots)
+    # KV groups (contract/kv_groups.py): each group's pool and each layer's group; empty: one
+    # group of `num_blocks`
+    group_blocks: tuple[int, ...] = ()
+    layer_group: tuple[int, ...] = ()
 
     @property
     def rule(self) -> PhaseRule:
         return PHASES[self.phase]
+
+    def layer_blocks(self, layer: int) -> int:
+        """The pool of layer `layer`'s KV group: its cache tensors' first dimension."""
+        if not self.group_blocks:
+            return self.num_blocks
+        return self.group_blocks[self.layer_group[layer]]
 
     @property
     def packed(self) -> bool:
@@ -244,16 +257,20 @@ class GraphShape:
 def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
     """The host-built inputs, in order. With device state a decode graph takes no input_ids:
     `seq_slots` (each row's sequence's slot in `last_tokens`; 0 pads) says where its token is,
-    and prefill takes `seq_slots` too, to store each sequence's sampled token there."""
+    and prefill takes `seq_slots` too, to store each sequence's sampled token there. Each KV
+    group after the first (contract/kv_groups.py) has its own slot mapping and block tables."""
     b, t, lines, rule = shape.rows, shape.tokens, shape.lines, shape.rule
     host_ids = rule.host_ids or not shape.device_state  # verify: drafts from the host
     specs = [TensorSpec(INPUT_IDS, (lines, t), "int64")] if host_ids else []
-    specs += [
-        TensorSpec(POSITIONS, (lines, t), "int64"),
-        TensorSpec(SLOT_MAPPING, (lines, t), "int64"),
-        TensorSpec(BLOCK_TABLES, (b, shape.context // shape.block_size), "int64"),
-        TensorSpec(CONTEXT_LENS, (b,), "int64"),
-    ]
+    specs.append(TensorSpec(POSITIONS, (lines, t), "int64"))
+    for g in range(max(1, len(shape.group_blocks))):
+        specs += [
+            TensorSpec(group_input(SLOT_MAPPING, g), (lines, t), "int64"),
+            TensorSpec(
+                group_input(BLOCK_TABLES, g), (b, shape.context // shape.block_size), "int64"
+            ),
+        ]
+    specs.append(TensorSpec(CONTEXT_LENS, (b,), "int64"))
     if shape.packed:
         specs.append(TensorSpec(SEQ_IDS, (1, t), "int64"))
     if rule.packed:
@@ -356,9 +373,16 @@ def kv_inputs(
     shape: GraphShape, num_layers: int, kv_kind: str, kv_heads: int, width: int, dtype: str
 ) -> list[TensorSpec]:
     """One K and one V tensor per layer, [blocks, block_size, kv_heads, head_dim]; MLA: one
-    latent tensor per layer, [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]."""
-    kv_shape = (shape.num_blocks, shape.block_size, kv_heads, width)
-    return [TensorSpec(name, kv_shape, dtype) for name in kv_cache_names(num_layers, kv_kind)]
+    latent tensor per layer, [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]. `blocks`
+    is the layer's KV group's pool (shape.layer_blocks)."""
+    per_layer = len(KV_KINDS[kv_kind])
+    names = kv_cache_names(num_layers, kv_kind)
+    return [
+        TensorSpec(
+            name, (shape.layer_blocks(i // per_layer), shape.block_size, kv_heads, width), dtype
+        )
+        for i, name in enumerate(names)
+    ]
 
 
 def state_names(decode_state: str) -> list[str]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from neffkit.contract import abi
 from neffkit.contract.codec import JsonObject, JsonValue, OptionValue, Record, encode  # noqa: F401 (the records' type hints name JsonValue)
+from neffkit.contract.fp8 import Fp8Record
+from neffkit.contract.kv_groups import KVGroup
 from neffkit.contract.lora import LoraRecord
 from neffkit.targets import DTYPE_BYTES
 
@@ -218,16 +220,22 @@ class LayoutRecord(Record):
     penalty_tokens: int = 0
     bias_tokens: int = 0
     lora: LoraRecord | None = None  # adapter slots after the state (contract/lora.py)
+    # the KV groups (contract/kv_groups.py), group 0's pool being num_blocks; empty: every layer
+    # in one group of num_blocks (a bundle without sliding-window layers)
+    kv_groups: tuple[KVGroup, ...] = ()
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The KV groups, one full group of num_blocks where the bundle lists none."""
+        full = self.buckets.context[-1] // self.block_size
+        return self.kv_groups or (
+            KVGroup(tuple(range(self.num_layers)), None, self.num_blocks, full),
+        )
 
     @property
     def state_names(self) -> list[str]:
         """The device-resident state tensors' graph input names (after the caches)."""
         return abi.state_names(self.decode_state)
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int, int]:
-        """[num_blocks, block_size, kv_heads_per_rank, head_dim] of each cache tensor."""
-        return (self.num_blocks, self.block_size, self.kv_heads_per_rank, self.head_dim)
 
     @property
     def kv_names(self) -> list[str]:
@@ -327,28 +335,6 @@ class ManifestRecord(Record):
     @classmethod
     def from_json(cls, data: JsonObject) -> ManifestRecord:
         return cls(data["name"], data["model"], dict(data))  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class Fp8Record(Record):
-    """fp8 in this bundle: which values are fp8, the range they use, the build-time rescale."""
-
-    OMIT_NONE = True
-
-    max: float  # the largest magnitude an fp8 value holds: 240 on trn1/trn2, else 448
-    weights: str  # the checkpoint's scale layout: "block", "channel", "tensor"; "" unquantized
-    weight_block: tuple[int, ...]  # its scale block [out, in] (0 spans the dimension)
-    weight_rescale: float  # fp8 weights were multiplied by this at build time (240/448, or 1)
-    scale_rescale: float  # and their scales by this (448/240, or 1)
-    kv_cache: bool  # the KV cache is fp8
-    # "checkpoint" (per-layer k_scale / v_scale), "calibrated" (measured by the build on a
-    # calibration text: compile/calibrate.py), "1.0", or "" (no fp8 cache)
-    kv_scales: str
-    k_scales: tuple[float, ...] | None = None  # the calibrated scales, one per layer
-    v_scales: tuple[float, ...] | None = None
-    # how the cache stores keys (kv_cache.rotate_keys): "centered, weighted, rotated" (less a
-    # calibrated offset, weighted per channel, Hadamard-rotated: kernels/kv.py); None: as is
-    keys: str | None = None
 
 
 @dataclass(frozen=True)

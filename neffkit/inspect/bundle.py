@@ -235,6 +235,17 @@ def kv_cache_summary(record: BundleRecord) -> dict[str, Any]:
         "values_per_token_per_layer": lay.kv_heads_per_rank * lay.head_dim,
         "bytes_per_token": lay.kv_bytes_per_token,
     }
+    per_layer_block = lay.kv_bytes_per_token // lay.num_layers * lay.block_size
+    out["groups"] = [  # contract/kv_groups.py: each group's pool, one rank's bytes of it
+        {
+            "layers": list(g.layers),
+            "window": g.window,
+            "num_blocks": g.num_blocks,
+            "blocks_per_seq": g.blocks_per_seq,
+            "bytes": g.num_blocks * per_layer_block * len(g.layers),
+        }
+        for g in lay.groups
+    ]
     if lay.kv_kind == "mla":
         heads = int(cfg["num_heads"]) // lay.tp
         per_head = sum(int(cfg[k]) for k in ("qk_nope_head_dim", "head_dim", "v_head_dim"))

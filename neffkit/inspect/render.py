@@ -49,6 +49,27 @@ def _kv_line(kv: dict[str, Any]) -> str:
     return line
 
 
+def _group_line(group: dict[str, Any]) -> str:
+    """One KV group: its layers, what they keep, its pool."""
+    window = group["window"]
+    keeps = "every position" if window is None else f"a window of {window}"
+    return (
+        f"layers {_spans(group['layers'])}: {keeps}, {group['num_blocks']} blocks, at most "
+        f"{group['blocks_per_seq']} a sequence, {_mib(group['bytes'])}"
+    )
+
+
+def _spans(layers: list[int]) -> str:
+    """0-3, 5, 7-9."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
 def _speculation_line(spec: dict[str, Any]) -> str:
     source = (
         f"the draft model's bundle in {spec['draft']}/: neffkit inspect BUNDLE/{spec['draft']}"
@@ -99,6 +120,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             + ("on" if lay.get("prefix_caching", True) else "off"),
         ),
         ("kv cache", _kv_line(summary["kv_cache"])),
+        *((f"kv group {i}", _group_line(g)) for i, g in enumerate(summary["kv_cache"]["groups"])),
         *([("fp8", _fp8_line(summary["fp8"]))] if summary.get("fp8") else []),
         *([("quantized", quant_line(q))] if (q := summary.get("quantization")) else []),
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),

@@ -57,6 +57,10 @@ class KVCache:
     # weighted per channel and rotated by a Hadamard matrix, queries alike, the offset's
     # product added back (kernels/kv.py); None: on wherever it applies
     rotate_keys: bool | None = None
+    # sliding-window layers in KV groups of their own, window-sized (contract/kv_groups.py);
+    # false: every layer keeps the whole context in one pool (vLLM's
+    # --disable-hybrid-kv-cache-manager)
+    hybrid: bool = True
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,7 @@ KV_CACHE_KEYS = (
     "prefix_caching",
     "calibrate",
     "rotate_keys",
+    "hybrid",
 )
 
 
@@ -224,7 +225,7 @@ def read_kv_cache(
 ) -> KVCache:
     raw = mapping(value, "kv_cache")
     no_unknown(raw, KV_CACHE_KEYS, "kv_cache")
-    prefix_caching, calibrate, rotate_keys = _kv_flags(raw)
+    prefix_caching, calibrate, rotate_keys, hybrid = _kv_flags(raw)
     kv_dtype = raw.get("dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ManifestError(
@@ -274,12 +275,13 @@ def read_kv_cache(
         prefix_caching=prefix_caching,
         calibrate=calibrate,
         rotate_keys=rotate_keys,
+        hybrid=hybrid,
     )
 
 
-def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool, bool | None]:
-    """kv_cache.prefix_caching, and kv_cache.calibrate and rotate_keys (fp8 caches only)."""
-    flags = {"prefix_caching": True, "calibrate": True, "rotate_keys": None}
+def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool, bool | None, bool]:
+    """kv_cache.prefix_caching, calibrate and rotate_keys (fp8 caches only), and hybrid."""
+    flags = {"prefix_caching": True, "calibrate": True, "rotate_keys": None, "hybrid": True}
     for key, default in flags.items():
         flag = flags[key] = raw.get(key, default)
         if flag is not default and not isinstance(flag, bool):
@@ -296,7 +298,8 @@ def _kv_flags(raw: dict[str, Any]) -> tuple[bool, bool, bool | None]:
             hint="leave kv_cache.calibrate out (true), or rotate_keys out",
         )
     # a flag with a bool default is a bool here (anything else raised above)
-    return bool(flags["prefix_caching"]), bool(flags["calibrate"]), flags["rotate_keys"]
+    caching, calibrate, hybrid = (bool(flags[k]) for k in ("prefix_caching", "calibrate", "hybrid"))
+    return caching, calibrate, flags["rotate_keys"], hybrid
 
 
 LM_HEAD_DTYPES = ("float8_e4m3fn",)

@@ -23,6 +23,7 @@ import torch
 
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphShape
+from neffkit.contract.kv_groups import group_input
 from neffkit.kernels import attention as attn
 from neffkit.kernels import lora
 from neffkit.kernels.activation import gated
@@ -45,7 +46,7 @@ from neffkit.models.projection import (
 from neffkit.models.rope_scaling import rope_frequencies
 from neffkit.models.sampling_head import SamplingHead
 from neffkit.models.shards import FP8_SCALE, K_ROTATION, ROPE_INV_FREQ, keeps_float32
-from neffkit.models.step import Span, Step
+from neffkit.models.step import Span, Step, key_views
 from neffkit.targets import E4M3FN_MAX
 
 
@@ -170,28 +171,18 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
     ) -> Step:
         """RoPE, the masks (one per distinct window) and the slots every layer shares."""
         cfg, shape = self.cfg, self.shape
-        positions, block_tables = m[abi.POSITIONS], m[abi.BLOCK_TABLES]
+        positions = m[abi.POSITIONS]
         context_lens, seq_ids = m[abi.CONTEXT_LENS], m.get(abi.SEQ_IDS)
         cos, sin = rope_cos_sin(
             positions, w[ROPE_INV_FREQ], self.rope_attention_factor, dtype
         )  # [B, T, 1, D]
-        spans = dict.fromkeys(self.span(layer) for layer in range(cfg.num_layers))  # in order
-        masks: dict[Span, torch.Tensor] = {}  # per distinct span: [B, T, C] (packed [1, T, S*C])
-        bounds: dict[Span, tuple[torch.Tensor, ...]] | None = None
-        if self.attention_kernel and seq_ids is not None:  # each token: its sequence's keys
-            packed = (positions, seq_ids, context_lens, block_tables)
-            bounds = {span: attn.packed_visible_keys(*packed, *span) for span in spans}
-        elif self.attention_kernel:  # decode, verify: each query's key range in its row
-            rows = (positions, context_lens, block_tables)
-            bounds = {span: attn.visible_keys(*rows, *span) for span in spans}
-        elif seq_ids is not None:  # packed: one row attending to every sequence's context
-            packed_mask = (positions, seq_ids, context_lens, shape.context)
-            masks = {span: attn.packed_context_mask(*packed_mask, *span) for span in spans}
-            block_tables = block_tables.reshape(1, -1)  # [1, S*C/bs]: the contexts side by side
-        else:
-            row_mask = (positions, context_lens, shape.context)
-            masks = {span: attn.context_mask(*row_mask, *span) for span in spans}
-        slots = m[abi.SLOT_MAPPING].reshape(-1)  # [B*T]
+        groups = max(1, len(shape.group_blocks))  # KV groups: each its own tables and slots
+        tables = [m[group_input(abi.BLOCK_TABLES, g)] for g in range(groups)]
+        # per distinct span, in order: the KV group of its layers (one group per span)
+        spans = {self.span(layer): self.kv_group(layer) for layer in range(cfg.num_layers)}
+        rows = (positions, seq_ids, context_lens, shape.context)
+        masks, bounds, tables = key_views(rows, tables, spans, self.attention_kernel)
+        slots = [m[group_input(abi.SLOT_MAPPING, g)].reshape(-1) for g in range(groups)]
         step = Step(
             w=w,
             rank=rank,
@@ -199,10 +190,12 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
             cos=cos,
             sin=sin,
             masks=masks,
-            slots=slots,
-            block_tables=block_tables,
+            slots=slots[0],  # [B*T]
+            block_tables=tables[0],
             positions=positions,
             bounds=bounds,
+            group_slots=tuple(slots),
+            group_tables=tuple(tables),
         )
         if K_ROTATION in w:  # fp8 rotated keys: their offsets at the context's positions
             step.context = self.context_step(step, packed=seq_ids is not None)
@@ -247,7 +240,7 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
             v_cache,
             to_cache(k.reshape(-1, kv_heads, cfg.head_dim), k_cache.dtype, fp8_max, k_scale),
             to_cache(v.reshape(-1, kv_heads, cfg.head_dim), v_cache.dtype, fp8_max, v_scale),
-            step.slots,
+            step.group_slots[self.kv_group(layer)],
         )
         if step.bounds is not None:  # cpu: neffkit's kernel reads only the visible keys
             bounds, sinks = step.bounds[self.span(layer)], self.sinks(w, p)
@@ -255,8 +248,9 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
                 q, k_cache, v_cache, bounds, self.attention_scale(), sinks, self.softcap
             )
         else:
-            keys = from_cache(gather_context(k_cache, step.block_tables), q.dtype, k_scale)
-            values = from_cache(gather_context(v_cache, step.block_tables), q.dtype, v_scale)
+            tables = step.group_tables[self.kv_group(layer)]
+            keys = from_cache(gather_context(k_cache, tables), q.dtype, k_scale)
+            values = from_cache(gather_context(v_cache, tables), q.dtype, v_scale)
             bias = None
             if step.context is not None:  # rotated keys: each context key's offset added back
                 bias = self.offset_bias(q_rope, layer, step)
@@ -282,6 +276,10 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         """Where positions enter q and k: RoPE on every layer here (Llama 4: NoPE layers)."""
         cos, sin = self.rope(layer, step)
         return self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+
+    def kv_group(self, layer: int) -> int:
+        """The KV group whose pool, tables and slots layer `layer` uses (contract/kv_groups)."""
+        return self.shape.layer_group[layer] if self.shape.layer_group else 0
 
     def span(self, layer: int) -> Span:
         """The keys layer `layer` sees: its sliding window (None: all), no chunking here."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from neffkit.kernels import attention as attn
+
 # which keys a layer's queries see: (sliding window, attention chunk), None for unbounded
 Span = tuple[int | None, int | None]
 
@@ -32,3 +34,45 @@ class Step:
     # an fp8 cache with rotated keys: this step at the context keys' positions [1, C] (packed:
     # every sequence's), whose RoPE puts each key's offset back (Decoder.key_offsets)
     context: Step | None = None
+    # per KV group (contract/kv_groups.py): its slots [B*T] and block tables; group 0's are
+    # `slots` and `block_tables`
+    group_slots: tuple[torch.Tensor, ...] = ()
+    group_tables: tuple[torch.Tensor, ...] = ()
+
+
+def key_views(
+    rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int],
+    tables: list[torch.Tensor],
+    spans: dict[Span, int],
+    kernel: bool,
+) -> tuple[
+    dict[Span, torch.Tensor], dict[Span, tuple[torch.Tensor, ...]] | None, list[torch.Tensor]
+]:
+    """The keys each span's queries see: with the attention kernel, each query's bounds and
+    block table (through its span's KV group's tables); else the masks [B, T, C] (packed: [1, T,
+    S*C], the tables then side by side [1, S*C/bs]). `rows`: positions, sequence ids (packed
+    prefill, else None), context lengths and the context bucket; `spans`: each span's group."""
+    positions, seq_ids, context_lens, context = rows
+    if kernel and seq_ids is not None:  # each token: its sequence's keys
+        packed = (positions, seq_ids, context_lens)
+        return (
+            {},
+            {s: attn.packed_visible_keys(*packed, tables[g], *s) for s, g in spans.items()},
+            tables,
+        )
+    if kernel:  # decode, verify: each query's key range in its row
+        return (
+            {},
+            {
+                s: attn.visible_keys(positions, context_lens, tables[g], *s)
+                for s, g in spans.items()
+            },
+            tables,
+        )
+    if seq_ids is not None:  # packed: one row attending to every sequence's context
+        masks = {
+            s: attn.packed_context_mask(positions, seq_ids, context_lens, context, *s)
+            for s in spans
+        }
+        return masks, None, [t.reshape(1, -1) for t in tables]
+    return {s: attn.context_mask(positions, context_lens, context, *s) for s in spans}, None, tables

@@ -8,6 +8,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from neffkit.contract.kv_groups import KVGroup
 from neffkit.contract.records import BundleRecord, LayoutRecord, ModelRecord, SpeculationRecord
 from neffkit.errors import NeffkitError
 
@@ -39,6 +40,13 @@ class SchedulerConfig:
     @property
     def num_blocks(self) -> int:  # block 0 included (the null block, never handed out)
         return self.blocks_override or self.layout.num_blocks
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The KV groups the scheduler allocates from (contract/kv_groups.py); an override
+        sizes the first group's pool."""
+        first, *rest = self.layout.groups
+        return (replace(first, num_blocks=self.num_blocks), *rest)
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:  # tokens per prefill chunk

@@ -89,6 +89,8 @@ def test_mla_latent_cache_bytes_per_token(bundle):
     per-head K/V would take (2 x 4 heads x (16 + 8 + 16) x 4)."""
     path = bundle("deepseek")
     kv = run_json("inspect", str(path), "--json")["kv_cache"]
+    (group,) = kv.pop("groups")  # one pool for both layers
+    assert group["layers"] == [0, 1] and group["window"] is None
     assert kv == {
         "kind": "mla",
         "dtype": "float32",

@@ -115,6 +115,8 @@ def test_ranks_lower_to_identical_hlo(session_dir: Path, hf_model_dir) -> None:
         [
             ("llama", 1),
             ("gpt_oss", 1),
+            ("gemma3", 1),
+            ("gemma3", 2),
             ("deepseek", 1),
             ("llama4", 1),
             ("llama", 2),

@@ -159,6 +159,8 @@ LOWERED = {  # kind, tp → buckets
     ("mixtral", 2): {"prefill": [16], "decode": [2], "context": [64]},
     # Gemma 3: two rotations, q/k norms, scaled embedding, sliding + full layers
     ("gemma3", 1): {"prefill": [16], "decode": [2], "context": [64]},
+    # and at tp=2: each rank's sliding and full KV groups, window-sized caches on every rank
+    ("gemma3", 2): {"prefill": [16], "decode": [2], "context": [64]},
     # OLMo 2 at tp=2: its q/k norms all-reduce their sums of squares over the ranks
     ("olmo2", 2): {"prefill": [16], "decode": [2], "context": [64]},
     # Llama 4: chunked and NoPE layers, sigmoid top-1 routing into input-scaled experts

@@ -160,9 +160,13 @@ def test_decode_metadata_bytes_per_step(hf_model_dir, tmp_path):
     host = model_layout(load_manifest(path), "cpu")
     params = SamplingParams(max_tokens=8)
     seqs = [
-        SequenceState(i, [1, 2, 3], params, seed=0, output_ids=[4], blocks=[1 + 2 * i, 2 + 2 * i])
+        SequenceState(
+            i, [1, 2, 3], params, seed=0, output_ids=[4], kv_blocks=[[1 + 2 * i, 2 + 2 * i]]
+        )
         for i in range(4)
     ]
+    for s in seqs:  # the scheduler's choice of state slot
+        s.state_slot = s.blocks[0]
     sent = {}
     device = dataclasses.replace(host, decode_state="device")
     for name, layout in (("host", host), ("device", device)):
@@ -172,7 +176,7 @@ def test_decode_metadata_bytes_per_step(hf_model_dir, tmp_path):
             s.output_ids.append(5)
         steady = buffers.fill(seqs)
         if name == "device":
-            assert buffers.meta["seq_slots"].tolist() == [1, 3, 5, 7]  # each sequence's 1st block
+            assert buffers.meta["seq_slots"].tolist() == [1, 3, 5, 7]  # each sequence's slot
         sent[name] = (first, steady)
         for s in seqs:
             s.output_ids.pop()
@@ -192,9 +196,9 @@ def test_a_preempted_request_back_in_its_row_gets_its_new_blocks(hf_model_dir, t
     layout = dataclasses.replace(model_layout(load_manifest(path), "cpu"), decode_state="device")
     buffers = DecodeBuffers(_entry(layout, 4), BS)
     seq = SequenceState(7, [1, 2, 3], SamplingParams(max_tokens=8), seed=0, output_ids=[4])
-    seq.blocks = [1, 2]
+    seq.blocks, seq.state_slot = [1, 2], 3
     buffers.fill([seq])
-    seq.blocks, seq.preemptions = [5, 6], 1  # recomputed into blocks 5, 6
+    seq.blocks, seq.preemptions, seq.state_slot = [5, 6], 1, 5  # recomputed into blocks 5, 6
     buffers.fill([seq])
     assert buffers.meta["block_tables"][0].tolist()[:1] == [5]
     assert buffers.meta["seq_slots"][0] == 5

@@ -10,16 +10,14 @@ import torch
 from neffkit.compile.layout import graph_inputs
 from neffkit.compile.units import GraphSpec, ModelLayout
 from neffkit.contract import abi
+from neffkit.contract.kv_groups import first_live, group_input
 from neffkit.contract.lora import is_adapter_input
 
 
 def greedy_sampling(rows: int) -> dict[str, np.ndarray]:
     """Every row greedy: the ABI's padding values (temperature 0, top_k 0: off, top_p 1, seed
     0), so a sampling input the ABI adds needs nothing here."""
-    return {
-        name: np.full(rows, abi.PAD_VALUES.get(name, 0), dtype)
-        for name, dtype in abi.SAMPLING_INPUTS
-    }
+    return {name: np.full(rows, abi.pad_value(name), dtype) for name, dtype in abi.SAMPLING_INPUTS}
 
 
 def representative_inputs(
@@ -59,11 +57,12 @@ def representative_inputs(
             abi.SLOT_MAPPING: np.where(live, slots, -1).astype(np.int64),
             abi.CONTEXT_LENS: lens.astype(np.int64),
         }
+    meta |= group_metadata(layout, meta, spec.rows)
     meta |= {
         abi.INPUT_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
         **greedy_sampling(spec.rows),
         abi.TARGET_IDS: torch.randint(0, vocab, (lines, t), generator=gen).numpy(),
-        abi.SEQ_SLOTS: np.array([abi.state_slot(row.tolist()) for row in tables]),
+        abi.SEQ_SLOTS: tables[:, 0],  # each row's state slot: any distinct one, its first block
         abi.LAST_TOKENS: torch.randint(0, vocab, (nb,), generator=gen).numpy(),
         abi.LORA_SLOTS: np.arange(spec.rows) % (1 + (layout.lora.max_loras if layout.lora else 0)),
     }
@@ -80,6 +79,39 @@ def representative_inputs(
             out.append(torch.zeros(1, dtype=torch.int64))
         else:
             out.append(weights[by_name[s.name]])
+    return out
+
+
+def group_metadata(
+    layout: ModelLayout, meta: dict[str, np.ndarray], rows: int
+) -> dict[str, np.ndarray]:
+    """Each KV group's block tables and slot mapping (contract/kv_groups.py) for the first
+    group's: a full group's are the same; a sliding group's give each row's blocks from its
+    window's first (at the row's first query) on fresh blocks of the group's pool, in order
+    (wrapping where the rows need more than the pool holds)."""
+    out: dict[str, np.ndarray] = {}
+    bs, tables = layout.block_size, meta[abi.BLOCK_TABLES]
+    positions, slots = meta[abi.POSITIONS], meta[abi.SLOT_MAPPING]
+    owner = meta.get(abi.SEQ_IDS, np.arange(positions.shape[0])[:, None] + 0 * positions)
+    for g, group in enumerate(layout.kv_groups):
+        mine, live = tables.copy(), slots >= 0
+        if group.window is not None:
+            mine[:] = -1
+            taken = 0
+            for r in range(rows):
+                queries = positions[(owner == r) & live]
+                if queries.size == 0:
+                    continue
+                first = first_live(group.window, int(queries.min()), bs)
+                for j in range(first, int(queries.max()) // bs + 1):
+                    mine[r, j] = 1 + taken % (group.num_blocks - 1)
+                    taken += 1
+        rows_of = owner if positions.shape[0] == 1 else np.arange(rows)[:, None] + 0 * positions
+        block = mine[np.clip(rows_of, 0, rows - 1), positions // bs]
+        out[group_input(abi.BLOCK_TABLES, g)] = mine
+        out[group_input(abi.SLOT_MAPPING, g)] = np.where(
+            live, abi.slot(block, positions, bs), -1
+        ).astype(np.int64)
     return out
 
 

@@ -43,14 +43,17 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
             hint="shorten the prompt, lower max_tokens, or build with a larger context bucket",
             param="prompt",
         )
-    if config.blocks_for(total) > config.num_blocks - 1:
-        raise RequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({budget}) needs "
-            f"{config.blocks_for(total)} KV blocks of {config.block_size} tokens; the KV pool "
-            f"holds {config.num_blocks - 1}",
-            hint="shorten the prompt or lower max_tokens (a request must fit the pool alone)",
-            param="prompt",
-        )
+    for g, group in enumerate(config.groups):  # alone in the pool: every group's blocks
+        need = min(config.blocks_for(total), group.blocks_per_seq)
+        if need > group.num_blocks - 1:
+            where = "" if len(config.groups) == 1 else f" (KV group {g})"
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({budget}) needs "
+                f"{need} KV blocks of {config.block_size} tokens; the KV pool{where} "
+                f"holds {group.num_blocks - 1}",
+                hint="shorten the prompt or lower max_tokens (a request must fit the pool alone)",
+                param="prompt",
+            )
 
 
 def check_priority(policy: str, priority: int) -> None:

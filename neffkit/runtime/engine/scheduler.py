@@ -2,24 +2,22 @@
 
 Each step runs at most one prefill call and then one decode step. The prefill call packs the
 next chunks of up to `prefill_batch` waiting prompts into one row of tokens (per-token sequence
-ids; the smallest sequence, token and context buckets that fit; prompts longer than the largest
-token bucket run as several chunks), so a burst of arrivals does not queue one prompt per step;
-then one decode step over the running
-sequences (the smallest batch and context buckets that fit, rows padded). Block 0 is the null
-block: padding slots and -1 block-table entries land there, so it is never handed out.
+ids; the smallest sequence, token and context buckets that fit; a prompt longer than the largest
+token bucket runs as several chunks), so a burst of arrivals does not queue one prompt per step;
+then one decode step over the running sequences (the smallest batch and context buckets that
+fit, rows padded). Block 0 is the null block: padding slots land there, never handed out.
 
-KV blocks are taken as they are needed (vLLM v1): a request is admitted on its prompt's blocks
-(plus a watermark of free ones while others run), and each decode step gives a row the block its
-next token (and drafts) need. When a step's block cannot be had, a running request is preempted
-by recompute (policy.py: which one, and what it keeps). A request whose prompt + max_tokens
-would not fit the whole pool alone is refused when it is added, so every admitted request can
-finish.
+KV blocks are taken as they are needed (vLLM v1), in each KV group (group_blocks.py): a request
+is admitted on its prompt's blocks (plus a watermark of free ones while others run; a sliding
+group's only for the first chunk, then chunk by chunk), and each decode step gives a row the
+blocks its tokens need, a sliding group giving back those behind the window first. When a block
+cannot be had, a request is preempted by recompute (policy.py: which one, and what it keeps). A
+request whose prompt + max_tokens would not fit the pool alone is refused when it is added.
 
 Prefix caching (vLLM's semantics, kv_blocks.py): at admission a prompt takes the cached blocks of
 its longest cached prefix and its prefill starts at the first uncached token; the last prompt
-token is always computed, so the first sampled token comes from a graph. A request asking for
-prompt logprobs computes every position. Each block is cached once all its tokens are in the
-cache (after a prefill chunk or a decode step), generated tokens included.
+token is always computed. A request asking for prompt logprobs computes every position. Each
+block is cached once all its tokens are in the cache, generated tokens included.
 
 Pure Python (and numpy), no graphs: the runner (runner.py) turns what is scheduled here into
 metadata, and the scheduler's tests run against a fake runner in milliseconds.
@@ -34,17 +32,17 @@ from typing import Protocol
 from neffkit.contract import abi
 from neffkit.errors import NeffkitError
 from neffkit.runtime.config import SchedulerConfig, smallest_fitting
+from neffkit.runtime.engine.group_blocks import GroupPools
 from neffkit.runtime.engine.kv_blocks import BlockPool, extend_hashes
 from neffkit.runtime.engine.limits import check_fits
 from neffkit.runtime.engine.policy import WATERMARK, enqueue, rank, reset_for_recompute, victim
 from neffkit.runtime.spec_decode.proposer import (
     BatchProposer,
     SpecCounters,
-    draft_count,
     method_proposer,
     per_row,
     record_outcome,
-    verify_batch_size,
+    verify_batch,
 )
 from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, PrefillChunk, SequenceState
 from neffkit.runtime.worker.step_output import StepOutput
@@ -64,13 +62,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, adapters: AdapterPool | None = None) -> None:
         self.config = config
         self.adapters = adapters  # the adapters' slots (bundles with `lora:`)
-        self.allocator = BlockPool(config.num_blocks, config.prefix_caching)
+        self.kv = GroupPools(config.groups, config.block_size, config.prefix_caching)
+        # slots of the device decode state, one per admitted request (its `last_tokens` entry)
+        self.free_state_slots = list(range(config.layout.num_blocks - 1, 0, -1))
         # prompt tokens looked up in the prefix cache, and found (vLLM's prefix_cache_queries
         # and prefix_cache_hits)
         self.cache_queries = 0
         self.cache_hits = 0
         self.preemptions = 0  # vLLM's num_preemptions
-        self.watermark = max(1, int(WATERMARK * self.allocator.num_usable))
         self.spec = SpecCounters()
         # prompt lookup's; a draft model's is set by the engine, which holds its graphs
         spec = config.speculation
@@ -89,8 +88,13 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running)
 
     @property
+    def allocator(self) -> BlockPool:
+        """The first KV group's pool (the only one of most bundles)."""
+        return self.kv.pools[0]
+
+    @property
     def kv_usage(self) -> float:
-        return 1.0 - self.allocator.num_free / self.allocator.num_usable
+        return self.kv.usage
 
     @property
     def num_waiting(self) -> int:
@@ -109,23 +113,24 @@ class Scheduler:
         running requests, with the watermark left over); under the priority policy one that
         does not fit preempts running requests ranked after it. One whose adapter finds no free
         slot waits, and those behind it go on."""
-        pool = self.allocator
         passed: list[SequenceState] = []
         while self.waiting:
             seq = self.waiting[0]
             hits = self._cached_prefix(seq)
-            need = self.config.blocks_for(len(seq.prefill_ids))
-            if not self._room_for(seq, need, hits):
+            start = len(hits[0]) * self.config.block_size if hits else 0
+            end = start + self._chunk(seq, start, self.config.prefill_buckets[-1])
+            need = self.kv.needs(hits, end, len(seq.prefill_ids))
+            if not self.free_state_slots or not self._room_for(seq, need, hits):
                 break
             self.waiting.popleft()
             if not self._slot(seq):
                 if not seq.finished:  # waits for a slot
                     passed.append(seq)
                 continue
-            pool.take(hits)
-            seq.blocks = hits + pool.allocate(need - len(hits))
-            seq.num_prefilled = len(hits) * self.config.block_size
-            seq.num_registered = len(hits)
+            self.kv.admit(seq, hits, need)
+            seq.state_slot = self.free_state_slots.pop()
+            seq.num_prefilled = start
+            seq.num_registered = start // self.config.block_size
             if not seq.preemptions:  # what its response reports: the first admission's (vLLM)
                 seq.num_cached = seq.num_prefilled
             if self._looks_up(seq):
@@ -134,14 +139,13 @@ class Scheduler:
             self.prefilling.append(seq)
         self.waiting.extendleft(reversed(passed))
 
-    def _room_for(self, seq: SequenceState, need: int, hits: list[int]) -> bool:
-        """Are `need` blocks (`hits` of them cached) free for `seq`, making room under the
-        priority policy by preempting admitted requests ranked after it?"""
-        pool = self.allocator
+    def _room_for(self, seq: SequenceState, need: list[int], hits: list[list[int]]) -> bool:
+        """Are `need` fresh blocks and the cached `hits` free for `seq` in every KV group,
+        making room under the priority policy by preempting admitted requests ranked after
+        it?"""
         while True:
             busy = bool(self.running or self.prefilling)
-            short = need - len(hits) + pool.free_among(hits) - pool.num_free
-            if short + (self.watermark if busy else 0) <= 0:
+            if not self.kv.short(need, hits, WATERMARK if busy else 0.0):
                 return True
             if self.config.policy != "priority":
                 return False
@@ -162,30 +166,40 @@ class Scheduler:
     def _grow(self, rows: list[SequenceState]) -> list[SequenceState]:
         """Each row's blocks for this step's tokens, preempting (the policy's last admitted
         request first, maybe a row itself) while the pool is short; the rows left."""
-        pool, kept = self.allocator, []
+        kept = []
         for seq in rows:
             if seq not in self.running:  # preempted for an earlier row
                 continue
-            need = self._step_blocks(seq) - len(seq.blocks)
-            while need > pool.num_free:
-                last = victim([*self.running, *self.prefilling], self.config.policy)
-                assert last is not None  # seq itself is running
-                self._preempt(last)
-                if last is seq:
-                    break
-            if seq in self.running:
-                if need > 0:
-                    seq.blocks += pool.allocate(need)
+            self.kv.trim(seq, seq.length - 1)  # sliding groups: blocks behind the window back
+            end = self._step_end(seq)
+            need = self.kv.needs(seq.kv_blocks, end, end)
+            if self._make_room(seq, need):
+                self.kv.grow(seq, need)
                 kept.append(seq)
         return [s for s in kept if s in self.running]
 
-    def _step_blocks(self, seq: SequenceState) -> int:
-        """Blocks a decode step needs a row to hold: its last token's position, and with
-        speculation the drafts' after it (within its budget, which fits the pool)."""
+    def _make_room(self, seq: SequenceState, need: list[int]) -> bool:
+        """Preempt (the policy's last admitted request first) until every group has `need`
+        fresh blocks for `seq`; False if `seq` itself was preempted."""
+        while self.kv.short(need):
+            last = victim([*self.running, *self.prefilling], self.config.policy)
+            assert last is not None  # seq itself is admitted
+            self._preempt(last)
+            if last is seq:
+                return False
+        return True
+
+    def _step_end(self, seq: SequenceState) -> int:
+        """The tokens a decode step writes up to: its last token, and with speculation the
+        drafts after it (within its budget, which fits the pool)."""
         spec = self.config.speculation
         ahead = spec.num_tokens if spec is not None else 0
-        budget = len(seq.prompt_ids) + seq.max_tokens
-        return self.config.blocks_for(min(seq.length + ahead, budget))
+        return min(seq.length + ahead, len(seq.prompt_ids) + seq.max_tokens)
+
+    def _chunk(self, seq: SequenceState, start: int, tokens: int) -> int:
+        """The tokens of `seq`'s next prefill chunk from `start`: at most `tokens`, and no more
+        than a sliding group's sequence can hold."""
+        return self.kv.chunk_tokens(start, min(len(seq.prefill_ids) - start, tokens))
 
     def _slot(self, seq: SequenceState) -> bool:
         """The request's adapter in a slot (True: it has none, or it got one). An adapter that
@@ -201,13 +215,14 @@ class Scheduler:
     def _looks_up(self, seq: SequenceState) -> bool:
         return self.config.prefix_caching and seq.params.prompt_logprobs is None
 
-    def _cached_prefix(self, seq: SequenceState) -> list[int]:
-        """The cached blocks the prompt can start from: full blocks before its last token."""
+    def _cached_prefix(self, seq: SequenceState) -> list[list[int]]:
+        """Each KV group's cached blocks the prompt can start from: full blocks before its last
+        token (none: no lookup)."""
         if not self._looks_up(seq):
             return []
         bs, tokens = self.config.block_size, seq.prefill_ids
         extend_hashes(seq.block_hashes, tokens, bs, seq.adapter_key)
-        return self.allocator.lookup(seq.block_hashes[: (len(tokens) - 1) // bs])
+        return self.kv.cached_prefix(seq.block_hashes[: (len(tokens) - 1) // bs])
 
     def _register(self, seq: SequenceState, computed: int, pending: Sequence[int] = ()) -> None:
         """Cache the blocks whose tokens are all in the cache now (`computed` tokens: the
@@ -224,7 +239,7 @@ class Scheduler:
             tokens = tokens + seq.output_ids + list(pending)
         extend_hashes(seq.block_hashes, tokens[:computed], bs, seq.adapter_key)
         for i in range(seq.num_registered, full):
-            self.allocator.register(seq.blocks[i], seq.block_hashes[i])
+            self.kv.register(seq, i, seq.block_hashes[i])
         seq.num_registered = full
 
     def next_prefill(self) -> PrefillBatch | None:
@@ -242,11 +257,15 @@ class Scheduler:
             seqs += [s for s in list(self.prefilling)[1:] if s.params.prompt_logprobs is None]
         chunks: list[PrefillChunk] = []
         for seq in seqs[: lay.prefill_batch[-1]]:
-            n = min(len(seq.prefill_ids) - seq.num_prefilled, budget)
-            if n == 0:
+            if seq not in self.prefilling:  # preempted to make room for an earlier chunk
+                continue
+            n = self._chunk(seq, seq.num_prefilled, budget)
+            if n == 0 or not self._chunk_blocks(seq, n, first=not chunks):
                 break
             chunks.append(PrefillChunk(seq, seq.num_prefilled, n))
             budget -= n
+        if not chunks:
+            return None
         tokens = smallest_fitting(lay.prefill_buckets, sum(c.length for c in chunks))
         batch = smallest_fitting(lay.prefill_batch, len(chunks))
         assert tokens is not None and batch is not None
@@ -254,6 +273,19 @@ class Scheduler:
         context = smallest_fitting(lay.context_buckets, need)
         assert context is not None  # check_fits bounded the prompts
         return PrefillBatch(chunks, batch, tokens, context)
+
+    def _chunk_blocks(self, seq: SequenceState, n: int, first: bool) -> bool:
+        """A sliding group's blocks for `seq`'s next `n` tokens (a full group took the prompt's
+        at admission), the blocks behind its window given back first. Only the call's first
+        chunk preempts to get them (the policy's last admitted request first): a later one
+        waits for the next call."""
+        start = seq.num_prefilled
+        self.kv.trim(seq, start)
+        need = self.kv.needs(seq.kv_blocks, start + n, len(seq.prefill_ids))
+        if self.kv.short(need) and (not first or not self._make_room(seq, need)):
+            return False
+        self.kv.grow(seq, need)
+        return True
 
     def prefilled(self, batch: PrefillBatch, out: StepOutput) -> list[SequenceState]:
         """After a prefill call: each sequence decodes once its whole prompt is in the cache."""
@@ -289,37 +321,18 @@ class Scheduler:
         rows = self._grow(rows)
         if not rows:
             return None
-        verify = self._verify_batch(rows)
+        spec, proposer = self.config.speculation, self.proposer
+        verify = (
+            None
+            if spec is None or proposer is None
+            else verify_batch(spec, proposer, self.config, rows)
+        )
         if verify is not None:
             return verify
         batch = smallest_fitting(self.config.decode_buckets, len(rows))
         context = smallest_fitting(self.config.context_buckets, max(s.length for s in rows))
         assert batch is not None and context is not None
         return DecodeBatch(rows, batch, context)
-
-    def _verify_batch(self, rows: list[SequenceState]) -> DecodeBatch | None:
-        """The rows' drafts in a verify graph, where the bundle has one that fits and some row
-        proposes; else None (plain decode)."""
-        spec, proposer = self.config.speculation, self.proposer
-        if spec is None or proposer is None:
-            return None
-        batch = verify_batch_size(spec, self.config.decode_buckets, len(rows))
-        if batch is None:
-            return None
-        ks = [
-            draft_count(spec, s.max_tokens - len(s.output_ids) - 1, s.drafting)
-            if s.may_draft
-            else 0
-            for s in rows
-        ]
-        drafts = proposer(rows, ks) if any(ks) else []
-        if not any(drafts):
-            return None
-        need = max(s.length + len(d) for s, d in zip(rows, drafts, strict=True))
-        context = smallest_fitting(self.config.context_buckets, need)
-        if context is None or 1 + spec.num_tokens >= context:
-            return None
-        return DecodeBatch(rows, batch, context, drafts)
 
     def decoded(self, batch: DecodeBatch, out: StepOutput) -> list[SequenceState]:
         if batch.drafts is not None:
@@ -357,26 +370,7 @@ class Scheduler:
     ) -> None:
         """Add a sampled token (a verify step's: `token`, at `position` of its row)."""
         token = out.tokens[row] if token is None else token
-        seq.output_ids.append(token)
-        params = seq.params
-        if seq.penalties is not None:
-            seq.penalties.add(token)
-        if seq.grammar is not None:
-            if not seq.grammar.consume_token(token):
-                seq.finish_reason = "error"  # the graph sampled what the mask forbade
-            elif seq.grammar.is_stopped():  # complete, nothing may follow: done, EOS or not
-                seq.finish_reason = "stop"
-            if seq.finished:
-                self._release(seq)
-                return
-        if params.logprobs is not None:
-            seq.output_logprobs.append(out.logprobs(row, params.logprobs, position))
-        if not params.ignore_eos and token in self.config.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= seq.max_tokens:
-            seq.finish_reason = "length"
+        seq.append(token, out, row, self.config.eos_token_ids, position)
         if seq.finished:
             self._release(seq)
 
@@ -386,8 +380,10 @@ class Scheduler:
                 queue.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        if seq.blocks:
-            self.allocator.free(seq.blocks[::-1])  # the tail evicted before the shared head
-            seq.blocks = []
+        if seq.kv_blocks:
+            self.kv.release(seq)  # the tail evicted before the shared head
+        if seq.state_slot:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = 0
         if self.adapters is not None:
             self.adapters.release(seq)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neffkit.contract.records import SpeculationRecord
-from neffkit.runtime.config import smallest_fitting
+from neffkit.runtime.config import SchedulerConfig, smallest_fitting
 from neffkit.runtime.spec_decode.ngram import propose
-from neffkit.runtime.worker.batch import DraftState
+from neffkit.runtime.worker.batch import DecodeBatch, DraftState, SequenceState
 
 # a row whose drafts were all rejected this many verify steps in a row proposes nothing for the
 # next BACKOFF_STEPS steps (then tries again)
@@ -100,3 +100,28 @@ def verify_batch_size(
 ) -> int | None:
     """The verify graph's rows for `rows` sequences, or None (more than max_batch)."""
     return smallest_fitting([b for b in decode_buckets if b <= spec.max_batch], rows)
+
+
+def verify_batch(
+    spec: SpeculationRecord,
+    proposer: BatchProposer,
+    config: SchedulerConfig,
+    seqs: list[SequenceState],
+) -> DecodeBatch | None:
+    """The rows' drafts in a verify graph, where the bundle has one that fits and some row
+    proposes; else None (plain decode)."""
+    batch = verify_batch_size(spec, config.decode_buckets, len(seqs))
+    if batch is None:
+        return None
+    ks = [
+        draft_count(spec, s.max_tokens - len(s.output_ids) - 1, s.drafting) if s.may_draft else 0
+        for s in seqs
+    ]
+    drafts = proposer(seqs, ks) if any(ks) else []
+    if not any(drafts):
+        return None
+    need = max(s.length + len(d) for s, d in zip(seqs, drafts, strict=True))
+    context = smallest_fitting(config.context_buckets, need)
+    if context is None or 1 + spec.num_tokens >= context:
+        return None
+    return DecodeBatch(seqs, batch, context, drafts)

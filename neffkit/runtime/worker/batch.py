@@ -14,7 +14,7 @@ from typing import Any
 
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.worker.logit_inputs import Penalties
-from neffkit.runtime.worker.step_output import TokenLogprobs
+from neffkit.runtime.worker.step_output import StepOutput, TokenLogprobs
 
 
 @dataclass
@@ -39,7 +39,10 @@ class SequenceState:
     params: SamplingParams
     seed: int
     output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    # its blocks in each KV group (engine/group_blocks.py), by logical block: 0 where a
+    # sliding group gave one back
+    kv_blocks: list[list[int]] = field(default_factory=list)
+    state_slot: int = 0  # its slot in the device decode state while admitted (0: none)
     num_prefilled: int = 0
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission (not computed)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks so far
@@ -61,6 +64,15 @@ class SequenceState:
     lora_slot: int = 0
     priority: int = 0  # --scheduling-policy priority: lower first, ties by arrival (request_id)
     preemptions: int = 0  # times its blocks were taken back; it recomputed its tokens after each
+
+    @property
+    def blocks(self) -> list[int]:
+        """Its blocks in the first KV group (the only one of most bundles)."""
+        return self.kv_blocks[0] if self.kv_blocks else []
+
+    @blocks.setter
+    def blocks(self, blocks: list[int]) -> None:
+        self.kv_blocks = [blocks, *self.kv_blocks[1:]]
 
     @property
     def processes_logits(self) -> bool:
@@ -96,6 +108,37 @@ class SequenceState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def append(
+        self,
+        token: int,
+        out: StepOutput,
+        row: int,
+        eos_token_ids: tuple[int, ...],
+        position: int | None = None,
+    ) -> None:
+        """Add `token` (sampled at row `row`, a verify step's at `position` of it): counted for
+        penalties, consumed by the grammar, its logprobs kept; `finish_reason` is set where it
+        ends the request (a grammar complete or refusing it, EOS, a stop token, max_tokens)."""
+        self.output_ids.append(token)
+        params = self.params
+        if self.penalties is not None:
+            self.penalties.add(token)
+        if self.grammar is not None:
+            if not self.grammar.consume_token(token):
+                self.finish_reason = "error"  # the graph sampled what the mask forbade
+            elif self.grammar.is_stopped():  # complete, nothing may follow: done, EOS or not
+                self.finish_reason = "stop"
+            if self.finished:
+                return
+        if params.logprobs is not None:
+            self.output_logprobs.append(out.logprobs(row, params.logprobs, position))
+        if not params.ignore_eos and token in eos_token_ids:
+            self.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.max_tokens:
+            self.finish_reason = "length"
 
 
 @dataclass(frozen=True)

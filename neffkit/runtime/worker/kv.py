@@ -7,12 +7,15 @@ synthetic base in AOTAutograd, and offsets past 2**32 into a giant buffer trunca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
 def allocate_kv_cache(
-    count: int, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu"
+    shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, device: str = "cpu"
 ) -> list[torch.Tensor]:
-    """`count` cache tensors (the layout's kv_names: [k_cache.0, v_cache.0, ...], or one latent
-    `kv_cache.i` per layer for MLA), each [num_blocks, block_size, kv_heads, width]."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    """The cache tensors of the layout's kv_names ([k_cache.0, v_cache.0, ...], or one latent
+    `kv_cache.i` per layer for MLA), each [blocks, block_size, kv_heads, width]; blocks is the
+    layer's KV group's pool."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]

@@ -17,6 +17,7 @@ import numpy as np
 
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphKey, Phase
+from neffkit.contract.kv_groups import group_input, is_group_input
 from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, SequenceState
 from neffkit.runtime.worker.logit_inputs import MaskFiller, fill_bitmasks, write_row
@@ -100,13 +101,18 @@ class DecodeBuffers:
         # host state: the last sampled token is sent; device state: the graph reads it from
         # `last_tokens[seq_slots[row]]`
         self.ids, self.seq_slots = m.get(abi.INPUT_IDS), m.get(abi.SEQ_SLOTS)
-        self.pos, self.slots = m[abi.POSITIONS], m[abi.SLOT_MAPPING]
-        self.tables, self.lens = m[abi.BLOCK_TABLES], m[abi.CONTEXT_LENS]
-        # (request, its preemptions, blocks) per row: a request preempted since holds new blocks
-        self.rows: list[tuple[int, int, int] | None] = [None] * graph.rows
-        every = (*self.PER_STEP, abi.INPUT_IDS)
+        self.pos, self.lens = m[abi.POSITIONS], m[abi.CONTEXT_LENS]
+        # each KV group's slot mapping and block tables (contract/kv_groups.py)
+        self.slots = [m[n] for n in m if is_group_input(n, abi.SLOT_MAPPING)]
+        self.tables = [m[n] for n in m if is_group_input(n, abi.BLOCK_TABLES)]
+        # (request, its preemptions, its blocks' layout) per row: a request preempted since
+        # holds new blocks; a sliding group gives blocks back as well as taking them
+        self.rows: list[tuple[int, int, tuple[int, ...]] | None] = [None] * graph.rows
+        slot_names = (n for n in m if is_group_input(n, abi.SLOT_MAPPING))
+        every = {*self.PER_STEP, *slot_names, abi.INPUT_IDS}
         self._step_bytes = sum(m[n].nbytes for n in every if n in m)
-        self._row_bytes = sum(m[n].nbytes for n in self.PER_ROW if n in m)
+        table_names = {n for n in m if is_group_input(n, abi.BLOCK_TABLES)}
+        self._row_bytes = sum(m[n].nbytes for n in {*self.PER_ROW, *table_names} if n in m)
         self._logit_bytes = sum(m[n].nbytes for n in abi.LOGIT_INPUTS if n in m)
         self._masked = False  # a row had a grammar last step: the bitmask is not all ones
         for i in range(graph.rows):
@@ -121,21 +127,24 @@ class DecodeBuffers:
             if self.ids is not None:
                 self.ids[i, 0] = seq.output_ids[-1]
             self.pos[i, 0] = pos
-            self.slots[i, 0] = abi.slot(seq.blocks[used - 1], pos, bs)
+            for slots, blocks in zip(self.slots, seq.kv_blocks, strict=True):
+                slots[i, 0] = abi.slot(blocks[used - 1], pos, bs)
             self.lens[i] = pos + 1
             row = self.rows[i]
             new_request = row is None or row[:2] != (seq.request_id, seq.preemptions)
             if new_request or seq.processes_logits:  # counts and min_tokens move every step
                 write_row(self.meta, i, seq, self.eos_token_ids)
                 logits_changed = True
-            if self.rows[i] != (seq.request_id, seq.preemptions, used):
+            key = (seq.request_id, seq.preemptions, held_layout(seq, used))
+            if self.rows[i] != key:
                 if new_request:
                     write_sampling(self.meta, i, seq)
                     if self.seq_slots is not None:
-                        self.seq_slots[i] = abi.state_slot(seq.blocks)
-                self.tables[i, :used] = seq.blocks[:used]
-                self.tables[i, used:] = -1
-                self.rows[i] = (seq.request_id, seq.preemptions, used)
+                        self.seq_slots[i] = seq.state_slot
+                for tables, blocks in zip(self.tables, seq.kv_blocks, strict=True):
+                    tables[i, :used] = blocks[:used]
+                    tables[i, used:] = -1
+                self.rows[i] = key
                 rows_changed = True
         for i in range(len(seqs), len(self.rows)):
             if self.rows[i] is not None:
@@ -154,15 +163,37 @@ class DecodeBuffers:
         """A padding row: nothing visible, its K/V write goes to the null slot (and its token
         to the padding slot 0 of the decode state)."""
         for name, values in self.meta.items():
-            values[i] = abi.PAD_VALUES.get(name, 0)
+            values[i] = abi.pad_value(name)
         self.rows[i] = None
+
+
+def held_layout(seq: SequenceState, used: int) -> tuple[int, ...]:
+    """What a row's block tables show of `seq`: its blocks in use, and in each KV group the
+    blocks given back before them (a sliding group's)."""
+    return (used, *(b.count(0) for b in seq.kv_blocks))
+
+
+def write_blocks(
+    meta: dict[str, np.ndarray],
+    row: int,
+    line: int,
+    at: slice,
+    seq: SequenceState,
+    positions: np.ndarray,
+    bs: int,
+) -> None:
+    """Each KV group's slots of `positions` (at `at` of token line `line`) and row `row`'s
+    block tables, up to the block of the last position."""
+    used = int(positions[-1]) // bs + 1
+    for g, blocks in enumerate(seq.kv_blocks):
+        mine = np.asarray(blocks, dtype=np.int64)
+        meta[group_input(abi.SLOT_MAPPING, g)][line, at] = abi.slots_of(mine, positions, bs)
+        meta[group_input(abi.BLOCK_TABLES, g)][row, :used] = mine[:used]
 
 
 def padded_metadata(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> dict[str, np.ndarray]:
     """A graph's metadata arrays, every row padding (abi.PAD_VALUES), ready to be filled."""
-    return {
-        name: np.full(shape, abi.PAD_VALUES.get(name, 0), dtype) for name, shape, dtype in specs
-    }
+    return {name: np.full(shape, abi.pad_value(name), dtype) for name, shape, dtype in specs}
 
 
 def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) -> None:
@@ -221,19 +252,16 @@ class ModelRunner:
         for i, chunk in enumerate(batch.chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.length
             positions = np.arange(start, start + n)
-            blocks = np.asarray(seq.blocks, dtype=np.int64)
             span = slice(at, at + n)
             meta[abi.POSITIONS][0, span] = positions
-            meta[abi.SLOT_MAPPING][0, span] = abi.slots_of(blocks, positions, bs)
+            write_blocks(meta, i, 0, span, seq, positions, bs)
             meta[abi.INPUT_IDS][0, span] = seq.prefill_ids[start : start + n]
             if abi.SEQ_IDS in meta:  # a packed graph: each token's sequence
                 meta[abi.SEQ_IDS][0, span] = i
-            used = self.config.blocks_for(start + n)
-            meta[abi.BLOCK_TABLES][i, :used] = seq.blocks[:used]
             meta[abi.CONTEXT_LENS][i] = start + n
             meta[abi.LAST_TOKEN_INDEX][i] = at + n - 1
             if abi.SEQ_SLOTS in meta:  # device state: where the sequence's token goes
-                meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
+                meta[abi.SEQ_SLOTS][i] = seq.state_slot
             write_sampling(meta, i, seq)
             write_row(meta, i, seq, self.config.eos_token_ids)
             at += n
@@ -278,15 +306,12 @@ class ModelRunner:
         for i, (seq, drafts) in enumerate(zip(batch.rows, batch.drafts, strict=True)):
             start, real = seq.length - 1, 1 + len(drafts)
             positions = start + np.arange(1 + k)
-            blocks = np.asarray(seq.blocks, dtype=np.int64)
             meta[abi.INPUT_IDS][i] = [seq.output_ids[-1], *drafts, *[-1] * (k - len(drafts))]
             meta[abi.POSITIONS][i] = positions
-            meta[abi.SLOT_MAPPING][i, :real] = abi.slots_of(blocks, positions[:real], bs)
-            used = self.config.blocks_for(start + real)
-            meta[abi.BLOCK_TABLES][i, :used] = seq.blocks[:used]
+            write_blocks(meta, i, i, slice(0, real), seq, positions[:real], bs)
             meta[abi.CONTEXT_LENS][i] = start + real
             if abi.SEQ_SLOTS in meta:
-                meta[abi.SEQ_SLOTS][i] = abi.state_slot(seq.blocks)
+                meta[abi.SEQ_SLOTS][i] = seq.state_slot
             write_sampling(meta, i, seq)
             write_row(meta, i, seq, self.config.eos_token_ids)
         matchers = [s.grammar for s in batch.rows]
