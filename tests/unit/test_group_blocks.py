@@ -102,3 +102,14 @@ def test_a_bundle_groups_its_sliding_layers_unless_told_not_to(hf_model_dir, tmp
     path = write_manifest(tmp_path / "m.yaml", hf_model_dir("gemma3"), kv_cache={"hybrid": 1})
     with pytest.raises(ManifestError, match="kv_cache.hybrid: expected true or false"):
         load_manifest(path)
+
+
+def test_admission_counts_what_prefilling_prompts_will_still_take():
+    """A prompt takes its sliding blocks chunk by chunk: admission counts a 300-token prompt's
+    window (8 blocks) and what the prompts already prefilling will still take."""
+    kv = _groups()
+    first = _seq(list(range(300)))
+    kv.admit(first, [], [19, 4])  # its whole prompt in the full group, its first chunk's 4
+    assert kv.peak_needs([], [19, 4], 300) == [19, 8]
+    assert kv.peak_needs([], [19, 4], 300, [first]) == [19, 8 + 4]
+    assert kv.peak_needs([], [2, 2], 20, [first]) == [2, 2 + 4]  # a short prompt: its 2

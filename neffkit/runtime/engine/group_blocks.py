@@ -94,6 +94,32 @@ class GroupPools:
             out.append(max(0, upto - (len(held[g]) if g < len(held) else 0)))
         return out
 
+    def peak_needs(
+        self,
+        hits: Sequence[Sequence[int]],
+        need: Sequence[int],
+        tokens: int,
+        prefilling: Sequence[SequenceState] = (),
+    ) -> list[int]:
+        """What admission checks is free: `need` (what it takes now), and in a sliding group
+        the most the sequence will hold as its prompt of `tokens` goes through, plus what the
+        `prefilling` sequences will still take. A sliding group's blocks are taken chunk by
+        chunk: without this, a full group's room would admit more prompts than the sliding
+        pool can carry, and they would preempt each other."""
+        peak = list(need)
+        for g, group in enumerate(self.groups):
+            if group.window is None:
+                continue
+            ahead = sum(self._to_take(g, len(s.prefill_ids), s.kv_blocks) for s in prefilling)
+            peak[g] = max(need[g], self._to_take(g, tokens, hits)) + ahead
+        return peak
+
+    def _to_take(self, g: int, tokens: int, held: Sequence[Sequence[int]]) -> int:
+        """Blocks sliding group g's sequence of `tokens` prompt tokens has yet to take."""
+        mine = sum(b != NULL for b in held[g]) if g < len(held) else 0
+        most = min(self.groups[g].blocks_per_seq, -(-tokens // self.block_size))
+        return max(0, most - mine)
+
     def chunk_tokens(self, start: int, tokens: int) -> int:
         """At most `tokens` tokens from `start` that every sliding group's sequence can hold
         (kv_groups.chunk_limit)."""

@@ -120,7 +120,8 @@ class Scheduler:
             start = len(hits[0]) * self.config.block_size if hits else 0
             end = start + self._chunk(seq, start, self.config.prefill_buckets[-1])
             need = self.kv.needs(hits, end, len(seq.prefill_ids))
-            if not self.free_state_slots or not self._room_for(seq, need, hits):
+            room = self.kv.peak_needs(hits, need, len(seq.prefill_ids), self.prefilling)
+            if not self.free_state_slots or not self._room_for(seq, room, hits):
                 break
             self.waiting.popleft()
             if not self._slot(seq):
