@@ -33,6 +33,7 @@ from report_classes import classes  # noqa: E402
 from report_engine import batch, burst, decode, matrix, mla, moe, overhead, roofline, tp  # noqa: E402
 from report_peers import llamacpp, peers  # noqa: E402
 from report_serving import (  # noqa: E402
+    kv_memory,
     lora,
     prefix_cache,
     serve,
@@ -88,6 +89,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("lora", lora),
     ("serve_lora", serve_lora),
     ("serve_preemption", serve_preemption),
+    ("kv_memory", kv_memory),
     ("threads", threads),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),

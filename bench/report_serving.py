@@ -247,3 +247,31 @@ def serve_preemption(d: dict[str, Any]) -> str:
         "preempted request waiting to run again).\n\n"
         + table(["KV pool", "output tok/s", "ITL median ms", "longest gap ms", "preemptions"], rows)
     )
+
+
+def kv_memory(d: dict[str, Any]) -> str:
+    """bench/kv_memory.py: sequences one KV budget holds with and without KV groups."""
+    one, groups = d["rows"]["one_pool"], d["rows"]["kv_groups"]
+    rows = []
+    for key, row in (("one_pool", one), ("kv_groups", groups)):
+        label = "one pool (`hybrid: false`)" if key == "one_pool" else "KV groups"
+        cells = [label, f"{row['cache_bytes'] / 2**20:.0f} MiB"]
+        for n in (4096, d["context"]):
+            r = row[f"tokens_{n}"]
+            cells += [str(r["most_decoding"]), str(r["most_at_once"]), str(r["preemptions"])]
+        rows.append(cells)
+    ratio = d["ratios"]
+    long = ratio[f"tokens_{d['context']}"]["most_decoding"]
+    heads = ["cache", "4k: decoding", "4k: admitted", "4k: preempted"]
+    heads += [f"{d['context'] // 1024}k: decoding", "admitted", "preempted"]
+    return (
+        f"**Sequences one KV budget holds** (`bench/kv_memory.py`, {d['model']}: 3 full and 15 "
+        f"sliding layers, window 512; context {d['context']}, `kv_cache.memory_mb: "
+        f"{d['memory_mb']}`): neffkit's scheduler driven over each bundle's pools with "
+        f"{d['requests']} sequences of 4096 and of {d['context']} tokens ({d['output_tokens']} "
+        "of them generated), the graphs' work skipped. KV groups hold "
+        f"{ratio['tokens_4096']['most_decoding']:.2f}x the 4k sequences decoding at once and "
+        f"{long:.2f}x the "
+        f"{d['context'] // 1024}k ones; the budget is split for sequences of the largest context, "
+        "so at 4k the sliding pool is the limit.\n\n" + table(["bundle", *heads], rows)
+    )
