@@ -84,7 +84,10 @@ class Tokenizer:
         ]
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] = (),
+        add_generation_prompt: bool = True,
     ) -> str:
         """The conversation as prompt text: the bundle's chat template, else the default; `tools`
         (OpenAI's function definitions) go to the template's own tools support, as HF's
@@ -104,7 +107,7 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 tools=list(tools) or None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=_token_text(self.config.get("bos_token")),
                 eos_token=_token_text(self.config.get("eos_token")),
             )

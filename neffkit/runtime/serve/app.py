@@ -57,6 +57,7 @@ from neffkit.runtime.serve.protocol import (
     parse_completion,
 )
 from neffkit.runtime.serve.responses import ChatChunks, CompletionChunks, merge_events
+from neffkit.runtime.serve.tokenize import add_tokenize
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -327,6 +328,7 @@ def create_app(app_state: App) -> FastAPI:
     add_http_errors(api)
     _add_routes(api, app_state)
     add_lora(api, app_state)
+    add_tokenize(api, app_state)
     if app_state.api_key:
         open_paths = {"/health", "/metrics"} if app_state.public_metrics else {"/health"}
         api.add_middleware(ApiKey, key=app_state.api_key, open_paths=frozenset(open_paths))
