@@ -13,6 +13,7 @@ from neffkit.cli.app import cli, local_bundle
 from neffkit.errors import NeffkitError
 from neffkit.runtime.config import POLICIES, SchedulingOptions
 from neffkit.runtime.sampling_params import OFFLINE
+from neffkit.runtime.serve.reasoning import PARSERS as REASONING_PARSERS
 
 LORA_MODULES = "--lora-modules"
 
@@ -219,6 +220,15 @@ def _parse_ids(text: str) -> list[int]:
     "<tool_call> JSON, or Llama 3's JSON); required and named tool choices need none.",
 )
 @click.option(
+    "--reasoning-parser",
+    "reasoning_parser",
+    type=click.Choice(REASONING_PARSERS),
+    default=None,
+    help="Server: split a reasoning model's <think>...</think> into the chat message's "
+    "reasoning_content (qwen3: where the output opens with <think>; deepseek_r1: up to "
+    "</think>).",
+)
+@click.option(
     "--disable-any-whitespace",
     "compact_json",
     is_flag=True,
@@ -345,6 +355,7 @@ def _serve(
         strict_requests=server["strict_requests"],
         access_log=not server["no_access_log"],
         tool_parser=server["tool_parser"],
+        reasoning_parser=server["reasoning_parser"],
         compact_json=server["compact_json"],
         grammar_timeout_s=server["grammar_timeout"],
         threads=server["threads"],

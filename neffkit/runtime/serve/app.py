@@ -56,6 +56,7 @@ from neffkit.runtime.serve.protocol import (
     parse_chat,
     parse_completion,
 )
+from neffkit.runtime.serve.request_constraints import check_parsers
 from neffkit.runtime.serve.responses import ChatChunks, CompletionChunks, merge_events
 from neffkit.runtime.serve.tokenize import add_tokenize
 from neffkit.runtime.tokenizer import Tokenizer
@@ -93,6 +94,7 @@ class App:
         strict_requests: bool = False,
         access_log: bool = True,
         tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
         compact_json: bool = False,
         grammar_limits: GrammarLimits | None = None,
         max_request_bytes: int = HttpLimits.max_request_bytes,
@@ -105,7 +107,7 @@ class App:
         self.loop, self.metrics = engine_loop, metrics
         self.lora_parents, self.runtime_lora = dict(lora_parents or {}), runtime_lora
         self.max_request_bytes, self.public_metrics = max_request_bytes, public_metrics
-        self.tool_parser = tool_parser
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.compact_json = compact_json  # JSON constraints without whitespace unless asked
         config = engine_loop.config
         self.grammars = Grammars.of(
@@ -155,15 +157,8 @@ class App:
     async def check_constraints(self, parsed: ApiRequest) -> ApiRequest:
         """A 400 for what the engine could not follow: auto tool choice without a parser, a
         grammar that does not compile (compiled off the event loop, and cached)."""
-        tools = parsed.tool_request
-        if tools is not None and tools.choice == "auto" and self.tool_parser is None:
-            raise RequestError(
-                'tool_choice "auto" needs the server started with --tool-call-parser',
-                hint="start with --tool-call-parser hermes (or llama3_json), or send "
-                'tool_choice "required" or a named function',
-                param="tool_choice",
-            )
         spec = parsed.params.structured
+        check_parsers(parsed.tool_request, spec, self.tool_parser, self.reasoning_parser)
         if spec is None:
             return parsed
         if self.grammars is None:
@@ -236,8 +231,9 @@ class App:
         parsed = await self.check_constraints(parsed)
         prompts = await asyncio.to_thread(_shallow, lambda: self.checked_prompts(parsed))
         choices = self.submit(parsed, prompts, adapter)
+        parsers = (self.tool_parser, self.reasoning_parser)
         shape = (
-            ChatChunks(parsed.model, self.tokenizer, parsed, prompts, self.tool_parser)
+            ChatChunks(parsed.model, self.tokenizer, parsed, prompts, *parsers)
             if kind is ChatChunks
             else kind(parsed.model, self.tokenizer, parsed, prompts)
         )

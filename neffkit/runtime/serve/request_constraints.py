@@ -258,3 +258,28 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
                 pass  # a template that wants text gets text (not JSON, or not readable)
         parsed.append({**c, "function": fn})
     return out | {"tool_calls": parsed}
+
+
+def check_parsers(
+    tools: ToolRequest | None,
+    structured: StructuredSpec | None,
+    tool_parser: str | None,
+    reasoning_parser: str | None,
+) -> None:
+    """A 400 for what the server's parsers cannot follow: tool choice auto without a tool
+    parser; a grammar (structured outputs, a required or named tool) under a reasoning parser,
+    where vLLM applies it only after the reasoning ends, which this server does not do yet."""
+    if tools is not None and tools.choice == "auto" and tool_parser is None:
+        raise RequestError(
+            'tool_choice "auto" needs the server started with --tool-call-parser',
+            hint="start with --tool-call-parser hermes (or llama3_json), or send "
+            'tool_choice "required" or a named function',
+            param="tool_choice",
+        )
+    if reasoning_parser is not None and structured is not None:
+        raise RequestError(
+            f"{structured.field}: a constrained output after the reasoning is not supported "
+            f"with --reasoning-parser {reasoning_parser}",
+            hint='leave the constraint out, or send tool_choice "auto"',
+            param=structured.field,
+        )

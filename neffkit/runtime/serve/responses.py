@@ -11,6 +11,7 @@ from typing import Any
 from neffkit.runtime.engine.core_client import Event
 from neffkit.runtime.serve.logprobs import WINDOW, CompletionLogprobs, TokenNamer, chat_logprobs
 from neffkit.runtime.serve.protocol import ApiRequest
+from neffkit.runtime.serve.reasoning import ReasoningStream, split_reasoning
 from neffkit.runtime.serve.tools import ToolStream, finish_reason, parse_calls
 from neffkit.runtime.tokenizer import Tokenizer
 from neffkit.runtime.worker.step_output import TokenLogprobs
@@ -135,6 +136,7 @@ class ChatChunks(ChoiceShapes):
         parsed: ApiRequest,
         prompts: list[list[int]],
         tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(tokenizer, parsed, prompts)
         self.base = {
@@ -144,6 +146,8 @@ class ChatChunks(ChoiceShapes):
         }
         self.tool_parser = tool_parser  # the server's --tool-call-parser (tool_choice auto)
         self._tool_streams: dict[int, ToolStream] = {}
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (reasoning.py)
+        self._reasoning: dict[int, ReasoningStream] = {}
 
     def _logprobs(self, index: int, e: Event) -> Body | None:
         if not self.logprobs:
@@ -167,17 +171,25 @@ class ChatChunks(ChoiceShapes):
         return body
 
     def chunks(self, index: int, e: Event) -> list[Body]:
-        """The streamed bodies of an event: one, or with tools, the content and tool-call
-        deltas it completes (a call's id and name, then its arguments: vLLM's order)."""
+        """The streamed bodies of an event: one, or with tools or reasoning, the reasoning,
+        content and tool-call deltas it completes (a call's id and name, then its arguments:
+        vLLM's order)."""
         req = self.parsed.tool_request
-        if req is None:
+        if req is None and self.reasoning_parser is None:
             return [self.chunk(index, e)]
-        stream = self._tool_streams.setdefault(index, ToolStream(req, self.tool_parser))
-        deltas = stream.feed(e.text)
-        finish = None
-        if e.finish_reason is not None:
-            more, finish = stream.finish(e.finish_reason)
-            deltas += more
+        deltas, text, finish = [], e.text, e.finish_reason
+        if self.reasoning_parser is not None:
+            split = self._reasoning.setdefault(index, ReasoningStream(self.reasoning_parser))
+            reasoning, text = split.feed(e.text, final=finish is not None)
+            deltas += [{"reasoning_content": reasoning}] if reasoning else []
+        if req is None:
+            deltas += [{"content": text}] if text else []
+        else:
+            stream = self._tool_streams.setdefault(index, ToolStream(req, self.tool_parser))
+            deltas += stream.feed(text)
+            if finish is not None:
+                more, finish = stream.finish(finish)
+                deltas += more
         logprobs = self._logprobs(index, e)
         if not deltas and finish is None and logprobs is None:
             return []
@@ -191,12 +203,18 @@ class ChatChunks(ChoiceShapes):
         return {**self.base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
 
     def _message(self, e: Event) -> tuple[Body, str | None]:
-        """A whole choice's message (tool calls parsed out of it) and finish reason."""
+        """A whole choice's message (its reasoning split off, tool calls parsed out of its
+        answer) and finish reason."""
+        text: str | None = e.text
+        extra: Body = {}
+        if self.reasoning_parser is not None:
+            reasoning, text = split_reasoning(self.reasoning_parser, e.text)
+            extra["reasoning_content"] = reasoning
         req = self.parsed.tool_request
         if req is None:
-            return {"role": "assistant", "content": e.text}, e.finish_reason
-        content, calls = parse_calls(req, self.tool_parser, e.text)
-        message: Body = {"role": "assistant", "content": content}
+            return {"role": "assistant", "content": text, **extra}, e.finish_reason
+        content, calls = parse_calls(req, self.tool_parser, text or "")
+        message: Body = {"role": "assistant", "content": content, **extra}
         if calls:
             message["tool_calls"] = calls
         return message, finish_reason(req, calls, e.finish_reason)

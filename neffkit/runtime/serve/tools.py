@@ -174,7 +174,7 @@ class ToolStream:
 
     def _hermes_content(self) -> list[dict[str, Any]]:
         start = self.text.find(HERMES_START)
-        upto = start if start >= 0 else len(self.text) - _partial_tag(self.text, HERMES_START)
+        upto = start if start >= 0 else len(self.text) - partial_tag(self.text, HERMES_START)
         if upto <= self.sent:
             return []
         delta = {"content": self.text[self.sent : upto]}
@@ -200,7 +200,7 @@ class ToolStream:
         return deltas, finish_reason(self.req, calls, reason)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """How many characters at the end of text could begin `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -1,0 +1,114 @@
+"""`--reasoning-parser` on a real server: a tiny Qwen3 whose weights make greedy decoding walk a
+fixed path (each token's only successor), `<think>Six sevens</think>Forty-two`, split into the
+chat message's reasoning_content and content exactly, whole and streamed, through the openai
+client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.bundles import build_session_bundle
+from tests.support.models import CHAT_TEMPLATE, COMMON, DEMO_MODEL, LEAN_SAMPLING
+from tests.support.server import Server
+
+pytestmark = pytest.mark.xdist_group("reasoning")
+
+REASONING, ANSWER = "Six sevens", "Forty-two"
+OUTPUT = f"<think>{REASONING}</think>{ANSWER}"
+MESSAGES = [{"role": "user", "content": "6 x 7?"}]
+
+
+def _path_model(out: Path) -> int:
+    """A Qwen3 whose layers add nothing (o_proj and down_proj zero), so the last hidden state
+    is the current token's embedding, and whose LM head maps that to the token after it on
+    the path: the chat prompt's last token, then OUTPUT's tokens. `<think>` and `</think>` are
+    added tokens (not special: decoding keeps them), as in Qwen3's tokenizer. Returns the
+    number of tokens to generate."""
+    import tokenizers
+    import torch
+    import transformers
+
+    out.mkdir(parents=True)
+    tok = tokenizers.Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in ("<think>", "</think>")])
+    tok.save(str(out / "tokenizer.json"))
+    shutil.copyfile(DEMO_MODEL / "tokenizer_config.json", out / "tokenizer_config.json")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    text = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"), chat_template=CHAT_TEMPLATE
+    ).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(text, add_special_tokens=False).ids
+    path = [prompt[-1], *tok.encode(OUTPUT, add_special_tokens=False).ids]
+    assert len(set(path)) == len(path), "a token with two successors"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        **{**COMMON, "vocab_size": 1032, "head_dim": 32, "tie_word_embeddings": False}
+    )
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros_like(model.lm_head.weight)
+        for here, after in zip(path, path[1:], strict=False):
+            hidden = model.model.norm(model.model.embed_tokens.weight[here])
+            head[after] = 10 * hidden / hidden.norm()
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(out)
+    return len(path) - 1
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(session_dir):
+    model = session_dir / "qwen3_path"
+    tokens_file = session_dir / "qwen3_path.json"
+    if not tokens_file.exists():
+        shutil.rmtree(model, ignore_errors=True)
+        tokens_file.write_text(json.dumps(_path_model(model)))
+    built = build_session_bundle(
+        session_dir,
+        model,
+        "qwen3_path",
+        buckets={"prefill": [16], "decode": [2], "context": [64]},
+        sampling={**LEAN_SAMPLING, "structured": True},
+    )
+    srv = Server(built.bundle, "--served-model-name", "tiny", "--reasoning-parser", "qwen3")
+    yield srv, json.loads(tokens_file.read_text())
+    srv.stop()
+
+
+def test_reasoning_and_content_split_whole_and_streamed(reasoning_server):
+    server, tokens = reasoning_server
+    client = server.client()
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=tokens, temperature=0)
+    whole = client.chat.completions.create(**args).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (REASONING, ANSWER)
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (REASONING, ANSWER)
+
+
+def test_stopped_inside_the_reasoning_it_is_all_reasoning(reasoning_server):
+    server, _ = reasoning_server
+    args = dict(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    message = server.client().chat.completions.create(**args).choices[0].message
+    assert message.content is None and REASONING.startswith(message.reasoning_content)
+
+
+def test_a_constraint_after_the_reasoning_is_refused_by_name(reasoning_server):
+    server, _ = reasoning_server
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        server.client().chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=4,
+            response_format={"type": "json_object"},
+        )
