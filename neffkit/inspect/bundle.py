@@ -72,6 +72,8 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
             "name": record.name,
             "architecture": record.model.architecture,
             "layers": record.model.num_layers,
+            # the commit of a model read from a Hugging Face cache (manifest/hub.py)
+            "revision": record.manifest.resolved.get("model_revision"),
         },
         "layout": record.layout.to_json(),
         "kv_cache": kv_cache_summary(record),

@@ -110,7 +110,9 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "model",
             f"{summary['model']['name']} ({summary['model']['architecture']}, "
-            f"{summary['model']['layers']} layers)",
+            f"{summary['model']['layers']} layers"
+            + (f", revision {rev}" if (rev := summary["model"].get("revision")) else "")
+            + ")",
         ),
         (
             "layout",

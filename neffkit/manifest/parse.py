@@ -16,6 +16,7 @@ import yaml
 from neffkit.checkpoints.gguf_dir import POINTER, gguf_model_dir
 from neffkit.errors import ManifestError, ModelError, NeffkitError
 from neffkit.manifest.fields import choice, describe, mapping, no_unknown
+from neffkit.manifest.hub import hub_id, resolve, snapshot_revision
 from neffkit.manifest.lora import read_lora
 from neffkit.manifest.quantization import read_quantization
 from neffkit.manifest.schema import SCHEMA_VERSION, Manifest, Speculation
@@ -59,30 +60,20 @@ TOP_LEVEL = (
 DECODE_STATES = ("host", "device")
 
 
-def _looks_like_hub_id(value: str) -> bool:
-    """`org/name`, as the Hub spells a model: one slash, no leading dot, slash or tilde."""
-    parts = value.split("/")
-    return len(parts) == 2 and all(parts) and value[0] not in "./~"
-
-
 def _model_dir(value: Any, base: Path, field: str = "model") -> tuple[Path, ModelConfig]:
-    """An HF checkpoint directory, or a GGUF file's (`field` names it in errors), and its
-    validated config."""
+    """An HF checkpoint directory, a Hub id's snapshot (manifest/hub.py) or a GGUF file's
+    (`field` names it in errors), and its validated config."""
     if not isinstance(value, str) or not value:
         raise ManifestError(
             f"{field}: expected a path to an HF model directory or a .gguf file, got "
             f"{describe(value)}"
         )
     path = (base / value).resolve()
+    ref = hub_id(value)
     if path.suffix.lower() == ".gguf":
         path = _gguf_dir(path, field)
-    if not path.is_dir() and _looks_like_hub_id(value):
-        raise ManifestError(
-            f"{field}: {value!r} is not a directory; neffkit reads local HF model directories, "
-            "not Hub ids",
-            hint=f"download it first: hf download {value} --local-dir models/"
-            f"{value.rsplit('/', 1)[-1]} ({field}: models/{value.rsplit('/', 1)[-1]})",
-        )
+    elif ref is not None and not path.exists():  # org/name[@revision]: through the Hub's cache
+        path = resolve(*ref, field)
     if not path.is_dir():
         raise ManifestError(f"{field}: directory {path} does not exist")
     if not (path / "config.json").exists():
@@ -144,6 +135,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     return Manifest(
         name=display_name,
         model=model_path,
+        model_revision=snapshot_revision(model_path),
         dtype=dtype,
         target=target,
         neuron=neuron,

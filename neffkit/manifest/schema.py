@@ -182,6 +182,9 @@ class Manifest:
     # build time with the fp8 checkpoint's own scale blocks (llama.cpp's Q8_0 quantizes its
     # output tensor too); a tied head gets an fp8 copy beside the embedding table
     lm_head_dtype: str | None = None
+    # the commit of a model read from a Hugging Face cache (`model: org/name[@revision]`, or a
+    # snapshot directory): which weights the bundle was built from (manifest/hub.py)
+    model_revision: str | None = None
     # the manifest's weight quantization of a float checkpoint (manifest/quantization.py)
     quantization: WeightQuantization | None = None
     # adapter slots in every graph (manifest/lora.py); None: graphs without adapters

@@ -4,6 +4,7 @@ computes is implemented or refused naming the field (a table of family, field, v
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +152,37 @@ def test_unsupported_architecture_lists_the_supported_and_points_at_the_guide(
     assert "docs/adding-a-model.md" in (err.value.hint or "")
 
 
-def test_a_hub_id_is_told_to_download_first(tmp_path):
+def _hub_cache(root: Path, model: Path) -> str:
+    """A Hugging Face cache as `snapshot_download` leaves it: org/tiny at one commit, `main`
+    and the tag `v1` pointing at it, its files under snapshots/<sha>."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    for ref in ("main", "v1"):
+        (repo / "refs" / ref).write_text(sha)
+    shutil.copytree(model, repo / "snapshots" / sha)
+    return sha
+
+
+def test_a_hub_id_resolves_through_the_cache_and_a_missing_one_says_where(
+    tmp_path, monkeypatch, hf_model_dir
+):
     from neffkit.manifest import load_manifest
 
+    sha = _hub_cache(tmp_path / "hf", hf_model_dir("llama"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     path = write_manifest(tmp_path / "m.yaml", tmp_path / "unused")
-    text = path.read_text().replace(str(tmp_path / "unused"), "HuggingFaceTB/SmolLM2-135M")
-    path.write_text(text)
+    for model in ("org/tiny", f"org/tiny@{sha}", "org/tiny@v1"):
+        path.write_text(path.read_text().replace(str(tmp_path / "unused"), model))
+        manifest = load_manifest(path)
+        assert manifest.model == tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / sha
+        assert manifest.model_revision == sha and manifest.to_json()["model_revision"] == sha
+        path.write_text(path.read_text().replace(model, str(tmp_path / "unused")))
+    path.write_text(path.read_text().replace(str(tmp_path / "unused"), "org/absent@v2"))
     with pytest.raises(ManifestError) as err:
         load_manifest(path)
-    assert "neffkit reads local HF model directories" in str(err.value.message)
-    assert "hf download HuggingFaceTB/SmolLM2-135M" in (err.value.hint or "")
+    message = err.value.message
+    assert "org/absent@v2" in message and "Hugging Face cache" in message
+    assert "HF_HUB_OFFLINE" in message and "hf download org/absent" in (err.value.hint or "")
