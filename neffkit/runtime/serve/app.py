@@ -48,6 +48,14 @@ from neffkit.runtime.serve.access import (
     read_body,
 )
 from neffkit.runtime.serve.lora import adapter_of, add_lora, model_cards
+from neffkit.runtime.serve.openai_responses import (
+    RESPONSES_FIELDS,
+    ResponsesShape,
+    Shape,
+    ShapeKind,
+    make_shape,
+    parse_responses,
+)
 from neffkit.runtime.serve.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -224,7 +232,7 @@ class App:
             done += event.finish_reason is not None
         return [merge_events(p) for p in parts]
 
-    async def respond(self, request: Request, parsed: ApiRequest, kind: ChunksKind) -> Response:
+    async def respond(self, request: Request, parsed: ApiRequest, kind: ShapeKind) -> Response:
         """Submit, then stream (SSE) or wait for the whole answer (its `model`: the one asked,
         an adapter's name as vLLM echoes it)."""
         adapter = adapter_of(self, parsed.model)
@@ -232,11 +240,7 @@ class App:
         prompts = await asyncio.to_thread(_shallow, lambda: self.checked_prompts(parsed))
         choices = self.submit(parsed, prompts, adapter)
         parsers = (self.tool_parser, self.reasoning_parser)
-        shape = (
-            ChatChunks(parsed.model, self.tokenizer, parsed, prompts, *parsers)
-            if kind is ChatChunks
-            else kind(parsed.model, self.tokenizer, parsed, prompts)
-        )
+        shape = make_shape(kind, parsed, self.tokenizer, prompts, parsers)
         if parsed.stream:
             return StreamingResponse(
                 self.sse(choices, shape, parsed.include_usage), media_type="text/event-stream"
@@ -244,7 +248,7 @@ class App:
         events = await self.collect(request, choices)
         return JSONResponse(shape.whole(events, choices.usage(events)))
 
-    async def sse(self, choices: Choices, shape: Chunks, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(self, choices: Choices, shape: Shape, include_usage: bool) -> AsyncIterator[str]:
         """`data: {json}` per event, then usage (if asked), then `data: [DONE]`."""
         finished: dict[int, Event] = {}
         try:
@@ -299,10 +303,6 @@ class Choices:
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-
-
-Chunks = CompletionChunks | ChatChunks
-ChunksKind = type[CompletionChunks] | type[ChatChunks]
 
 
 def _shallow(work: Callable[[], T]) -> T:
@@ -388,3 +388,8 @@ def _add_routes(api: FastAPI, s: App) -> None:
     async def chat(request: Request) -> Response:
         parsed = await s.parse(request, CHAT_FIELDS, parse_chat)
         return await s.respond(request, parsed, ChatChunks)
+
+    @api.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        parsed = await s.parse(request, RESPONSES_FIELDS, parse_responses)
+        return await s.respond(request, parsed, ResponsesShape)
