@@ -17,9 +17,9 @@ from neffkit.models.parallel import Parallelism
 
 
 def draft_manifest(manifest: Manifest) -> Manifest:
-    """The draft model's manifest: the target's dtype, target, compiler and KV blocks; greedy
-    sampling only (one candidate, one logprob); host decode state (the proposer sends its own
-    tokens each step); no adapters."""
+    """The draft model's manifest: the target's dtype, target, compiler and KV blocks (one
+    pool, whatever its windows); greedy sampling only (one candidate, one logprob); host decode
+    state (the proposer sends its own tokens each step); no adapters."""
     spec = manifest.speculation
     if spec is None or spec.model is None or spec.model_config is None:
         raise ValueError(f"{manifest.name}: no draft model in this manifest")
@@ -30,7 +30,9 @@ def draft_manifest(manifest: Manifest) -> Manifest:
         model=spec.model,
         model_config=spec.model_config,
         parallel=Parallelism(),
-        kv_cache=replace(manifest.kv_cache, memory_mb=None),
+        # one pool over the whole context: the draft's cache follows the target's one block
+        # table (a target with sliding KV groups takes no draft model: compile/layout.py)
+        kv_cache=replace(manifest.kv_cache, memory_mb=None, hybrid=False),
         buckets=replace(b, decode=tuple(n for n in b.decode if n <= spec.max_batch)),
         # proposals are greedy: no grammar, penalties or biases (rows with them get no drafts)
         sampling=Sampling(

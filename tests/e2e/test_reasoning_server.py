@@ -112,3 +112,13 @@ def test_a_constraint_after_the_reasoning_is_refused_by_name(reasoning_server):
             max_tokens=4,
             response_format={"type": "json_object"},
         )
+
+
+def test_a_response_carries_the_reasoning_as_its_own_item(reasoning_server):
+    server, tokens = reasoning_server
+    done = server.client().responses.create(
+        model="tiny", input=MESSAGES[0]["content"], max_output_tokens=tokens, temperature=0
+    )
+    reasoning, message = done.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
+    assert message.type == "message" and done.output_text == ANSWER

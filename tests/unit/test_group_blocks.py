@@ -113,3 +113,20 @@ def test_admission_counts_what_prefilling_prompts_will_still_take():
     assert kv.peak_needs([], [19, 4], 300) == [19, 8]
     assert kv.peak_needs([], [19, 4], 300, [first]) == [19, 8 + 4]
     assert kv.peak_needs([], [2, 2], 20, [first]) == [2, 2 + 4]  # a short prompt: its 2
+
+
+def test_a_draft_model_over_sliding_groups_is_refused_by_name(hf_model_dir, tmp_path):
+    from neffkit.compile.layout import model_layout
+    from neffkit.errors import ManifestError
+    from neffkit.manifest import load_manifest
+    from tests.support.models import write_manifest
+
+    draft = {"method": "draft", "model": str(hf_model_dir("gemma3")), "num_tokens": 2}
+    path = write_manifest(
+        tmp_path / "m.yaml",
+        hf_model_dir("gemma3"),
+        buckets={"prefill": [16], "decode": [4], "context": [64]},
+        speculation=draft,
+    )
+    with pytest.raises(ManifestError, match="speculation.method draft: a draft model over sliding"):
+        model_layout(load_manifest(path), "cpu")
