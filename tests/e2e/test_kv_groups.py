@@ -91,13 +91,15 @@ def _engine(bundle: Path, caching: bool = True, blocks: int | None = None):
     return EngineCore(load(bundle).runner, prefix_caching=caching, scheduling=scheduling)
 
 
-def _generate(core, prompts: list[list[int]], seeded: bool = False, at_once: bool = True):
+def _generate(
+    core, prompts: list[list[int]], seeded: bool = False, at_once: bool = True, tokens: int = 8
+):
     from neffkit.runtime.sampling_params import SamplingParams
 
     def params(i: int) -> SamplingParams:
         if seeded and i % 2:
-            return SamplingParams(max_tokens=8, temperature=0.8, seed=i, ignore_eos=True)
-        return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            return SamplingParams(max_tokens=tokens, temperature=0.8, seed=i, ignore_eos=True)
+        return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
     seqs = []
     for i, prompt in enumerate(prompts):
@@ -125,13 +127,14 @@ def test_a_prefix_longer_than_the_window_is_a_hit(kind, windowed, hf_greedy):
 
 
 def test_sixteen_at_once_on_a_small_sliding_pool_equal_each_alone(windowed):
-    """Mistral's only group slides: 20 blocks hold 2.5 sequences' windows, so chunks and decode
-    steps preempt; greedy and seeded requests equal each run alone."""
+    """Mistral's only group slides: 20 blocks. Admission counts each prompt's window, but a
+    prompt shorter than the window grows into it as it decodes (20 + 3i tokens, then 48), so
+    decode steps and prefill chunks preempt; greedy and seeded requests equal each run alone."""
     _, bundle = windowed("mistral")
-    prompts = [_prompt(40 + 61 * i, 200 + i) for i in range(16)]
+    prompts = [_prompt(20 + 3 * i, 200 + i) for i in range(16)]
     core = _engine(bundle, blocks=20)
-    together = _generate(core, prompts, seeded=True)
+    together = _generate(core, prompts, seeded=True, tokens=48)
     assert core.scheduler.preemptions > 0
-    alone = _generate(_engine(bundle, blocks=20), prompts, seeded=True, at_once=False)
+    alone = _generate(_engine(bundle, blocks=20), prompts, seeded=True, at_once=False, tokens=48)
     assert together == alone
     assert core.scheduler.allocator.num_free == core.scheduler.allocator.num_usable

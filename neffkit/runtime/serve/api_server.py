@@ -139,8 +139,7 @@ def serve(
     speculation: bool = True,
     strict_requests: bool = False,
     access_log: bool = True,
-    tool_parser: str | None = None,
-    reasoning_parser: str | None = None,
+    parsers: tuple[str | None, str | None] = (None, None),  # tool calls', reasoning's
     compact_json: bool = False,
     grammar_timeout_s: float = GrammarLimits.timeout_s,
     threads: int | None = None,
@@ -152,8 +151,7 @@ def serve(
 ) -> int:
     """Serve until SIGINT/SIGTERM (exit 0), or the engine's death (1, once requests got 5xx)."""
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
-    record = bundle.record
-    name = model_name or record.name
+    record, name = bundle.record, model_name or bundle.record.name
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     metrics = Metrics(name)
     paths, parents = _adapters(lora_modules or [], name)
@@ -173,8 +171,8 @@ def serve(
             api_key=api_key,
             strict_requests=strict_requests,
             access_log=access_log,
-            tool_parser=tool_parser,
-            reasoning_parser=reasoning_parser,
+            tool_parser=parsers[0],
+            reasoning_parser=parsers[1],
             compact_json=compact_json,
             grammar_limits=GrammarLimits(timeout_s=grammar_timeout_s),
             max_request_bytes=http.limits.max_request_bytes,
