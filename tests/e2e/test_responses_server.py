@@ -56,33 +56,33 @@ def test_text_format_and_a_named_tool_are_chats_constraints(server):
         "required": ["pick"],
         "additionalProperties": False,
     }
-    user = [{"role": "user", "content": "Pick one."}]
     args = dict(model="tiny", input="Pick one.", max_output_tokens=40, temperature=0)
+
+    def chat(**constraint):
+        user = [{"role": "user", "content": "Pick one."}]
+        done = client.chat.completions.create(
+            model="tiny", messages=user, max_tokens=40, temperature=0, **constraint
+        )
+        return done.choices[0].message
+
     done = client.responses.create(
         **args, text={"format": {"type": "json_schema", "name": "pick", "schema": schema}}
     )
-    chat = client.chat.completions.create(
-        model="tiny",
-        messages=user,
-        max_tokens=40,
-        temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
-    )
-    assert done.output_text == chat.choices[0].message.content and "{" in done.output_text
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    assert done.output_text == chat(response_format=fmt).content and "{" in done.output_text
     tool = {"type": "function", "name": "paint", "parameters": schema}
     called = client.responses.create(
         **args, tools=[tool], tool_choice={"type": "function", "name": "paint"}
     )
-    chat = client.chat.completions.create(
-        model="tiny",
-        messages=user,
-        max_tokens=40,
-        temperature=0,
-        tools=[{"type": "function", "function": {"name": "paint", "parameters": schema}}],
-        tool_choice={"type": "function", "function": {"name": "paint"}},
-    )
     (call,) = [o for o in called.output if o.type == "function_call"]
-    want = chat.choices[0].message.tool_calls[0].function
+    want = (
+        chat(
+            tools=[{"type": "function", "function": {"name": "paint", "parameters": schema}}],
+            tool_choice={"type": "function", "function": {"name": "paint"}},
+        )
+        .tool_calls[0]
+        .function
+    )
     assert (call.name, call.arguments) == (want.name, want.arguments)
 
 

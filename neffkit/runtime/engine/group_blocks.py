@@ -39,14 +39,6 @@ class GroupPools:
         """The fullest group's share of its pool in use."""
         return max(1.0 - p.num_free / p.num_usable for p in self.pools)
 
-    @property
-    def num_cached(self) -> int:
-        return sum(p.num_cached for p in self.pools)
-
-    @property
-    def evictions(self) -> int:
-        return sum(p.evictions for p in self.pools)
-
     # ------------------------------------------------------------------ prefix cache
     def cached_prefix(self, hashes: Sequence[BlockHash]) -> list[list[int]]:
         """Each group's cached blocks for the longest prefix of `hashes` every group can start
