@@ -798,3 +798,14 @@ def test_strict_requests_refuse_unknown_fields_and_no_access_log_is_quiet(serve_
         assert "frobnicate" not in srv.stderr()  # refused, not logged as ignored
     finally:
         srv.stop()
+
+
+def test_a_port_in_use_is_refused_before_the_engine_loads(serve_bundle: Path) -> None:
+    """The port is bound first: the error names it, nothing says it is serving, and no engine
+    was started for nothing."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = run_cli("run", str(serve_bundle), "--port", str(port), timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"--port {port}: cannot listen there (Address already in use)" in proc.stderr
+    assert "serving" not in proc.stdout

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neffkit.contract.read import read_bundle
-from neffkit.errors import AdapterError
+from neffkit.errors import AdapterError, NeffkitError
 from neffkit.runtime.config import SchedulerConfig, SchedulingOptions
 from neffkit.runtime.engine.core_client import EngineClient
 from neffkit.runtime.engine.core_process import start_core
@@ -98,8 +100,19 @@ class _HttpServer:
     reports the engine dead (`shut_down`)."""
 
     def __init__(self, host: str, port: int, limits: HttpLimits) -> None:
+        """Binds the port at once: a port in use is refused before the engine loads, and the
+        server says it is serving only once it can."""
         self.host, self.port, self.limits = host, port, limits
         self.server: uvicorn.Server | None = None  # once running, for shut_down
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.socket = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise NeffkitError(
+                f"--host {host} --port {port}: cannot listen there "
+                f"({os.strerror(exc.errno) if exc.errno else exc})",
+                hint="pick another --port, or stop what holds it",
+            ) from None
 
     def shut_down(self, detail: str) -> None:  # the reader thread: uvicorn polls should_exit
         print(f"neffkit: the engine failed ({detail}); shutting down", file=sys.stderr, flush=True)
@@ -123,7 +136,7 @@ class _HttpServer:
         )
         self.server = _graceful_server_class()(config)
         print(f"neffkit: serving {name!r} at http://{self.host}:{self.port}/v1", flush=True)
-        self.server.run()
+        self.server.run(sockets=[self.socket])
 
 
 def serve(
@@ -157,8 +170,8 @@ def serve(
     paths, parents = _adapters(lora_modules or [], name)
     engine = (executor, dist_timeout_s, prefix_caching, speculation, threads)
     lay = (scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))  # checked first
+    http = _HttpServer(host, port, http_limits or HttpLimits())  # the port first: fail fast
     core, conn = start_core(bundle_path, *engine, paths, max_cpu_loras, scheduling)
-    http = _HttpServer(host, port, http_limits or HttpLimits())
     client = EngineClient(core, conn, lay, tokenizer, metrics, max_waiting, http.shut_down, paths)
     try:
         client.start()
