@@ -116,6 +116,11 @@ def read_bundle_dir(root: Path, verify: bool = True) -> Bundle:
     """Open a bundle directory; check its format, its paths and (by default) every file's sha256.
     (`contract.read.read_bundle` opens packs too.)"""
     meta = root / BUNDLE_JSON
+    if not root.exists():
+        raise BundleError(
+            f"{root}: does not exist (a bundle is the directory `neffkit build` wrote)",
+            hint="check the path; `neffkit build MANIFEST -o DIR` writes one",
+        )
     if not root.is_dir():
         raise BundleError(
             f"{root}: not a directory (a bundle is the directory `neffkit build` wrote)"
