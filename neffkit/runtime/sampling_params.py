@@ -80,6 +80,9 @@ class StructuredSpec:
     # (vLLM's disable_any_whitespace), which keeps small models from wandering in whitespace;
     # None: the server's default (--disable-any-whitespace), else True
     any_whitespace: bool | None = None
+    # the field a schema that does not compile is blamed on, where it is not `field` (a tool
+    # choice's schema comes from `tools`)
+    schema_field: str = ""
 
 
 @dataclass(frozen=True)

@@ -809,3 +809,18 @@ def test_a_port_in_use_is_refused_before_the_engine_loads(serve_bundle: Path) ->
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"--port {port}: cannot listen there (Address already in use)" in proc.stderr
     assert "serving" not in proc.stdout
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_schema_that_does_not_compile_is_blamed_on_tools(server: Server, choice) -> None:
+    broken = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": broken}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=4,
+        )
+    assert err.value.body["param"] == "tools" and err.value.body["message"].startswith("tools: ")

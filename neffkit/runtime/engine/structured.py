@@ -83,7 +83,8 @@ class GrammarRefused(RequestError):
     it: `of(spec)` is the 400 that names the field."""
 
     def of(self, spec: StructuredSpec) -> RequestError:
-        return RequestError(f"{spec.field}: {self.message}", hint=self.own_hint, param=spec.field)
+        field = spec.schema_field or spec.field
+        return RequestError(f"{field}: {self.message}", hint=self.own_hint, param=field)
 
 
 def _llguidance() -> Any:

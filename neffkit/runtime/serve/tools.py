@@ -35,10 +35,11 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_constraint(req: ToolRequest) -> StructuredSpec | None:
-    """The output constraint `tool_choice` implies (None for auto)."""
+    """The output constraint `tool_choice` implies (None for auto); its schema comes from the
+    tools, so a schema that does not compile is blamed on them (`schema_field`)."""
     if req.choice == "named":
         tool = next(t for t in req.tools if t["function"]["name"] == req.name)
-        return StructuredSpec("json", json.dumps(_parameters(tool)), "tool_choice")
+        return StructuredSpec("json", json.dumps(_parameters(tool)), "tool_choice", None, "tools")
     if req.choice == "required":
         items = [
             {
@@ -54,7 +55,7 @@ def tool_constraint(req: ToolRequest) -> StructuredSpec | None:
         schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if not req.parallel:
             schema["maxItems"] = 1
-        return StructuredSpec("json", json.dumps(schema), "tool_choice")
+        return StructuredSpec("json", json.dumps(schema), "tool_choice", None, "tools")
     return None
 
 
