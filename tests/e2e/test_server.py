@@ -824,3 +824,13 @@ def test_a_tool_schema_that_does_not_compile_is_blamed_on_tools(server: Server, 
             max_tokens=4,
         )
     assert err.value.body["param"] == "tools" and err.value.body["message"].startswith("tools: ")
+
+
+def test_a_role_that_is_no_chat_role_is_refused_naming_the_roles(server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(
+            model="tiny", messages=[{"role": "wizard", "content": "hi"}], max_tokens=2
+        )
+    message = err.value.body["message"]
+    assert err.value.body["param"] == "messages" and "messages[0].role: 'wizard'" in message
+    assert "system, developer, user, assistant, tool" in message

@@ -212,6 +212,9 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     return ToolRequest(tuple(tools), "named", name, parallel)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+
+
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Chat's messages as role/content pairs: content parts joined into one text, and each
     message's tool calls or tool result id kept for the template."""
@@ -222,6 +225,12 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a role", param="messages")
+        if m["role"] not in ROLES:
+            raise RequestError(
+                f"messages[{i}].role: {shown(m['role'])} is not a chat role; roles: "
+                f"{', '.join(ROLES)}",
+                param="messages",
+            )
         content = m.get("content", "")
         if content is None:
             content = ""
