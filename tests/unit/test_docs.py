@@ -84,3 +84,53 @@ def test_readme_is_short_and_for_users() -> None:
         text = page.read_text().lower()
         assert 'design.md"' not in text, page.relative_to(REPO)
     assert not re.search(r"(?<!docs/)DESIGN\.md", readme)
+
+
+# each command's reference page (the top-level options: the build page's command line section)
+COMMAND_PAGES = {
+    "": "builds.md",
+    "build": "builds.md",
+    "compile": "builds.md",
+    "convert": "models.md",
+    "inspect": "inspect.md",
+    "run": "serving.md",
+}
+
+
+def test_every_command_line_option_is_in_its_commands_page() -> None:
+    """Each option `--help` lists (its long or its short form) appears on its command's page."""
+    from neffkit.cli import cli
+
+    commands = {"": cli, **cli.commands}
+    assert set(commands) == set(COMMAND_PAGES)
+    missing = []
+    for name, command in commands.items():
+        page = (DOCS / COMMAND_PAGES[name]).read_text()
+        for param in command.params:
+            names = [o for o in param.opts + param.secondary_opts if o.startswith("-")]
+            spelled = (re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", page) for o in names)
+            if names and not any(spelled):
+                missing.append(f"neffkit {name} {names[0]} (docs/{COMMAND_PAGES[name]})")
+    assert not missing, missing
+
+
+def test_the_fields_the_docs_call_unimplemented_are_refused() -> None:
+    """troubleshooting.md's unimplemented fields, each sent with a value: a 400 naming it."""
+    from neffkit.errors import RequestError
+    from neffkit.runtime.serve.protocol import parse_chat, parse_completion
+
+    row = next(
+        line
+        for line in (DOCS / "troubleshooting.md").read_text().splitlines()
+        if line.startswith("| an unimplemented field")
+    )
+    assert re.findall(r"`(\w+)`", row) == ["best_of", "suffix", "echo"]
+    for parse, field, value in (
+        (parse_completion, "best_of", 2),
+        (parse_completion, "suffix", "x"),
+        (parse_chat, "echo", True),
+    ):
+        body = {"prompt": "a", "messages": [{"role": "user", "content": "a"}], field: value}
+        with pytest.raises(RequestError) as err:
+            parse(body, "m")
+        assert err.value.param == field
