@@ -255,3 +255,30 @@ def test_mtp_graphs_lower_for_neuron_and_run_on_xla_cpu(session_dir, mtp_model, 
     seqs = _generate(core, prompts, params, False)
     assert [s.output_ids for s in seqs] == [hf_greedy(mtp_model, p, 12) for p in prompts]
     assert core.scheduler.spec.draft_tokens > 0
+
+
+def test_a_row_too_far_behind_stops_drafting_and_keeps_no_hidden_states(mtp_bundle, monkeypatch):
+    """Four rows decode plainly (max_batch 1) and keep their target hidden states for the MTP
+    layer to catch up on; past PENDING_STEPS calls' worth (1 here: 4 states) a row stops
+    drafting and keeps none. Outputs still equal plain decoding."""
+    from neffkit.runtime.engine.core import EngineCore
+    from neffkit.runtime.engine.loading import load
+    from neffkit.runtime.sampling_params import SamplingParams
+    from neffkit.runtime.spec_decode import mtp
+
+    monkeypatch.setattr(mtp, "PENDING_STEPS", 1)
+    loaded = load(mtp_bundle)
+    proposer, most = loaded.runner.draft, [0]
+    observe = proposer.observe
+
+    def watching(batch, out):
+        observe(batch, out)
+        most[0] = max(most[0], *(len(s.drafting.hidden) for s in batch.rows))
+
+    proposer.observe = watching
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 123)), [7, 300, 9, 1000, 2], [11, 12, 13]]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 4
+    seqs = _generate(EngineCore(loaded.runner), prompts, params, True)
+    plain = _generate(EngineCore(loaded.runner, speculation=False), prompts, params, True)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
+    assert most[0] <= 4 and any(s.drafting.stopped for s in seqs)

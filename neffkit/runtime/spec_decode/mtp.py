@@ -26,6 +26,11 @@ from neffkit.runtime.worker.batch import DecodeBatch, PrefillBatch, SequenceStat
 from neffkit.runtime.worker.runner import GraphEntry, padded_metadata
 from neffkit.runtime.worker.step_output import StepOutput
 
+# catch-up calls' worth of the target's hidden states a row may keep while it decodes plainly
+# (above max_batch, or backing off): past it the row stops drafting and keeps none (catching up
+# would cost as many MTP calls, and the states are a hidden size of float32 each)
+PENDING_STEPS = 64
+
 
 class MtpProposer(GraphProposer):
     """The MTP layer's graphs proposing greedily (the module docstring)."""
@@ -58,14 +63,20 @@ class MtpProposer(GraphProposer):
 
     def observe(self, batch: DecodeBatch, out: StepOutput) -> None:
         """Keep the target's hidden states at the positions its step computed for good: the
-        row's input token, and the accepted drafts of a verify step."""
+        row's input token, and the accepted drafts of a verify step (PENDING_STEPS bounds
+        them)."""
         hidden = out.arrays[abi.HIDDEN_STATES]  # decode [B, H]; verify [B, T, H]
         emitted = out.arrays.get(abi.NUM_EMITTED)
         for row, seq in enumerate(batch.rows):
+            state = seq.drafting
+            if state.stopped:
+                continue
             if emitted is None:  # copies: an executor may reuse its output buffers
-                seq.drafting.hidden.append(hidden[row].copy())
+                state.hidden.append(hidden[row].copy())
             else:
-                seq.drafting.hidden.extend(hidden[row, : int(emitted[row])].copy())
+                state.hidden.extend(hidden[row, : int(emitted[row])].copy())
+            if len(state.hidden) > PENDING_STEPS * (1 + self.k):  # too far behind: plain
+                state.hidden, state.stopped = [], True
 
     def drafts(
         self, seqs: list[SequenceState], counts: list[int], batch: int, context: int

@@ -79,7 +79,9 @@ class SpecCounters:
 
 def draft_count(spec: SpeculationRecord, budget: int, state: DraftState) -> int:
     """How many drafts a row may propose: at most K and at most `budget` (tokens it may still
-    emit, less one); none while it backs off."""
+    emit, less one); none while it backs off, or after its proposer stopped it."""
+    if state.stopped:
+        return 0
     if state.paused > 0:
         state.paused -= 1
         return 0

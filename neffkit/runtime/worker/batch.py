@@ -30,6 +30,7 @@ class DraftState:
     # the MTP layer), and the MTP layer's last (token, hidden state) output
     hidden: list[Any] = field(default_factory=list)
     head: tuple[int, Any] | None = None
+    stopped: bool = False  # MTP: too far behind its target to catch up; it decodes plainly
 
 
 @dataclass
