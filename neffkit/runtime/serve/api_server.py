@@ -46,11 +46,18 @@ def _graceful_server_class() -> type:
         before `serve` stops the engine core (the core then sees its pipe break): here the
         signal ends `run` and `serve` finishes its own shutdown, with exit status 0."""
 
+        announce = ""  # said once listening (a port taken since the probe: never said)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
                 yield
                 getattr(self, "_captured_signals", []).clear()
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.announce:
+                print(self.announce, flush=True)
 
     return GracefulServer
 
@@ -100,13 +107,13 @@ class _HttpServer:
     reports the engine dead (`shut_down`)."""
 
     def __init__(self, host: str, port: int, limits: HttpLimits) -> None:
-        """Binds the port at once: a port in use is refused before the engine loads, and the
-        server says it is serving only once it can."""
+        """Tries the port at once: a port in use is refused before the engine loads; the server
+        says it is serving only once uvicorn listens."""
         self.host, self.port, self.limits = host, port, limits
         self.server: uvicorn.Server | None = None  # once running, for shut_down
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self.socket = socket.create_server((host, port), family=family)
+        try:  # a probe: uvicorn binds its own socket (handing it one changed how it serves)
+            socket.create_server((host, port), family=family).close()
         except OSError as exc:
             raise NeffkitError(
                 f"--host {host} --port {port}: cannot listen there "
@@ -134,9 +141,10 @@ class _HttpServer:
             h11_max_incomplete_event_size=limits.max_header_bytes,
             timeout_graceful_shutdown=limits.graceful_shutdown_s,
         )
-        self.server = _graceful_server_class()(config)
-        print(f"neffkit: serving {name!r} at http://{self.host}:{self.port}/v1", flush=True)
-        self.server.run(sockets=[self.socket])
+        server = _graceful_server_class()(config)
+        server.announce = f"neffkit: serving {name!r} at http://{self.host}:{self.port}/v1"
+        self.server = server
+        server.run()
 
 
 def serve(
