@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests.support import REPO
 from tests.support.bundles import build_session_bundle
 from tests.support.models import CHAT_TEMPLATE, COMMON, DEMO_MODEL, LEAN_SAMPLING
 from tests.support.server import Server
@@ -69,7 +72,17 @@ def reasoning_server(session_dir):
     tokens_file = session_dir / "qwen3_path.json"
     if not tokens_file.exists():
         shutil.rmtree(model, ignore_errors=True)
-        tokens_file.write_text(json.dumps(_path_model(model)))
+        # a process of its own: transformers saves nothing where torch.distributed says rank
+        # != 0, and a test worker may hold tracing's fake group (tests/support/models.py)
+        code = (
+            "import json, sys; from pathlib import Path\n"
+            "from tests.e2e.test_reasoning_server import _path_model\n"
+            "print(json.dumps(_path_model(Path(sys.argv[1]))))\n"
+        )
+        made = subprocess.run(
+            [sys.executable, "-c", code, str(model)], cwd=REPO, check=True, capture_output=True
+        )
+        tokens_file.write_text(made.stdout.decode().strip().splitlines()[-1])
     built = build_session_bundle(
         session_dir,
         model,
