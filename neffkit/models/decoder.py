@@ -190,12 +190,10 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
             cos=cos,
             sin=sin,
             masks=masks,
-            slots=slots[0],  # [B*T]
-            block_tables=tables[0],
-            positions=positions,
-            bounds=bounds,
             group_slots=tuple(slots),
             group_tables=tuple(tables),
+            positions=positions,
+            bounds=bounds,
         )
         if K_ROTATION in w:  # fp8 rotated keys: their offsets at the context's positions
             step.context = self.context_step(step, packed=seq_ids is not None)

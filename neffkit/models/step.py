@@ -23,8 +23,10 @@ class Step:
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor
     masks: dict[Span, torch.Tensor]  # (window, chunk) → [B, T, C] (packed: [1, T, S*C])
-    slots: torch.Tensor  # [B*T]
-    block_tables: torch.Tensor  # [B, C/bs] (packed: [1, S*C/bs])
+    # per KV group (contract/kv_groups.py): its slots [B*T] and block tables [B, C/bs]
+    # (packed: [1, S*C/bs])
+    group_slots: tuple[torch.Tensor, ...]
+    group_tables: tuple[torch.Tensor, ...]
     positions: torch.Tensor  # [B, T] int64 (packed: [1, T])
     # a second rotation some layers use instead of (cos, sin) (Gemma 3's sliding layers)
     local_rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -34,10 +36,16 @@ class Step:
     # an fp8 cache with rotated keys: this step at the context keys' positions [1, C] (packed:
     # every sequence's), whose RoPE puts each key's offset back (Decoder.key_offsets)
     context: Step | None = None
-    # per KV group (contract/kv_groups.py): its slots [B*T] and block tables; group 0's are
-    # `slots` and `block_tables`
-    group_slots: tuple[torch.Tensor, ...] = ()
-    group_tables: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The first KV group's slots (the only group of most bundles)."""
+        return self.group_slots[0]
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """The first KV group's block tables."""
+        return self.group_tables[0]
 
 
 def key_views(
