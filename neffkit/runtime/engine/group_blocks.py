@@ -26,6 +26,11 @@ from neffkit.runtime.worker.batch import SequenceState
 NULL = 0  # a sliding group's entry whose block was given back
 
 
+def held(blocks: Sequence[int]) -> list[int]:
+    """The blocks a group's list holds (its given-back entries left out)."""
+    return [b for b in blocks if b != NULL]
+
+
 class GroupPools:
     """Every KV group's pool, and the rules for a sequence's blocks across them."""
 
@@ -106,9 +111,9 @@ class GroupPools:
             peak[g] = max(need[g], self._to_take(g, tokens, hits)) + ahead
         return peak
 
-    def _to_take(self, g: int, tokens: int, held: Sequence[Sequence[int]]) -> int:
+    def _to_take(self, g: int, tokens: int, blocks: Sequence[Sequence[int]]) -> int:
         """Blocks sliding group g's sequence of `tokens` prompt tokens has yet to take."""
-        mine = sum(b != NULL for b in held[g]) if g < len(held) else 0
+        mine = len(held(blocks[g])) if g < len(blocks) else 0
         most = min(self.groups[g].blocks_per_seq, -(-tokens // self.block_size))
         return max(0, most - mine)
 
@@ -128,7 +133,7 @@ class GroupPools:
         """Does some group lack `need` fresh blocks (taking its `hits` out of the free queue
         too), with a `watermark` share of its pool (at least one block, where asked) left?"""
         for g, pool in enumerate(self.pools):
-            mine = [b for b in (hits[g] if hits else ()) if b != NULL]
+            mine = held(hits[g]) if hits else []
             spare = max(1, int(watermark * pool.num_usable)) if watermark else 0
             if need[g] + pool.free_among(mine) + spare > pool.num_free:
                 return True
@@ -139,7 +144,7 @@ class GroupPools:
         seq.kv_blocks = []
         for g, pool in enumerate(self.pools):
             mine = list(hits[g]) if hits else []
-            pool.take([b for b in mine if b != NULL])
+            pool.take(held(mine))
             seq.kv_blocks.append(mine + pool.allocate(need[g]))
 
     def trim(self, seq: SequenceState, position: int) -> None:
@@ -149,7 +154,7 @@ class GroupPools:
                 continue
             blocks = seq.kv_blocks[g]
             first = min(first_live(group.window, position, self.block_size), len(blocks))
-            gone = [b for b in blocks[:first] if b != NULL]
+            gone = held(blocks[:first])
             if gone:
                 self.pools[g].free(gone[::-1])
                 blocks[:first] = [NULL] * first
@@ -170,5 +175,5 @@ class GroupPools:
         """Every group's blocks back, tail first (the least shared part is evicted first)."""
         for g, pool in enumerate(self.pools):
             if g < len(seq.kv_blocks):
-                pool.free([b for b in seq.kv_blocks[g][::-1] if b != NULL])
+                pool.free(held(seq.kv_blocks[g][::-1]))
         seq.kv_blocks = []

@@ -171,13 +171,23 @@ class Scheduler:
         for seq in rows:
             if seq not in self.running:  # preempted for an earlier row
                 continue
-            self.kv.trim(seq, seq.length - 1)  # sliding groups: blocks behind the window back
             end = self._step_end(seq)
-            need = self.kv.needs(seq.kv_blocks, end, end)
-            if self._make_room(seq, need):
-                self.kv.grow(seq, need)
+            if self._take_blocks(seq, seq.length - 1, end, end):
                 kept.append(seq)
         return [s for s in kept if s in self.running]
+
+    def _take_blocks(
+        self, seq: SequenceState, first: int, end: int, full_end: int, preempt: bool = True
+    ) -> bool:
+        """`seq`'s blocks for a step whose first query is at `first` and whose tokens end at
+        `end` (a full group's at `full_end`), a sliding group's blocks behind the window given
+        back first; short, it preempts (where `preempt`) or takes nothing. False: not taken."""
+        self.kv.trim(seq, first)
+        need = self.kv.needs(seq.kv_blocks, end, full_end)
+        if self.kv.short(need) and (not preempt or not self._make_room(seq, need)):
+            return False
+        self.kv.grow(seq, need)
+        return True
 
     def _make_room(self, seq: SequenceState, need: list[int]) -> bool:
         """Preempt (the policy's last admitted request first) until every group has `need`
@@ -260,10 +270,15 @@ class Scheduler:
         for seq in seqs[: lay.prefill_batch[-1]]:
             if seq not in self.prefilling:  # preempted to make room for an earlier chunk
                 continue
-            n = self._chunk(seq, seq.num_prefilled, budget)
-            if n == 0 or not self._chunk_blocks(seq, n, first=not chunks):
+            start = seq.num_prefilled
+            n = self._chunk(seq, start, budget)
+            # a sliding group's blocks for the chunk (a full group took the prompt's at
+            # admission); only the call's first chunk preempts for them, a later one waits
+            if n == 0 or not self._take_blocks(
+                seq, start, start + n, len(seq.prefill_ids), not chunks
+            ):
                 break
-            chunks.append(PrefillChunk(seq, seq.num_prefilled, n))
+            chunks.append(PrefillChunk(seq, start, n))
             budget -= n
         if not chunks:
             return None
@@ -274,19 +289,6 @@ class Scheduler:
         context = smallest_fitting(lay.context_buckets, need)
         assert context is not None  # check_fits bounded the prompts
         return PrefillBatch(chunks, batch, tokens, context)
-
-    def _chunk_blocks(self, seq: SequenceState, n: int, first: bool) -> bool:
-        """A sliding group's blocks for `seq`'s next `n` tokens (a full group took the prompt's
-        at admission), the blocks behind its window given back first. Only the call's first
-        chunk preempts to get them (the policy's last admitted request first): a later one
-        waits for the next call."""
-        start = seq.num_prefilled
-        self.kv.trim(seq, start)
-        need = self.kv.needs(seq.kv_blocks, start + n, len(seq.prefill_ids))
-        if self.kv.short(need) and (not first or not self._make_room(seq, need)):
-            return False
-        self.kv.grow(seq, need)
-        return True
 
     def prefilled(self, batch: PrefillBatch, out: StepOutput) -> list[SequenceState]:
         """After a prefill call: each sequence decodes once its whole prompt is in the cache."""
