@@ -77,14 +77,15 @@ def size_groups(
         seqs = max(1, budget_blocks // per_seq)
     else:
         seqs = max(1, (full_blocks - 1) // context_blocks)
-    groups = []
-    for window, layers, bps in plan:
-        if window is None:
-            blocks = seqs * bps + 1 if budget_blocks is not None else full_blocks
-        else:
-            blocks = seqs * bps + 1
-        groups.append(KVGroup(layers, window, blocks, bps))
-    return tuple(groups)
+    return tuple(
+        KVGroup(
+            layers,
+            window,
+            full_blocks if window is None and budget_blocks is None else seqs * bps + 1,
+            bps,
+        )
+        for window, layers, bps in plan
+    )
 
 
 def first_live(window: int | None, position: int, block_size: int) -> int:

@@ -106,8 +106,7 @@ def group_metadata(
                 for j in range(first, int(queries.max()) // bs + 1):
                     mine[r, j] = 1 + taken % (group.num_blocks - 1)
                     taken += 1
-        rows_of = owner if positions.shape[0] == 1 else np.arange(rows)[:, None] + 0 * positions
-        block = mine[np.clip(rows_of, 0, rows - 1), positions // bs]
+        block = mine[np.clip(owner, 0, rows - 1), positions // bs]
         out[group_input(abi.BLOCK_TABLES, g)] = mine
         out[group_input(abi.SLOT_MAPPING, g)] = np.where(
             live, abi.slot(block, positions, bs), -1

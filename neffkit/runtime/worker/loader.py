@@ -19,7 +19,6 @@ import torch
 from neffkit.contract import abi
 from neffkit.contract.abi import GraphKey, Phase
 from neffkit.contract.bundle import Bundle, rank_files, verify_files
-from neffkit.contract.kv_groups import layer_groups
 from neffkit.contract.read import read_bundle
 from neffkit.contract.tensor_files import map_tensors
 from neffkit.errors import BundleError
@@ -137,18 +136,9 @@ def _rank_statics(bundle: Bundle, rank: int, device: str) -> tuple[list[torch.Te
     tensors = map_tensors(bundle.path(shard.file))
     weights = [tensors[name].to(device) for name in shard.names]
     kv_names = lay.kv_names
-    per_layer, groups = len(kv_names) // lay.num_layers, lay.groups
-    group_of = layer_groups(groups, lay.num_layers)  # each layer's cache: its group's pool
-    shapes = [
-        (
-            groups[group_of[i // per_layer]].num_blocks,
-            lay.block_size,
-            lay.kv_heads_per_rank,
-            lay.head_dim,
-        )
-        for i in range(len(kv_names))
-    ]
-    kv = allocate_kv_cache(shapes, getattr(torch, lay.kv_dtype), device)
+    # each cache tensor as the graphs take it (its KV group's pool: contract/kv_groups.py)
+    shapes = {t.name: t.shape for t in bundle.record.graphs[0].inputs}
+    kv = allocate_kv_cache([shapes[n] for n in kv_names], getattr(torch, lay.kv_dtype), device)
     rank_input = [torch.tensor([rank], dtype=torch.int64, device=device)] if lay.rank_input else []
     state = [torch.zeros(lay.num_blocks, dtype=torch.int64, device=device) for _ in lay.state_names]
     adapters = allocate_slots(lay.lora, lay.tp, device) if lay.lora else []

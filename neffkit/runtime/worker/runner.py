@@ -103,15 +103,14 @@ class DecodeBuffers:
         self.ids, self.seq_slots = m.get(abi.INPUT_IDS), m.get(abi.SEQ_SLOTS)
         self.pos, self.lens = m[abi.POSITIONS], m[abi.CONTEXT_LENS]
         # each KV group's slot mapping and block tables (contract/kv_groups.py)
-        self.slots = [m[n] for n in m if is_group_input(n, abi.SLOT_MAPPING)]
-        self.tables = [m[n] for n in m if is_group_input(n, abi.BLOCK_TABLES)]
+        slot_names = [n for n in m if is_group_input(n, abi.SLOT_MAPPING)]
+        table_names = [n for n in m if is_group_input(n, abi.BLOCK_TABLES)]
+        self.slots, self.tables = [m[n] for n in slot_names], [m[n] for n in table_names]
         # (request, its preemptions, its blocks' layout) per row: a request preempted since
         # holds new blocks; a sliding group gives blocks back as well as taking them
         self.rows: list[tuple[int, int, tuple[int, ...]] | None] = [None] * graph.rows
-        slot_names = (n for n in m if is_group_input(n, abi.SLOT_MAPPING))
         every = {*self.PER_STEP, *slot_names, abi.INPUT_IDS}
         self._step_bytes = sum(m[n].nbytes for n in every if n in m)
-        table_names = {n for n in m if is_group_input(n, abi.BLOCK_TABLES)}
         self._row_bytes = sum(m[n].nbytes for n in {*self.PER_ROW, *table_names} if n in m)
         self._logit_bytes = sum(m[n].nbytes for n in abi.LOGIT_INPUTS if n in m)
         self._masked = False  # a row had a grammar last step: the bitmask is not all ones
