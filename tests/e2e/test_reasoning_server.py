@@ -5,6 +5,8 @@ client."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import shutil
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 
 from tests.support import REPO
 from tests.support.bundles import build_session_bundle
+from tests.support.cache import cached_dir
 from tests.support.models import CHAT_TEMPLATE, COMMON, DEMO_MODEL, LEAN_SAMPLING
 from tests.support.server import Server
 
@@ -24,6 +27,13 @@ pytestmark = pytest.mark.xdist_group("reasoning")
 REASONING, ANSWER = "Six sevens", "Forty-two"
 OUTPUT = f"<think>{REASONING}</think>{ANSWER}"
 MESSAGES = [{"role": "user", "content": "6 x 7?"}]
+TOKENS_FILE = "path_tokens.json"  # beside the model: how many tokens its path generates
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _path_model(out: Path) -> int:
@@ -36,7 +46,7 @@ def _path_model(out: Path) -> int:
     import torch
     import transformers
 
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     tok = tokenizers.Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
     tok.add_tokens([tokenizers.AddedToken(t, normalized=False) for t in ("<think>", "</think>")])
     tok.save(str(out / "tokenizer.json"))
@@ -66,23 +76,26 @@ def _path_model(out: Path) -> int:
     return len(path) - 1
 
 
+def _made_path_model(out: Path) -> None:
+    """_path_model into `out`, in a process of its own: transformers saves nothing where
+    torch.distributed says rank != 0, and a test worker may hold tracing's fake group
+    (tests/support/models.py). The number of tokens to generate goes beside it."""
+    code = (
+        "import json, sys; from pathlib import Path\n"
+        "from tests.e2e.test_reasoning_server import _path_model\n"
+        "print(json.dumps(_path_model(Path(sys.argv[1]))))\n"
+    )
+    made = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, capture_output=True)
+    assert made.returncode == 0, made.stderr.decode()[-3000:]
+    (out / TOKENS_FILE).write_text(made.stdout.decode().strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def reasoning_server(session_dir):
-    model = session_dir / "qwen3_path"
-    tokens_file = session_dir / "qwen3_path.json"
-    if not tokens_file.exists():
-        shutil.rmtree(model, ignore_errors=True)
-        # a process of its own: transformers saves nothing where torch.distributed says rank
-        # != 0, and a test worker may hold tracing's fake group (tests/support/models.py)
-        code = (
-            "import json, sys; from pathlib import Path\n"
-            "from tests.e2e.test_reasoning_server import _path_model\n"
-            "print(json.dumps(_path_model(Path(sys.argv[1]))))\n"
-        )
-        made = subprocess.run(
-            [sys.executable, "-c", code, str(model)], cwd=REPO, check=True, capture_output=True
-        )
-        tokens_file.write_text(made.stdout.decode().strip().splitlines()[-1])
+    # once per machine, renamed into place under a lock (concurrent workers and runs agree)
+    recipe = inspect.getsource(_path_model) + OUTPUT + transformers_version()
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
+    model = cached_dir(f"models/qwen3_path-{digest}", _made_path_model)
     built = build_session_bundle(
         session_dir,
         model,
@@ -91,7 +104,7 @@ def reasoning_server(session_dir):
         sampling={**LEAN_SAMPLING, "structured": True},
     )
     srv = Server(built.bundle, "--served-model-name", "tiny", "--reasoning-parser", "qwen3")
-    yield srv, json.loads(tokens_file.read_text())
+    yield srv, json.loads((model / TOKENS_FILE).read_text())
     srv.stop()
 
 
