@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "batch"
 SHAPE = dict(
@@ -104,7 +104,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
-    args = ap.parse_args()
+    args = parse_args(ap)
     from neffkit.runtime.engine.core import EngineCore
     from neffkit.runtime.engine.loading import load
 

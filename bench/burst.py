@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import checkpoint  # noqa: E402
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "burst"
 MANIFEST = """neffkit: 1
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--arrivals", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[4, 16])
-    args = ap.parse_args()
+    args = parse_args(ap)
 
     from neffkit.runtime.engine.core import engine_threads
     from neffkit.runtime.engine.llm import LLM

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, ensure_bundle, median, parse_args, write_result  # noqa: E402
 from llamacpp import (  # noqa: E402
     NEW_TOKENS,
     PROMPTS,
@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument(
         "--merge", action="store_true", help="keep the result file's other rows (one row rerun)"
     )
-    args = ap.parse_args()
+    args = parse_args(ap)
     reexec_for(args.cpu_class)
     import torch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -18,6 +19,29 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+
+
+def parse_args(
+    ap: argparse.ArgumentParser, default_threads: int | None = None
+) -> argparse.Namespace:
+    """The script's arguments with `--threads N`: the engine's threads here and in every engine
+    or server it starts (NEFFKIT_ENGINE_THREADS, which they inherit). Without it, neffkit's
+    default: every usable CPU, one fewer while another process takes a core (the governor);
+    `default_threads` where a peer runs a fixed count and both sides must match."""
+    if "--threads" not in ap._option_string_actions:
+        ap.add_argument(
+            "--threads",
+            type=int,
+            default=default_threads,
+            help="engine threads (default: neffkit's, which yields a core to a busy neighbour)",
+        )
+    args = ap.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be at least 1")
+        os.environ["NEFFKIT_ENGINE_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def ensure_bundle(manifest: Path, bundle: Path) -> Path:

@@ -23,6 +23,7 @@ from common import (  # noqa: E402
     ensure_bundle,
     machine_description,
     median,
+    parse_args,
     write_result,
 )
 
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser)
 
     bundle = ensure_bundle(args.manifest, args.bundle)
     loaded = load(bundle)

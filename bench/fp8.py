@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import WORK, bundle, checkpoint  # noqa: E402
-from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 FP8_MANIFEST = """neffkit: 1
 name: batch-fp8
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-kl", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap)
     previous = json.loads(RESULT.read_text()) if RESULT.exists() else {}
     result: dict = {k: v for k, v in previous.items() if k != "machine"}
     if not args.skip_speed:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median  # noqa: E402
+from common import median, parse_args  # noqa: E402
 
 HIDDEN, KV, MLP, VOCAB = 576, 192, 1536, 49152
 # one call each: the weights reading one input, and their input width
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--no-avx2", action="store_true", help="skip the AVX2 class")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser)
     torch.set_num_threads(1)
     result = run_class(args)
     if args.child:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, write_result  # noqa: E402
+from common import median, parse_args, write_result  # noqa: E402
 
 HIDDEN, MLP, VOCAB, LAYERS = 576, 1536, 49152, 30
 # one call each: the weights reading one input, and their input width
@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--no-avx2", action="store_true", help="skip the AVX2 class")
     parser.add_argument("--library", help="a library to load instead of the build's")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser)
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time times the calling thread: use --threads 1")
     torch.set_num_threads(args.threads)

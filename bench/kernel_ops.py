@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, timed, write_result  # noqa: E402
+from common import median, parse_args, timed, write_result  # noqa: E402
 
 HIDDEN, KV, MLP, LAYERS, VOCAB = 576, 192, 1536, 30, 49152
 THREADS = 2
@@ -131,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--library", type=Path, help="a built libneffkit_cpu.so to time")
-    args = ap.parse_args()
+    args = parse_args(ap)
     if isa.chosen_class() is None:
         raise SystemExit("bench/kernel_ops.py: this CPU runs no class of the kernels (no AVX2)")
     torch.set_num_threads(THREADS)

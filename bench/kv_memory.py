@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from classes import WORK, gemma3_q4_k_m
-from common import ensure_bundle, machine_description, write_result
+from common import ensure_bundle, machine_description, parse_args, write_result
 
 from neffkit.contract import abi
 from neffkit.contract.read import read_bundle
@@ -106,7 +106,7 @@ def cache_tensors(bundle: Path) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=40)
-    args = ap.parse_args()
+    args = parse_args(ap)
     rows: dict[str, Any] = {}
     for hybrid in (False, True):
         bundle = build(hybrid)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, decode_step_times, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, median, parse_args, write_result  # noqa: E402
 from llamacpp_build import (  # noqa: E402
     COMMIT,
     KINDS,
@@ -50,6 +50,7 @@ from llamacpp_build import (  # noqa: E402
     guarded,
     neffkit_bundle,
     run,
+    threads,
 )
 from llamacpp_greedy import greedy_against_hf  # noqa: E402
 from llamacpp_server import serving  # noqa: E402
@@ -62,7 +63,7 @@ B1_TOKENS = 64
 # ------------------------------------------------------------------ the measurements
 def llama_b1_ms(binary: Path, model: Path) -> float:
     out = run(
-        [binary, "-m", model, "-p", "0", "-n", B1_TOKENS, "-t", THREADS, "-r", "1", "-o", "json"],
+        [binary, "-m", model, "-p", "0", "-n", B1_TOKENS, "-t", threads(), "-r", "1", "-o", "json"],
         capture_output=True,
         text=True,
     ).stdout
@@ -88,7 +89,7 @@ def llama_b8_tokens_per_s(binary: Path, model: Path) -> float:
             "-npl",
             len(PROMPTS),
             "-t",
-            THREADS,
+            threads(),
             "--output-format",
             "jsonl",
         ],
@@ -144,7 +145,7 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--result", default="llamacpp", help="name of the bench/results/*.json written")
-    args = ap.parse_args()
+    args = parse_args(ap, default_threads=THREADS)
     import torch
 
     from neffkit.runtime.engine.llm import LLM
@@ -155,7 +156,7 @@ def main() -> None:
     bins = binaries()
     ggufs = {kind: gguf(outtype) for kind, outtype in KINDS.items()}
     bundles = {kind: neffkit_bundle(kind) for kind in KINDS}
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads())
     llms = {kind: LLM(load(path)) for kind, path in bundles.items()}
     samples: dict[tuple[str, str, str], list[float]] = {}
     failures: dict[str, str] = {}
@@ -185,7 +186,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (models/smollm2-135m-instruct)",
         "llama_cpp": f"{SDIST} vendor/llama.cpp ({COMMIT}), GGML_NATIVE=ON",
-        "threads": THREADS,
+        "threads": threads(),
         "rounds": args.rounds,
         "b8_work": f"{len(PROMPTS)} prompts x (4 tokens + {NEW_TOKENS} new)",
         "rows": rows,

@@ -33,7 +33,14 @@ SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp at commit 0c1e57098 (its
 COMMIT = "0c1e57098"
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server")
-THREADS = 2
+THREADS = 2  # both sides, unless --threads says otherwise
+
+
+def threads() -> int:
+    """The threads of both sides: --threads (common.parse_args sets NEFFKIT_ENGINE_THREADS)."""
+    return int(os.environ.get("NEFFKIT_ENGINE_THREADS", THREADS))
+
+
 # neffkit kind -> (bundle dtype, llama.cpp GGUF type of the same precision)
 KINDS = {"float32": "f32", "bfloat16": "bf16", "fp8": "q8_0"}
 MANIFEST = """neffkit: 1

@@ -22,7 +22,7 @@ from common import (  # noqa: E402
     median,  # noqa: E402
     start_server,
 )
-from llamacpp_build import THREADS  # noqa: E402
+from llamacpp_build import threads  # noqa: E402
 from serve import run_level, workload  # noqa: E402
 
 
@@ -41,7 +41,7 @@ class LlamaServer:
             "-c",
             str(256 * parallel),
             "-t",
-            str(THREADS),
+            str(threads()),
             "--port",
             str(self.port),
             "--no-webui",
@@ -95,7 +95,7 @@ def serving(
         with LlamaServer(server, model) as srv:
             for k, v in serve_levels(srv.url, args).items():
                 samples["llamacpp"].setdefault(k, []).append(v)
-        proc, url = start_server(bundle, "--threads", str(THREADS))
+        proc, url = start_server(bundle, "--threads", str(threads()))
         try:
             for k, v in serve_levels(url, args).items():
                 samples["neffkit"].setdefault(k, []).append(v)

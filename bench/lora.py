@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 WORK = REPO / "bench" / "work" / "lora"
@@ -101,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
-    args = ap.parse_args()
+    args = parse_args(ap)
     import torch
 
     from neffkit.runtime.engine.core import engine_threads

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
+from common import REPO, ensure_bundle, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work"
 OUTPUT = 128
@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inputs", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--prompts", type=int, default=3)
-    args = ap.parse_args()
+    args = parse_args(ap)
     WORK.mkdir(parents=True, exist_ok=True)
     contexts = sorted({max(256, 1 << (n + OUTPUT - 1).bit_length()) for n in args.inputs})
     blocks = contexts[-1] // 16 + 1

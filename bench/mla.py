@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "mla"
 CONFIG = dict(
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompts", type=int, nargs="+", default=[256, 1024, 1920])
-    args = ap.parse_args()
+    args = parse_args(ap)
     from neffkit.runtime.engine.core import EngineCore
     from neffkit.runtime.engine.loading import load
 

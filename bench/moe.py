@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, RESULTS, decode_step_times, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "moe"
 SHAPE = dict(
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--label", default="after", help="after | before (an earlier checkout)")
-    args = ap.parse_args()
+    args = parse_args(ap)
     from neffkit.runtime.engine.core import EngineCore
     from neffkit.runtime.engine.loading import load
 

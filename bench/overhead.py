@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
+from common import REPO, ensure_bundle, parse_args, write_result  # noqa: E402
 
 from neffkit.runtime.engine.core import EngineCore  # noqa: E402
 from neffkit.runtime.engine.loading import load  # noqa: E402
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--manifest", type=Path, default=REPO / "manifests" / "demo.yaml")
     ap.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama")
     ap.add_argument("--steps", type=int, default=200)
-    args = ap.parse_args()
+    args = parse_args(ap)
     engine = EngineCore(load(ensure_bundle(args.manifest, args.bundle)).runner)
     rows = []
     for batch in (1, engine.scheduler.layout.decode_buckets[-1]):

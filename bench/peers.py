@@ -33,7 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import MANIFEST, checkpoint  # noqa: E402
-from common import REPO, cold_env, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    cold_env,
+    decode_step_times,
+    ensure_bundle,
+    median,
+    parse_args,
+    write_result,
+)
 
 WORK = REPO / "bench" / "work" / "peers"
 PEERS_PY = REPO / ".venv-peers" / "bin" / "python"
@@ -132,7 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2, help="runs per round inside each system")
     ap.add_argument("--result", default="peers", help="name of the bench/results/*.json written")
-    args = ap.parse_args()
+    args = parse_args(ap)
     if not PEERS_PY.exists():
         raise SystemExit(f"{PEERS_PY}: missing; run `make peers-venv` first")
     WORK.mkdir(parents=True, exist_ok=True)

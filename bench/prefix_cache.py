@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
+from common import REPO, ensure_bundle, parse_args, write_result  # noqa: E402
 
 SYSTEM, QUESTION = 1024, 32
 
@@ -34,7 +34,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=7)
-    args = parser.parse_args()
+    args = parse_args(parser)
     import torch
 
     from neffkit.runtime.engine.core import engine_threads

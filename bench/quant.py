@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, median, start_server, write_result  # noqa: E402
+from common import REPO, ensure_bundle, median, parse_args, start_server, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "quant"
 MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -291,7 +291,7 @@ def main() -> None:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-twin", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap)
     paths = {name: bundle(name, args.reuse) for name in VARIANTS}
     previous = REPO / "bench" / "results" / "quant.json"
     result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}

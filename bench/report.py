@@ -43,6 +43,7 @@ from report_serving import (  # noqa: E402
     speculation,
     structured,
     threads,
+    threads_offline,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +92,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("serve_preemption", serve_preemption),
     ("kv_memory", kv_memory),
     ("threads", threads),
+    ("threads_offline", threads_offline),
     ("bf16_agreement", bf16_agreement),
     ("lm_eval_smollm2", lm_eval),
     ("lm_eval", lm_eval),

@@ -160,6 +160,26 @@ def threads(d: dict[str, Any]) -> str:
     )
 
 
+def threads_offline(d: dict[str, Any]) -> str:
+    """bench/threads_offline.py: offline generation quiet and beside a busy process."""
+    rows = [
+        [
+            r["setting"],
+            r["host"],
+            f"{r['wall_s']:.2f}",
+            f"{r['vs_quiet_default']:.2f}×",
+            ", ".join(str(t) for t in r["threads_at_end"]),
+        ]
+        for r in d["rows"]
+    ]
+    header = ["threads", "host", "generation s", "vs quiet default", "threads at the end"]
+    return (
+        f"**Offline on a shared host** (`bench/threads_offline.py`, {d['model']}): {d['method']}. "
+        "The default's governor tries one thread fewer after the first steps and keeps the "
+        "faster count.\n\n" + table(header, rows)
+    )
+
+
 def lora(d: dict[str, Any]) -> str:
     """bench/lora.py: the decode step with adapter slots, and an adapter's load."""
     steps, load = d["step_ms"], d["adapter_load"]

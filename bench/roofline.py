@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, decode_step_times, ensure_bundle, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work"
 
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="tokens already in the cache")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--result", default="roofline", help="name of the bench/results/*.json written")
-    args = ap.parse_args()
+    args = parse_args(ap)
     WORK.mkdir(parents=True, exist_ok=True)
     model = make_model(WORK / "roofline-134m")
     manifest = WORK / "roofline.yaml"

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     REPO,
     ensure_bundle,
+    parse_args,
     start_server,
     write_result,
 )
@@ -206,7 +207,7 @@ def main() -> None:
     )
     ap.add_argument("--clients", type=int, default=8, help="--adapters, --preemption: clients")
     ap.add_argument("--rounds", type=int, default=3, help="--preemption: alternating rounds")
-    args = ap.parse_args()
+    args = parse_args(ap)
     if args.preemption:
         from serve_preemption import run_preemption
 

@@ -32,7 +32,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, start_server, write_result  # noqa: E402
+from common import REPO, ensure_bundle, parse_args, start_server, write_result  # noqa: E402
 from soak_traffic import HOSTILE, PREFIXES, QUESTIONS, SCHEMA  # noqa: E402
 
 MANIFEST = REPO / "manifests" / "smollm2-soak.yaml"
@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--result", default="soak", help="bench/results/NAME.json")
-    args = ap.parse_args()
+    args = parse_args(ap)
     bundle = ensure_bundle(MANIFEST, BUNDLE)
     proc, url = start_server(bundle, "--no-access-log")
     try:

@@ -19,6 +19,7 @@ Writes bench/results/speculation.json.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
+from common import REPO, ensure_bundle, parse_args, write_result  # noqa: E402
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
@@ -108,14 +109,13 @@ def tokens_per_s(llm, prompt: list[int]) -> tuple[float, list[int]]:
 
 
 def main() -> None:
-    import torch
-
-    from neffkit.runtime.engine.core import engine_threads
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", action="store_true", help="a draft model instead of n-grams")
+    args = parse_args(ap)
     from neffkit.runtime.engine.llm import LLM
     from neffkit.runtime.engine.loading import load
 
-    torch.set_num_threads(engine_threads())
-    with_draft = "--draft" in sys.argv[1:]
+    with_draft = args.draft
     name = "draft" if with_draft else "spec"
     if with_draft and not DRAFT.is_dir():
         tool = REPO / "tools" / "draft_from_layers.py"

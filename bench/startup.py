@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, ensure_bundle, write_result  # noqa: E402
+from common import REPO, ensure_bundle, parse_args, write_result  # noqa: E402
 
 NEFFKIT = """
 import json, sys, time
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--manifest", type=Path, default=REPO / "manifests" / "demo.yaml")
     ap.add_argument("--bundle", type=Path, default=REPO / "bundles" / "demo-llama")
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = parse_args(ap)
     bundle = ensure_bundle(args.manifest, args.bundle)
     model_dir = json.loads((bundle / "bundle.json").read_text())["manifest"]["model"]
     runs: dict[str, list[dict]] = {

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch import SHAPE  # noqa: E402
-from common import REPO, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 WORK = REPO / "bench" / "work" / "structured"
 TOKENIZER = REPO / "models" / "smollm2-135m-instruct"
@@ -108,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=9)
-    args = parser.parse_args()
+    args = parse_args(parser)
     from neffkit.runtime.engine.loading import load
 
     loaded = {label: load(bundle(label)) for label in SAMPLING}

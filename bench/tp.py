@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, decode_step_times, ensure_bundle, median, write_result  # noqa: E402
+from common import REPO, decode_step_times, ensure_bundle, median, parse_args, write_result  # noqa: E402
 
 from neffkit.runtime.engine.core import EngineCore  # noqa: E402
 from neffkit.runtime.engine.loading import load  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_args(parser)
     bundles = REPO / "bundles"
     bundles.mkdir(exist_ok=True)
     tp1 = ensure_bundle(manifest_for(1, bundles), bundles / "demo-tp1")

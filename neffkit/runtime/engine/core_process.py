@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from neffkit.errors import RequestError
-from neffkit.platform.cpus import chosen_threads
 from neffkit.runtime.config import SchedulingOptions
 from neffkit.runtime.engine.core import EngineCore, engine_threads
-from neffkit.runtime.engine.governor import ThreadGovernor
+from neffkit.runtime.engine.governor import ThreadGovernor, default_governor
 from neffkit.runtime.worker.batch import SequenceState
 from neffkit.runtime.worker.step_output import TokenLogprobs
 
@@ -162,11 +161,8 @@ def core_main(
         from neffkit.runtime.engine.loading import attach_proposer, grammars_of
         from neffkit.runtime.worker.distributed import run_on_ranks
 
-        # a governor where nobody chose the count, one rank
         def governor(loaded: LoadedBundle) -> ThreadGovernor | None:
-            chosen = chosen_threads(threads) is not None
-            ranks = loaded.bundle.record.layout.world_size
-            return None if chosen or ranks > 1 else ThreadGovernor(full, torch.set_num_threads)
+            return default_governor(threads, full, loaded.bundle.record.layout.world_size)
 
         run_on_ranks(
             bundle,

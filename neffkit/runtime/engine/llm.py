@@ -17,6 +17,7 @@ from neffkit.errors import AdapterError, RequestError
 from neffkit.runtime.config import SchedulingOptions
 from neffkit.runtime.engine.adapters import adapter_manager
 from neffkit.runtime.engine.core import EngineCore, engine_threads
+from neffkit.runtime.engine.governor import default_governor
 from neffkit.runtime.engine.limits import check_fits, check_priority
 from neffkit.runtime.engine.loading import attach_proposer, grammars_of
 from neffkit.runtime.sampling_params import OFFLINE, SamplingParams
@@ -37,9 +38,20 @@ class LLM:
         lora_modules: Mapping[str, str | Path] | None = None,
         max_cpu_loras: int | None = None,
         scheduling: SchedulingOptions | None = None,
+        threads: int | None = None,
     ) -> None:
         """`lora_modules`: adapters by name (PEFT directories), for a bundle built with `lora:`;
-        more can be added with `load_lora`. `scheduling`: the policy, a smaller KV pool."""
+        more can be added with `load_lora`. `scheduling`: the policy, a smaller KV pool.
+        `threads`: the engine's (None: every usable CPU, one fewer while another process takes
+        a core, as the server's engine: governor.py)."""
+        import torch
+
+        ranks = loaded.bundle.record.layout.world_size
+        governor = None
+        if ranks == 1:  # ranks > 1 split the CPUs between them (worker/distributed.py)
+            full = engine_threads(threads)
+            torch.set_num_threads(full)
+            governor = default_governor(threads, full, ranks)
         self.loaded = attach_proposer(loaded)
         self.adapters = adapter_manager(loaded, lora_modules or {}, max_cpu_loras)
         self.core = EngineCore(
@@ -49,6 +61,7 @@ class LLM:
             grammars=grammars_of(loaded),
             adapters=self.adapters,
             scheduling=scheduling,
+            governor=governor,
         )
 
     def load_lora(self, name: str, path: str | Path) -> None:
@@ -147,11 +160,13 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
         request.speculation,
         lora_modules=lora,
         scheduling=request.scheduling,
+        threads=request.threads,
     )
     t0 = time.perf_counter()
     seqs = llm.generate(prompts, request.params, request.lora[0] if request.lora else None)
     wall = time.perf_counter() - t0
     t = loaded.runner.timings
+    governor = llm.core.governor
     return {
         "outputs": [
             {
@@ -174,7 +189,9 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
             "wall_s": round(wall, 4),
             "cached_prompt_tokens": sum(s.num_cached for s in seqs),
             "verify_steps": t.verify_steps,
-            "threads": torch.get_num_threads(),  # the engine's intra-op threads
+            # the engine's intra-op threads at the end (the governor's choice, not a trial's)
+            "threads": governor.held if governor else torch.get_num_threads(),
+            "thread_reductions": governor.reductions if governor else 0,  # the governor's
         },
         "speculation": _speculation_report(llm),
     }
