@@ -214,10 +214,20 @@ def _parse_ids(text: str) -> list[int]:
 @click.option(
     "--tool-call-parser",
     "tool_parser",
-    type=click.Choice(["hermes", "llama3_json"]),
-    default=None,
+    type=click.Choice(["auto", "hermes", "llama3_json"]),
+    default="auto",
+    show_default=True,
     help="Server: find tool calls in the model's text for tool_choice auto (the model's format: "
-    "<tool_call> JSON, or Llama 3's JSON); required and named tool choices need none.",
+    "<tool_call> JSON, or Llama 3's JSON); auto picks it from the chat template. A template "
+    "without tools gets them in hermes's format in the system message.",
+)
+@click.option(
+    "--chat-template",
+    "chat_template",
+    default=None,
+    callback=lambda ctx, param, value: _chat_template(value),
+    help="Server: render conversations with this chat template instead of the bundle's: a Jinja "
+    "file's path, or the template itself (vLLM's).",
 )
 @click.option(
     "--reasoning-parser",
@@ -304,6 +314,25 @@ def run(
         click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
 
 
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template's text: a file's, or the value itself where it holds Jinja; checked."""
+    if value is None:
+        return None
+    path = Path(value)
+    text = path.read_text() if path.is_file() else value
+    if text is value and "{" not in value:
+        raise click.BadParameter(f"{value}: no such file", param_hint="--chat-template")
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise click.BadParameter(
+            f"not a Jinja template: {exc}", param_hint="--chat-template"
+        ) from None
+    return text
+
+
 def _scheduling(options: dict[str, Any]) -> SchedulingOptions:
     """--scheduling-policy and --num-gpu-blocks-override (taken out of `options`), offline and
     served alike."""
@@ -334,7 +363,7 @@ def _serve(
     """Serve until stopped; the exit status. `server`: the server-only options, by click's
     names (host, port, api_key, ..., strict_requests)."""
     from neffkit.runtime.serve.access import HttpLimits
-    from neffkit.runtime.serve.api_server import serve
+    from neffkit.runtime.serve.api_server import ChatOptions, serve
 
     limits = HttpLimits(
         max_request_bytes=server["max_request_bytes"],
@@ -354,7 +383,9 @@ def _serve(
         speculation=not no_speculation,
         strict_requests=server["strict_requests"],
         access_log=not server["no_access_log"],
-        parsers=(server["tool_parser"], server["reasoning_parser"]),
+        chat=ChatOptions(
+            server["tool_parser"], server["reasoning_parser"], server["chat_template"]
+        ),
         compact_json=server["compact_json"],
         grammar_timeout_s=server["grammar_timeout"],
         threads=server["threads"],

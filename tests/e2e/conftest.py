@@ -34,7 +34,7 @@ from tests.support.bundles import (
 )
 from tests.support.cache import cached_dir
 from tests.support.models import EXTRA, MAX_NEW, MODELS, PARALLEL, hf_greedy_ids
-from tests.support.server import Server, build_serve_bundle
+from tests.support.server import TOOLS_TEMPLATE, Server, build_serve_bundle
 
 
 @pytest.fixture(scope="session")
@@ -159,8 +159,9 @@ def serve_bundle(session_dir: Path, hf_model_dir: Callable[[str], Path]) -> Path
 
 @pytest.fixture(scope="module")
 def server(serve_bundle: Path) -> Iterator[Server]:
-    """A live server on it for the module (a module that needs flags defines its own)."""
-    srv = Server(serve_bundle, "--served-model-name", "tiny")
+    """A live server on it for the module (a module that needs flags defines its own), with
+    a chat template that takes tools (a request's tools stay out of the tiny context)."""
+    srv = Server(serve_bundle, "--served-model-name", "tiny", "--chat-template", TOOLS_TEMPLATE)
     yield srv
     srv.stop()
 

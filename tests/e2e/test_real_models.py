@@ -105,6 +105,19 @@ def _real_bundle(session_dir: Path, model: Path, name: str, tp: int) -> Path:
     ).bundle
 
 
+def chat_bundle(session_dir: Path, model: Path) -> Path:
+    """SmolLM2 float32 at context 512 (prefill 64, decode 1): room for tool definitions, which
+    its chat template has no place for, in the system message (serve/tool_prompt.py)."""
+    return build_session_bundle(
+        session_dir,
+        model,
+        "smollm2_ctx512",
+        dtype="float32",
+        buckets={"prefill": [64], "decode": [1], "context": [512]},
+        sampling={"max_top_k": 16},
+    ).bundle
+
+
 @pytest.mark.parametrize("tp", [1, 3])
 def test_smollm2_greedy_equals_hf_through_its_chat_template(smollm2, session_dir, tp):
     """float32, 64 tokens, 5 chat prompts; tp=3 splits its 9 heads / 3 KV heads."""
@@ -137,7 +150,7 @@ def test_smollm2_structured_outputs_and_tool_calls(smollm2, session_dir):
     from tests.e2e.schemas import SCHEMAS
     from tests.support.server import Server
 
-    bundle = _real_bundle(session_dir, smollm2, "smollm2_tp1", 1)
+    bundle = chat_bundle(session_dir, smollm2)
     srv = Server(bundle, "--served-model-name", "smol", "--disable-any-whitespace")
     try:
         client = srv.client()

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.support.server import Server, build_serve_bundle
+from tests.support.server import TOOLS_TEMPLATE, Server, build_serve_bundle
 
 pytestmark = pytest.mark.xdist_group("server")
 
@@ -48,7 +48,7 @@ WEATHER = {
 @pytest.fixture(scope="module")
 def served(session_dir: Path, hf_model_dir) -> Iterator[Server]:
     bundle = build_serve_bundle(session_dir, hf_model_dir)
-    srv = Server(bundle, "--served-model-name", "tiny", "--tool-call-parser", "hermes")
+    srv = Server(bundle, "--served-model-name", "tiny", "--chat-template", TOOLS_TEMPLATE)
     yield srv
     srv.stop()
 

@@ -15,11 +15,16 @@ import openai
 
 from tests.support import REPO
 from tests.support.bundles import build_session_bundle, prebuild
+from tests.support.models import CHAT_TEMPLATE
 
 # decode buckets up to 8, so 16 concurrent streams exercise batching and queueing (a single
 # stream decodes in the bucket of 4); every graph is the server's own (its sampler takes
 # structured outputs, penalties, logit bias and prompt logprobs)
 SERVE_BUCKETS = {"prefill": [16], "decode": [4, 8], "context": [64]}
+# the test models' chat template with a tools section of one token (--chat-template): the
+# template without one would get the tools written into the prompt (serve/tool_prompt.py),
+# longer than the tiny bundles' context
+TOOLS_TEMPLATE = "{% if tools %}#{% endif %}" + CHAT_TEMPLATE
 
 
 def _free_port() -> int:

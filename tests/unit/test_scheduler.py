@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,13 +24,15 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 class FakeLoaded:
-    """What LLM needs of a loaded bundle: its runner (no tokenizer: no structured outputs)."""
+    """What LLM needs of a loaded bundle: its runner (no tokenizer: no structured outputs) and
+    its rank count (one: the engine's threads are the thread governor's)."""
 
     tokenizer = None
     adapters = None  # built without adapter slots
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        self.bundle = SimpleNamespace(record=SimpleNamespace(layout=SimpleNamespace(world_size=1)))
 
 
 def drain(core: EngineCore, until=None, max_steps: int = 500) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from neffkit.errors import RequestError
+from neffkit.runtime import json_bounds
 from neffkit.runtime.sampling_params import StructuredSpec
 from neffkit.runtime.tokenizer import Tokenizer
 
@@ -105,8 +106,12 @@ def grammar_text(spec: StructuredSpec) -> str:
     llg = _llguidance()
     try:
         if spec.kind == "json":
-            options = {"whitespace_flexible": spec.any_whitespace is not False}
-            return llg.LLMatcher.grammar_from_json_schema(spec.source, defaults=options)
+            flexible = spec.any_whitespace is not False
+            options: dict[str, Any] = {"whitespace_flexible": flexible}
+            if flexible:
+                options["whitespace_pattern"] = json_bounds.WHITESPACE
+            schema = json.dumps(json_bounds.closed(json.loads(spec.source)))
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         if spec.kind == "choice":
             choices = json.loads(spec.source)
             return llg.LLMatcher.grammar_from_lark(
@@ -115,6 +120,8 @@ def grammar_text(spec: StructuredSpec) -> str:
         return llg.grammar_from({"regex": "regex", "grammar": "grammar"}[spec.kind], spec.source)
     except (ValueError, TypeError) as exc:  # llguidance raises ValueError for bad sources
         raise GrammarRefused(f"cannot compile the {spec.kind}: {exc}") from None
+    except RecursionError:
+        raise GrammarRefused(f"cannot compile the {spec.kind}: nested too deeply") from None
 
 
 def _background() -> None:
@@ -137,6 +144,7 @@ class Vocabulary:
     words: int  # int32 words of llguidance's masks (the tokenizer may be wider than the model)
     has_token: np.ndarray  # [ceil(vocab_size / 32)] int32: bit v set when id v has a token
     holes: bool  # some id below vocab_size has none (or the tokenizer is wider)
+    digits: np.ndarray  # as has_token: bit v set when id v's text is only digits (json_bounds)
 
     @classmethod
     def build(cls, tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]) -> Vocabulary:
@@ -149,14 +157,24 @@ class Vocabulary:
         eos_ids = [t for t in eos if 0 <= t < min(size, vocab_size) and present[t]]
         n_vocab = max(vocab_size, size)
         words = -(-vocab_size // 32)
-        packed = np.packbits(present, bitorder="little").tobytes().ljust(words * 4, b"\0")
+        tokenizer = _llguidance().LLTokenizer(
+            tokenizer_json, n_vocab=n_vocab, eos_token=eos_ids or None
+        )  # no end-of-sequence id: the tokenizer's own
+        digits = np.zeros(vocab_size, bool)  # digits decode as themselves in every scheme
+        for text, i in hf.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                digits[i] = json_bounds.digit_only(text.encode())
+
+        def bits(flags: np.ndarray) -> np.ndarray:
+            packed = np.packbits(flags, bitorder="little").tobytes().ljust(words * 4, b"\0")
+            return np.frombuffer(packed, dtype="<i4").astype(np.int32)
+
         return cls(
-            tokenizer=_llguidance().LLTokenizer(
-                tokenizer_json, n_vocab=n_vocab, eos_token=eos_ids or None
-            ),  # no end-of-sequence id: the tokenizer's own
+            tokenizer=tokenizer,
             words=-(-n_vocab // 32),
-            has_token=np.frombuffer(packed, dtype="<i4").astype(np.int32),
+            has_token=bits(present),
             holes=not present.all() or n_vocab > vocab_size,
+            digits=bits(digits),
         )
 
     def first_allowed(self, mask: np.ndarray, eos: list[int]) -> int | None:
@@ -317,8 +335,13 @@ class Grammars:
         self._template(spec)
 
     def matcher(self, spec: StructuredSpec) -> Any:
-        """A request's own matcher at the start of its output (blocking, as `check`)."""
-        return self._template(spec).deep_copy()
+        """A request's own matcher at the start of its output (blocking, as `check`); a JSON
+        constraint's with its digit run (json_bounds.BoundedMatcher)."""
+        matcher = self._template(spec).deep_copy()
+        if spec.kind != "json":
+            return matcher
+        tokenizer = self.vocab.tokenizer
+        return json_bounds.BoundedMatcher(matcher, lambda t: tokenizer.decode_bytes([t]))
 
     # ------------------------------------------------------------ masks
 
@@ -328,6 +351,13 @@ class Grammars:
         more than a few masks: 8 rows 37 us serially, 181 us pooled, on 2 cores). Ids without a
         token are then cleared."""
         llg, vocab = _llguidance(), self.vocab
+        unwrapped, capped = [], []  # llguidance's matchers; rows whose digits ran on
+        for matcher, row in rows:
+            if isinstance(matcher, json_bounds.BoundedMatcher):
+                capped += [row] if matcher.run.capped else []
+                matcher = matcher.inner
+            unwrapped.append((matcher, row))
+        rows = unwrapped
         target = bitmask
         if vocab.words != bitmask.shape[1]:  # a tokenizer wider than the model's vocabulary
             target = np.zeros((bitmask.shape[0], vocab.words), dtype=np.int32)
@@ -341,3 +371,7 @@ class Grammars:
         if vocab.holes:
             index = [row for _, row in rows]
             bitmask[index] = target[index, : bitmask.shape[1]] & vocab.has_token
+        for row in capped:  # a number's digits ran on: digit-only tokens end here
+            kept = bitmask[row, : len(vocab.digits)] & ~vocab.digits
+            if kept.any():  # (a dead end, say a const of more digits, keeps them)
+                bitmask[row, : len(vocab.digits)] = kept

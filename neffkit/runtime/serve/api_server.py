@@ -18,10 +18,11 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from neffkit.contract.read import read_bundle
+from neffkit.contract.read import Bundle, read_bundle
 from neffkit.errors import AdapterError, NeffkitError
 from neffkit.runtime.config import SchedulerConfig, SchedulingOptions
 from neffkit.runtime.engine.core_client import EngineClient
@@ -31,6 +32,7 @@ from neffkit.runtime.engine.structured import GrammarLimits
 from neffkit.runtime.serve.access import HttpLimits, enable_access_log
 from neffkit.runtime.serve.app import App, create_app
 from neffkit.runtime.serve.lora import LoraModule, runtime_updating
+from neffkit.runtime.serve.tool_prompt import choose_parser, template_takes_tools
 from neffkit.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -147,6 +149,16 @@ class _HttpServer:
         server.run()
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How the server reads and writes chats: --tool-call-parser, --reasoning-parser and
+    --chat-template (None: the bundle's)."""
+
+    tool_parser: str | None = "auto"
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+
+
 def serve(
     bundle_path: Path,
     host: str = "127.0.0.1",
@@ -160,7 +172,7 @@ def serve(
     speculation: bool = True,
     strict_requests: bool = False,
     access_log: bool = True,
-    parsers: tuple[str | None, str | None] = (None, None),  # tool calls', reasoning's
+    chat: ChatOptions = ChatOptions(),  # noqa: B008 (frozen)
     compact_json: bool = False,
     grammar_timeout_s: float = GrammarLimits.timeout_s,
     threads: int | None = None,
@@ -173,7 +185,7 @@ def serve(
     """Serve until SIGINT/SIGTERM (exit 0), or the engine's death (1, once requests got 5xx)."""
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
     record, name = bundle.record, model_name or bundle.record.name
-    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
+    tokenizer, parsers = _chat_setup(bundle, chat)
     metrics = Metrics(name)
     paths, parents = _adapters(lora_modules or [], name)
     engine = (executor, dist_timeout_s, prefix_caching, speculation, threads)
@@ -207,6 +219,38 @@ def serve(
     finally:
         client.stop()
     return 1 if client.failure is not None else 0
+
+
+def _chat_setup(
+    bundle: Bundle, chat: ChatOptions
+) -> tuple[Tokenizer | None, tuple[str | None, str | None]]:
+    """The bundle's tokenizer, its chat template replaced by --chat-template, and the (tool
+    call, reasoning) parsers, the tool parser's `auto` resolved."""
+    record = bundle.record
+    tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
+    if chat.chat_template is not None:
+        if tokenizer is None:
+            raise NeffkitError(f"{bundle.root}: --chat-template needs the bundle's tokenizer")
+        tokenizer.chat_template = chat.chat_template
+    tool_parser = _tool_parser(chat.tool_parser, tokenizer, record.model.architecture)
+    return tokenizer, (tool_parser, chat.reasoning_parser)
+
+
+def _tool_parser(chosen: str | None, tokenizer: Tokenizer | None, architecture: str) -> str | None:
+    """`--tool-call-parser`, `auto` resolved from the chat template (tool_prompt.py); a
+    template without tools is said once, as the prompts will carry them instead."""
+    template = tokenizer.chat_template if tokenizer else None
+    if chosen == "auto":
+        chosen = choose_parser(template, architecture)
+    if tokenizer is not None and not template_takes_tools(template):
+        print(
+            "neffkit: warning: the chat template has no tools section: a request's tools go "
+            "into its system message in hermes's format "
+            "(docs/serving.md#structured-outputs-and-tool-calls)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return chosen
 
 
 def _adapters(modules: list[LoraModule], served: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -67,6 +67,7 @@ from neffkit.runtime.serve.protocol import (
 from neffkit.runtime.serve.request_constraints import check_parsers
 from neffkit.runtime.serve.responses import ChatChunks, CompletionChunks, merge_events
 from neffkit.runtime.serve.tokenize import add_tokenize
+from neffkit.runtime.serve.tool_prompt import for_template
 from neffkit.runtime.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -159,7 +160,9 @@ class App:
                 f"this bundle has no tokenizer: send {param} as token ids", param=param
             )
         if request.messages is not None:
-            return [self.tokenizer.encode_chat(request.messages, request.tools)]
+            template = self.tokenizer.chat_template
+            messages, tools = for_template(request.messages, request.tools, template)
+            return [self.tokenizer.encode_chat(messages, tools)]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in request.prompts]
 
     async def check_constraints(self, parsed: ApiRequest) -> ApiRequest:

@@ -18,6 +18,7 @@ from neffkit.errors import RequestError
 from neffkit.runtime.serve.lora import LoraServer, adapter_of
 from neffkit.runtime.serve.protocol import check_model
 from neffkit.runtime.serve.request_constraints import parse_messages
+from neffkit.runtime.serve.tool_prompt import for_template
 from neffkit.runtime.tokenizer import Tokenizer
 
 TOKENIZE_FIELDS = frozenset(
@@ -78,7 +79,8 @@ def tokenize(s: TokenizeServer, body: dict[str, Any], served: str) -> Tokenized:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise RequestError("tools must be a list of objects", param="tools")
         generation = _flag(body, "add_generation_prompt", True)
-        text = tok.render_chat(messages, tools, add_generation_prompt=generation)
+        messages, given = for_template(messages, tools, tok.chat_template)  # as chat renders
+        text = tok.render_chat(messages, given, add_generation_prompt=generation)
         ids = tok.encode(text, _flag(body, "add_special_tokens", False))
     return Tokenized(ids, [tok.decode([i]) for i in ids] if strs else None)
 
