@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 # ------------------------------------------ the plan: which graphs, with which compiler options
 
 
+# forms within this of each other measured alike: a shared host's noise is larger than that
+# difference, so the default form is kept (compile/autotune.py)
+NOISE = 0.05
+
+
 @dataclass(frozen=True)
 class FormTiming:
     """One row count's projections timed here (ms for the whole graph) in each form: the
@@ -52,16 +57,25 @@ class FormTiming:
     kernel_ms: float
     inductor_ms: float
     kernel_all_ms: float
+    # the runner-up's time over the fastest's, less 1: how clear the choice was (autotune.py)
+    margin: float = 1.0
+    measurements: int = 1  # times this host measured these shapes (a thin margin: again)
 
     @property
-    def chosen(self) -> str:
-        """ "kernel", "kernel-all" or "inductor": the fastest (ties to the kernel)."""
-        forms = {
+    def forms(self) -> dict[str, float]:
+        return {
             "kernel": self.kernel_ms,
             "kernel-all": self.kernel_all_ms,
             "inductor": self.inductor_ms,
         }
-        return min(forms, key=forms.__getitem__)
+
+    @property
+    def chosen(self) -> str:
+        """ "kernel", "kernel-all" or "inductor": the fastest, unless no form is faster than
+        another beyond the noise (NOISE): then the default form, the kernel."""
+        if self.margin < NOISE:
+            return "kernel"
+        return min(self.forms, key=self.forms.__getitem__)
 
 
 @dataclass(frozen=True)
