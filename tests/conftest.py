@@ -11,6 +11,8 @@ by where they are); tests/unit/ builds nothing; `full` tests run only in `make t
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 
 from neffkit.platform import cpus
 from tests.support import REPO as REPO  # re-exported: tests/unit/test_layering.py imports it
+from tests.support import progress
 from tests.support.cache import cache_root
 from tests.support.models import DEMO_MODEL as DEMO_MODEL  # re-exported, as REPO is
 from tests.support.models import make_missing_models, model_dir_name
@@ -55,6 +58,34 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers > 1:
         os.environ.setdefault(cpus.ENV, str(max(1, cpus.usable_cpus() // workers)))
         torch.set_num_threads(int(os.environ[cpus.ENV]))
+
+
+_reporter: list[progress.Reporter] = []  # the controller's, while the session runs
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The controller says what the workers are making, and beats while nothing else prints
+    (tests/support/progress.py)."""
+    terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+    if os.environ.get("PYTEST_XDIST_WORKER") or terminal is None:
+        return
+    path = Path(tempfile.mkdtemp(prefix="neffkit-progress-")) / "progress.log"
+    os.environ[progress.ENV] = str(path)  # workers start after this, and inherit it
+    _reporter.append(progress.Reporter(path, terminal.write_line))
+    _reporter[0].start()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _reporter and report.when == "call":
+        _reporter[0].reported(report.passed)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _reporter:
+        reporter = _reporter.pop()
+        reporter.stop()
+        shutil.rmtree(reporter.path.parent, ignore_errors=True)
+        os.environ.pop(progress.ENV, None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -67,6 +67,12 @@ if TYPE_CHECKING:
     "ray://HOST:PORT; pip install 'neffkit[cluster]'). Default: local processes.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable build report.")
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="A line per finished graph above the progress bars (a terminal prints none).",
+)
 def build(
     manifest: Path,
     output: Path | None,
@@ -81,6 +87,7 @@ def build(
     pack: bool,
     cluster: str | None,
     as_json: bool,
+    verbose: bool,
 ) -> None:
     """Build MANIFEST into a bundle; prints the bundle path (and the pack's, with --pack)."""
     from neffkit.manifest import load_manifest
@@ -92,19 +99,23 @@ def build(
 
     cache = None if no_cache else (cache_location or default_cache_dir())
     share = _parse_shard(shard) if shard else None
-    result = run_build(
-        resolved,
-        output,
-        jobs,
-        Progress(enabled=not as_json),
-        cache,
-        dry_run,
-        lower_only=lower_only,
-        verify=verify,
-        shard=share,
-        cache_readonly=cache_readonly,
-        cluster=cluster,
-    )
+    progress = Progress(enabled=not as_json, verbose=verbose)
+    try:
+        result = run_build(
+            resolved,
+            output,
+            jobs,
+            progress,
+            cache,
+            dry_run,
+            lower_only=lower_only,
+            verify=verify,
+            shard=share,
+            cache_readonly=cache_readonly,
+            cluster=cluster,
+        )
+    finally:
+        progress.close()
     packed = None
     if pack and result.bundle is not None:  # dry runs and --shard builds write no bundle
         from neffkit.contract.pack import pack_bundle
@@ -153,7 +164,11 @@ def compile_bundle(bundle: Path, output: Path | None, jobs: int | None, as_json:
     from neffkit.compile.backends.neuron.finish import finish_bundle
     from neffkit.compile.progress import Progress
 
-    report = finish_bundle(bundle, output, jobs, Progress(enabled=not as_json))
+    progress = Progress(enabled=not as_json)
+    try:
+        report = finish_bundle(bundle, output, jobs, progress)
+    finally:
+        progress.close()
     click.echo(json.dumps(report, indent=2) if as_json else report["bundle"])
 
 

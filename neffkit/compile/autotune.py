@@ -57,20 +57,30 @@ FP8 = "float8_e4m3fn"
 HEADS = ("lm_head.weight", TIED_TABLE)  # the LM head, its own or the tied table
 
 
-def autotuned(layout: ModelLayout, rows: list[int]) -> tuple[ModelLayout, tuple[FormTiming, ...]]:
+def autotuned(
+    layout: ModelLayout,
+    rows: list[int],
+    measured: Callable[[FormTiming], object] | None = None,
+) -> tuple[ModelLayout, tuple[FormTiming, ...]]:
     """The layout with each row count's projections in the form that measured fastest there
-    (the kernel for the large weights, the kernel for all, or Inductor's blocked form)."""
+    (the kernel for the large weights, the kernel for all, or Inductor's blocked form);
+    `measured` is told of each row count as it is done (the build's progress)."""
     policy = layout.projection
     weights = _timed_weights(layout)
     if policy.kernel != "auto" or not weights or not rows:
         return layout, ()
-    timings = tuple(_cached(layout, _run_at(weights, r), r) for r in sorted(set(rows)))
+    timings = []
+    for r in sorted(set(rows)):
+        timings.append(_cached(layout, _run_at(weights, r), r))
+        if measured is not None:
+            measured(timings[-1])
     projection = dataclasses.replace(
         policy,
         kernel_rows=frozenset(t.rows for t in timings if t.chosen != "inductor"),
         kernel_all_rows=frozenset(t.rows for t in timings if t.chosen == "kernel-all"),
     )
-    return dataclasses.replace(layout, projection=projection, kernel_timings=timings), timings
+    done = tuple(timings)
+    return dataclasses.replace(layout, projection=projection, kernel_timings=done), done
 
 
 def _run_at(weights: list[TensorSpec], rows: int) -> list[TensorSpec]:

@@ -119,7 +119,7 @@ def _target_build(
     backend = get_backend(manifest.target)
     backend.check_ready(lower_only, dry_run)
     store = _open_store(cache, cache_readonly, shard, lower_only)
-    clock = Clock(result.seconds, result.peak_rss_mb_by_stage)
+    clock = Clock(result.seconds, result.peak_rss_mb_by_stage, progress)
     with clock("plan"):  # 1. graphs, their resolved compiler options, the weights' shapes
         specs = plan_graphs(manifest, result, progress)
         if shard is not None:
@@ -152,9 +152,10 @@ def _measured_forms(
     here than Inductor's form (compile/autotune.py); timed before any worker runs."""
     if layout.projection.kernel != "auto":
         return layout
-    rows = [s.rows * s.tokens for s, _ in specs]
+    rows = sorted({s.rows * s.tokens for s, _ in specs})
     try:
-        layout, timings = autotuned(layout, rows)
+        with progress.stage("autotune", [f"{r} rows" for r in rows], unit="row count"):
+            layout, timings = autotuned(layout, rows, lambda t: progress.done(f"{t.rows} rows"))
     except Exception as exc:  # a measurement is an optimisation: the build goes on without it
         result.warnings.append(f"cpu_kernel auto: timing the forms failed ({exc}); unmeasured")
         return layout

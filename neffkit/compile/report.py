@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from collections import Counter
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neffkit.compile.progress import Progress
 from neffkit.compile.units import GraphUnit
 from neffkit.contract.codec import JsonObject
 from neffkit.contract.records import FindingRecord
@@ -52,15 +54,22 @@ class Clock:
     """Seconds per stage, and the main process's peak RSS when each stage ends (the peak is
     monotonic, so the stage where it grows is the one that holds the memory)."""
 
-    def __init__(self, seconds: dict[str, float], peak_rss_mb: dict[str, float]) -> None:
+    def __init__(
+        self,
+        seconds: dict[str, float],
+        peak_rss_mb: dict[str, float],
+        progress: Progress | None = None,
+    ) -> None:
         self.seconds = seconds
         self.peak_rss_mb = peak_rss_mb
+        self.progress = progress  # each stage shown while it runs
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
-            yield
+            with self.progress.step(stage) if self.progress else contextlib.nullcontext():
+                yield
         finally:
             self.seconds[stage] = round(time.perf_counter() - t0, 3)
             self.peak_rss_mb[stage] = round(peak_rss_mb()["main"], 1)

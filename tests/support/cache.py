@@ -21,9 +21,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.support.progress import note
 
 
 def cache_root() -> Path:
@@ -62,8 +65,15 @@ def cached_dir(name: str, make: Callable[[Path], object]) -> Path:
     with exclusive(cache_root(), name.replace("/", "-")):
         if not (out / ".complete").exists():
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            t0 = time.monotonic()
+            note(f"making {name} (not in the test cache: new, or what makes it changed)")
             try:
-                make(tmp)
+                try:
+                    make(tmp)
+                except BaseException:
+                    note(f"made {name}: failed after {time.monotonic() - t0:.0f} s")
+                    raise
+                note(f"made {name} in {time.monotonic() - t0:.0f} s")
                 (tmp / ".complete").write_text("")
                 shutil.rmtree(out, ignore_errors=True)
                 os.replace(tmp, out)
