@@ -110,3 +110,36 @@ def test_loading_leaves_no_unpacked_packages_behind(bundle, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert list(tmp.iterdir()) == []
+
+
+def test_every_graph_pays_its_first_call_at_load(bundle, hf_model_dir, hf_greedy):
+    """A bundle's graphs run once on padding while it loads (runner.warm_up), so the first
+    request's prefill is not where their first calls' costs land; `run --json` reports that
+    share of the load apart, and the greedy tokens that follow are HF's (the warm-up wrote
+    nothing where a sequence reads)."""
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
+    from neffkit.runtime.sampling_params import SamplingParams
+
+    loaded = load(bundle("llama"))
+    assert 0 < loaded.warm_up_seconds < loaded.load_seconds
+    called: list[str] = []
+    for graph in loaded.runner.graph_list:
+        object.__setattr__(graph, "run", _counted(graph.name, graph.run, called))
+    loaded.runner.warm_up()
+    assert sorted(called) == sorted(g.name for g in loaded.runner.graph_list)
+    prompts = [[5, 6, 7], [8, 9]]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    got = [s.output_ids for s in LLM(loaded).generate(prompts, params)]
+    assert got == [hf_greedy(hf_model_dir("llama"), p, 8) for p in prompts]
+    args = ("run", str(bundle("llama")), "--prompt-ids", "5,6,7", "--max-tokens", "2", "--json")
+    timings = json.loads(run_cli(*args, check=True).stdout)["timings"]
+    assert 0 < timings["warm_up_s"] < timings["load_s"]
+
+
+def _counted(name, run, called: list[str]):
+    def counted(meta):
+        called.append(name)
+        return run(meta)
+
+    return counted

@@ -179,6 +179,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
         ],
         "timings": {
             "load_s": round(loaded.load_seconds, 4),
+            "warm_up_s": round(loaded.warm_up_seconds, 4),  # of load_s: each graph's first call
             "prefill_s": round(t.prefill_s, 4),
             "prefill_calls": t.prefill_chunks,  # packed: one call prefills several prompts
             "decode_s": round(t.decode_s, 4),

@@ -97,6 +97,7 @@ class LoadedBundle:
     runner: ModelRunner
     tokenizer: Tokenizer | None
     load_seconds: float
+    warm_up_seconds: float = 0.0  # of load_seconds: every graph's first call (runner.warm_up)
     verify: bool = True  # how it was loaded: a draft model's bundle inside loads alike
     executor: str = "auto"
     adapters: AdapterSlots | None = None  # this rank's adapter slots (bundles with `lora:`)
@@ -197,6 +198,8 @@ def load(
         run_with = _executor(bundle, chosen, statics_list, names, rank, world_size)
     entries = _graph_entries(bundle, rank, set(names), run_with)
     runner = ModelRunner(entries, SchedulerConfig.of(record))
+    # AOTInductor's graphs pay their first call at load (a Neuron runtime warms its own)
+    warm_up_s = runner.warm_up() if run_with.name == "aotinductor" else 0.0
     tokenizer = Tokenizer.from_dir(bundle.path(record.tokenizer)) if record.tokenizer else None
     adapters = _adapter_slots(bundle, names, by_rank, run_with)
     heap.release_free_memory()
@@ -205,6 +208,7 @@ def load(
         runner,
         tokenizer,
         load_seconds=time.perf_counter() - t0,
+        warm_up_seconds=warm_up_s,
         verify=verify,
         executor=executor,
         adapters=adapters,

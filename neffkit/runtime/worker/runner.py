@@ -226,6 +226,16 @@ class ModelRunner:
         outs = graph.run([meta[name] for name in graph.meta_inputs])
         return dict(zip(graph.outputs, outs, strict=True))
 
+    def warm_up(self) -> float:
+        """Run every graph once on padding (no sequence: nothing is written but the null
+        slot), so what a graph's first call costs (its weights paged in, the allocator's and
+        the thread pool's first growth) is paid at load, not by the first request; seconds
+        taken. Every rank runs the same graphs in the same order (their collectives pair)."""
+        t0 = time.perf_counter()
+        for graph in self.graph_list:
+            self.execute(graph, padded_metadata(graph.meta_specs))
+        return time.perf_counter() - t0
+
     def _run(self, graph: GraphEntry, meta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.on_run is not None:
             self.on_run(self._index[graph.name], meta)
