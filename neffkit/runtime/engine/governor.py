@@ -52,7 +52,7 @@ class ThreadGovernor:
         self.recent: dict[int, dict[str, deque[float]]] = {full: {}, full - 1: {}}
         self.trial = 0  # steps left in a trial of the other count
         self.interval = PROBE_EVERY_S
-        self.next_trial = -math.inf  # the first trial: once WINDOW steps ran at full threads
+        self.next_trial = -math.inf  # the first trial: once FIRST steps ran at full threads
         self.decided_at = -math.inf
         self.reductions = 0  # times it settled on one thread fewer (run --json, tests)
 

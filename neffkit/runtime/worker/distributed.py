@@ -241,6 +241,22 @@ def _start_followers(
     return procs, launch
 
 
+def _load_rank(
+    bundle: str | Path, rank: int, world_size: int, procs: list[subprocess.Popen]
+) -> LoadedBundle:
+    """This rank's load; its warm-up runs every graph, collectives included, so a peer that
+    is gone shows here first (a RankFailure, as during a graph call)."""
+    try:
+        return load(bundle, rank=rank, world_size=world_size)
+    except RuntimeError as exc:
+        if not (_peer_exited(procs) or _is_collective_error(exc)):
+            raise
+        raise RankFailure(
+            f"rank {rank}: lost contact with the other ranks while loading: {exc}",
+            hint="another rank has exited; see its output",
+        ) from exc
+
+
 def run_ranks(
     bundle: str | Path,
     world_size: int,
@@ -268,7 +284,7 @@ def run_ranks(
     rank = int(os.environ["RANK"])
     control = _init(backend, timeout_s)
     try:
-        loaded = load(bundle, rank=rank, world_size=world_size)
+        loaded = _load_rank(bundle, rank, world_size, procs)
         if rank != 0:
             follow(loaded.runner, control, loaded.adapters)
             return None
