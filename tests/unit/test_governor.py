@@ -91,3 +91,15 @@ def test_one_thread_has_nothing_to_give() -> None:
     host.step = lambda threads: 0.1
     host.run(4 * g.WINDOW)
     assert host.calls == []
+
+
+def test_a_trial_whose_batch_changes_bucket_still_decides() -> None:
+    """A server's batch shrinks mid-trial (decode_b8 → decode_b4): the trial is judged on the
+    graphs both counts ran, not left undecided on the one it ended on."""
+    host = Host()
+    host.step = lambda threads: 0.030 if threads == 2 else 0.018  # contended from the start
+    host.run(g.FIRST, "decode_b8_c256")
+    assert host.calls == [1]
+    host.run(g.TRIAL_STEPS // 2, "decode_b8_c256")
+    host.run(g.TRIAL_STEPS // 2, "decode_b4_c256")  # no b4 steps at full threads to compare
+    assert host.gov.held == 1 and host.calls == [1]

@@ -66,8 +66,8 @@ class ThreadGovernor:
             self.fastest[graph] = min(self.fastest.get(graph, seconds), seconds)
         if self.trial:
             self.trial -= 1
-            if not self.trial or self._losing(graph):
-                self._decide(graph)
+            if not self.trial or self._losing():
+                self._decide()
             return
         if len(times) < (WINDOW if self.decided_at > -math.inf else FIRST):
             return
@@ -83,21 +83,27 @@ class ThreadGovernor:
         self.trial = TRIAL_STEPS
         self._set(other)
 
-    def _ratio(self, graph: str) -> float | None:
-        """The trial's mean step over the held count's, for `graph` (None: nothing to compare)."""
-        tried, held = self.recent[self.current].get(graph), self.recent[self.held].get(graph)
-        return fmean(tried) / fmean(held) if tried and held else None
+    def _ratio(self) -> float | None:
+        """The trial's mean step over the held count's: per graph both ran (a server's batch
+        moves between buckets during a trial), their geometric mean weighted by the trial's
+        steps; None where no graph ran at both."""
+        tried, held = self.recent[self.current], self.recent[self.held]
+        pairs = [(fmean(t) / fmean(held[g]), len(t)) for g, t in tried.items() if t and held.get(g)]
+        if not pairs:
+            return None
+        steps = sum(n for _, n in pairs)
+        return math.exp(sum(n * math.log(r) for r, n in pairs) / steps)
 
-    def _losing(self, graph: str) -> bool:
+    def _losing(self) -> bool:
         """Is the trial, two steps in, already far slower than the held count (end it early:
         on a quiet host one thread fewer is ~1.8x slower, and each trial step costs that)?"""
-        ratio = self._ratio(graph)
+        ratio = self._ratio()
         return TRIAL_STEPS - self.trial >= 2 and ratio is not None and ratio > LOSING
 
-    def _decide(self, graph: str) -> None:
-        """Keep the faster count for `graph` (the held one where it has no steps to compare);
-        the interval to the next trial grows only while the held count wins clearly."""
-        ratio, self.trial = self._ratio(graph), 0
+    def _decide(self) -> None:
+        """Keep the faster count (the held one where no graph ran at both); the interval to
+        the next trial grows only while the held count wins clearly."""
+        ratio, self.trial = self._ratio(), 0
         if ratio is not None and ratio < FASTER:
             self.held = self.current
             self.reductions += self.held < self.full
