@@ -17,7 +17,8 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
@@ -241,18 +242,17 @@ def _start_followers(
     return procs, launch
 
 
-def _load_rank(
-    bundle: str | Path, rank: int, world_size: int, procs: list[subprocess.Popen]
-) -> LoadedBundle:
-    """This rank's load; its warm-up runs every graph, collectives included, so a peer that
-    is gone shows here first (a RankFailure, as during a graph call)."""
+@contextmanager
+def _peers_lost(procs: list[subprocess.Popen], rank: int, during: str) -> Iterator[None]:
+    """A collective that failed inside the block (a graph's, the load's warm-up's: a peer is
+    gone) as a RankFailure naming `during`; other errors as they are."""
     try:
-        return load(bundle, rank=rank, world_size=world_size)
+        yield
     except RuntimeError as exc:
         if not (_peer_exited(procs) or _is_collective_error(exc)):
             raise
         raise RankFailure(
-            f"rank {rank}: lost contact with the other ranks while loading: {exc}",
+            f"rank {rank}: lost contact with the other ranks {during}: {exc}",
             hint="another rank has exited; see its output",
         ) from exc
 
@@ -284,7 +284,8 @@ def run_ranks(
     rank = int(os.environ["RANK"])
     control = _init(backend, timeout_s)
     try:
-        loaded = _load_rank(bundle, rank, world_size, procs)
+        with _peers_lost(procs, rank, "while loading"):  # its warm-up runs every graph
+            loaded = load(bundle, rank=rank, world_size=world_size)
         if rank != 0:
             follow(loaded.runner, control, loaded.adapters)
             return None
@@ -293,14 +294,8 @@ def run_ranks(
         if loaded.adapters is not None:
             loaded.adapters.on_write = broadcaster.adapter
         try:
-            return leader(loaded)
-        except RuntimeError as exc:  # a collective inside a graph failed: a peer is gone
-            if not (_peer_exited(procs) or _is_collective_error(exc)):
-                raise
-            raise RankFailure(
-                f"rank 0: lost contact with the other ranks during a graph call: {exc}",
-                hint="another rank has exited; see its output",
-            ) from exc
+            with _peers_lost(procs, 0, "during a graph call"):
+                return leader(loaded)
         finally:
             try:  # release the followers, also when the leader failed (e.g. a bad request)
                 broadcaster.stop()
