@@ -3,11 +3,13 @@ them gets in its system message (serve/tool_prompt.py), rendered through a real 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
 from neffkit.runtime.serve import tool_prompt
+from neffkit.runtime.serve.request_constraints import parse_messages
 from tests.support.models import CHAT_TEMPLATE
 
 # the tool-relevant lines of public templates, as they spell them
@@ -45,11 +47,15 @@ def test_tools_go_into_the_system_message_and_history_into_text() -> None:
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
     }
-    messages = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
-    ]
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+        ]
+    }
+    messages = parse_messages(body)  # as the server reads them (arguments: an object)
+    before = copy.deepcopy(messages)
     out = tool_prompt.with_tools(messages, [WEATHER])
     assert out[0]["role"] == "system" and json.dumps(WEATHER) in out[0]["content"]
     assert "<tool_call>" in out[0]["content"]
@@ -59,6 +65,6 @@ def test_tools_go_into_the_system_message_and_history_into_text() -> None:
         "arguments": {"city": "Paris"},
     }
     assert out[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
-    assert messages[1]["tool_calls"] == [call]  # the request's messages are not changed
+    assert messages == before  # the request's messages are not changed
     with_system = tool_prompt.with_tools([{"role": "system", "content": "Be brief."}], [WEATHER])
     assert len(with_system) == 1 and with_system[0]["content"].startswith("Be brief.\n\n# Tools")

@@ -52,14 +52,12 @@ def choose_parser(template: str | None, architecture: str) -> str:
 
 
 def _call_text(call: dict[str, Any]) -> str:
+    """A past call as hermes's text; its arguments as parse_messages left them (an object, or
+    the client's text where that is not JSON)."""
     fn = call.get("function", {})
-    arguments = fn.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass  # kept as the text the client sent
-    body = json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
+    body = json.dumps(
+        {"name": fn.get("name"), "arguments": fn.get("arguments")}, ensure_ascii=False
+    )
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
