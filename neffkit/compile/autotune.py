@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from neffkit.compile.layout import blocked_projections, spec_bytes
-from neffkit.compile.units import NOISE, FormTiming, ModelLayout
+from neffkit.compile.units import NOISE, FormTiming, ModelLayout, margin_of
 from neffkit.contract.abi import TensorSpec
 from neffkit.models.forms import TIED_TABLE, ProjectionPolicy
 from neffkit.models.projection import BlockedFp8, project
@@ -137,7 +137,7 @@ def _cached(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
         timing = merged(kept, timing)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(timing)))
+    tmp.write_text(json.dumps({**dataclasses.asdict(timing), "margin": timing.margin}))
     tmp.replace(path)
     return timing
 
@@ -150,16 +150,13 @@ def remeasure(kept: FormTiming) -> bool:
 def _read_entry(path: Path) -> FormTiming | None:
     """A kept measurement; None where there is none or it is not one this code reads."""
     try:
-        timing = FormTiming(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        entry = json.loads(path.read_text())
+        entry.pop("margin", None)  # recorded for a reader; derived from the figures
+        timing = FormTiming(**entry)
+        usable = all(math.isfinite(ms) and ms > 0 for ms in timing.forms.values())
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
-    return timing if math.isfinite(timing.margin) and timing.margin >= 0 else None
-
-
-def margin_of(ms: dict[str, float]) -> float:
-    """The runner-up's time over the fastest's, less 1."""
-    fastest, runner_up = sorted(ms.values())[:2]
-    return runner_up / fastest - 1 if fastest > 0 else 0.0
+    return timing if usable else None
 
 
 def merged(kept: FormTiming, new: FormTiming) -> FormTiming:
@@ -195,10 +192,9 @@ def measure(layout: ModelLayout, weights: list[TensorSpec], rows: int) -> FormTi
 
 
 def _timing(rows: int, ms: dict[str, float], measurements: int = 1) -> FormTiming:
-    """The record of one row count's figures, its margin that of the rounded figures."""
+    """The record of one row count's figures (rounded: its margin is theirs)."""
     ms = {form: round(value, 3) for form, value in ms.items()}
-    margin = round(margin_of(ms), 4)
-    return FormTiming(rows, ms["kernel"], ms["inductor"], ms["kernel-all"], margin, measurements)
+    return FormTiming(rows, ms["kernel"], ms["inductor"], ms["kernel-all"], measurements)
 
 
 def timed_forms(runs: dict[str, Callable[[], object]], share: float) -> dict[str, float]:

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
 NOISE = 0.05
 
 
+def margin_of(ms: dict[str, float]) -> float:
+    """The runner-up's time over the fastest's, less 1: how clear a choice of form is."""
+    fastest, runner_up = sorted(ms.values())[:2]
+    return runner_up / fastest - 1 if fastest > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class FormTiming:
     """One row count's projections timed here (ms for the whole graph) in each form: the
@@ -57,8 +63,6 @@ class FormTiming:
     kernel_ms: float
     inductor_ms: float
     kernel_all_ms: float
-    # the runner-up's time over the fastest's, less 1: how clear the choice was (autotune.py)
-    margin: float = 1.0
     measurements: int = 1  # times this host measured these shapes (a thin margin: again)
 
     @property
@@ -68,6 +72,12 @@ class FormTiming:
             "kernel-all": self.kernel_all_ms,
             "inductor": self.inductor_ms,
         }
+
+    @property
+    def margin(self) -> float:
+        """How clear the choice is (margin_of its figures; autotune.py measures again below
+        THIN)."""
+        return round(margin_of(self.forms), 4)
 
     @property
     def chosen(self) -> str:

@@ -59,11 +59,9 @@ def test_forms_within_noise_take_every_round_and_keep_the_default(clock) -> None
     }
     ms = autotune.timed_forms(_runs(clock, seconds, calls), 1.0)
     assert len(calls) == 3 * autotune.REPEATS * autotune.MAX_ROUNDS
-    timing = FormTiming(1, ms["kernel"], ms["inductor"], ms["kernel-all"], autotune.margin_of(ms))
+    timing = FormTiming(1, ms["kernel"], ms["inductor"], ms["kernel-all"])
     assert timing.margin < NOISE and timing.chosen == "kernel"
-    assert (
-        FormTiming(1, 10.0, 8.0, 11.0, autotune.margin_of({"a": 10, "b": 8})).chosen == "inductor"
-    )
+    assert FormTiming(1, 10.0, 8.0, 11.0).chosen == "inductor"
 
 
 def test_a_noisy_first_rounds_winner_is_measured_again(clock) -> None:
@@ -81,11 +79,11 @@ def test_a_noisy_first_rounds_winner_is_measured_again(clock) -> None:
 
 
 def test_thin_kept_margins_are_measured_again_and_pooled() -> None:
-    thin = FormTiming(8, 10.0, 10.8, 12.0, 0.08)
+    thin = FormTiming(8, 10.0, 10.8, 12.0)  # margin 0.08
     assert autotune.remeasure(thin)
-    again = autotune.merged(thin, FormTiming(8, 10.0, 11.6, 12.0, 0.16))
+    again = autotune.merged(thin, FormTiming(8, 10.0, 11.6, 12.0))
     assert again.measurements == 2 and again.inductor_ms == pytest.approx(11.2)
     assert again.margin == pytest.approx(0.12) and not autotune.remeasure(again)
-    worn = FormTiming(8, 10.0, 10.1, 12.0, 0.01, autotune.MAX_MEASUREMENTS)
+    worn = FormTiming(8, 10.0, 10.1, 12.0, autotune.MAX_MEASUREMENTS)
     assert not autotune.remeasure(worn)
-    assert not autotune.remeasure(FormTiming(8, 10.0, 13.0, 12.0, 0.2))
+    assert not autotune.remeasure(FormTiming(8, 10.0, 13.0, 12.0))
