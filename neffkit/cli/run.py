@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from neffkit.cli.app import cli, local_bundle
+from neffkit.cli.outputs import shown
 from neffkit.errors import NeffkitError
 from neffkit.runtime.config import POLICIES, SchedulingOptions
 from neffkit.runtime.sampling_params import OFFLINE
@@ -311,7 +312,7 @@ def run(
         click.echo(json.dumps(report, indent=2))
         return
     for out in report["outputs"]:
-        click.echo(out["text"] if out["text"] is not None else ",".join(map(str, out["token_ids"])))
+        click.echo(shown(out))
 
 
 def _chat_template(value: str | None) -> str | None:

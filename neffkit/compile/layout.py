@@ -21,6 +21,7 @@ from neffkit.contract.kv_groups import KVGroup, layer_groups, plan_groups, size_
 from neffkit.errors import BuildError, ManifestError
 from neffkit.kernels.int8_blocks import blocks_kernel_scheme
 from neffkit.kernels.intquant import QuantScheme
+from neffkit.manifest.schema import Sampling
 from neffkit.manifest.sections import kv_bytes_per_token
 from neffkit.models.forms import (
     KEY_FORMS,
@@ -88,6 +89,10 @@ def model_layout(
     spec, sampling = manifest.speculation, manifest.sampling
     is_mtp = takes_hidden(cfg)  # the MTP layer's own graphs
     hidden = cfg.hidden_size if is_mtp or (spec is not None and spec.method == "mtp") else 0
+    embed = manifest.embedding
+    if embed is not None:  # the graphs return pooled states and sample nothing
+        hidden = cfg.hidden_size
+        sampling = Sampling(structured=False, max_penalty_tokens=0, max_logit_bias=0)
     groups = kv_groups(manifest)
     return ModelLayout(
         config=cfg,
@@ -100,9 +105,9 @@ def model_layout(
         block_size=manifest.kv_cache.block_size,
         num_blocks=groups[0].num_blocks if groups else manifest.kv_cache.num_blocks,
         kv_groups=groups,
-        max_top_k=manifest.sampling.max_top_k,
-        max_logprobs=manifest.sampling.max_logprobs,
-        prompt_logprobs=manifest.sampling.prompt_logprobs,
+        max_top_k=sampling.max_top_k,
+        max_logprobs=sampling.max_logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
         device=device,
         par=par,
         projection=projection,
@@ -117,6 +122,7 @@ def model_layout(
         penalty_tokens=sampling.penalty_tokens(manifest.buckets.context[-1], cfg.vocab_size),
         bias_tokens=sampling.max_logit_bias,
         lora=lora_record(manifest.lora, cfg, manifest.dtype, par) if manifest.lora else None,
+        pooling=embed.pooling if embed is not None else "",
     )
 
 
@@ -181,6 +187,7 @@ def graph_shape(layout: ModelLayout, spec: GraphSpec) -> GraphShape:
         layer_group=layer_groups(layout.kv_groups, layout.config.num_layers)
         if layout.kv_groups
         else (),
+        pooling=layout.pooling,
     )
 
 

@@ -4,7 +4,7 @@ One graph per (phase, token-or-batch bucket, context bucket), named `prefill_t12
 `decode_b4_c1024`; prefill graphs of several rows (buckets.prefill_batch: packed prompts) are
 `prefill_b4_t128_c1024`. A prefill chunk of T tokens needs a context bucket of at least T. With
 `speculation`, a verify graph of 1 + K tokens a row per decode bucket up to its max_batch and
-context bucket: `verify_b4_k4_c1024`.
+context bucket: `verify_b4_k4_c1024`. An embed manifest (manifest/task.py) has prefill graphs only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def make_plan(manifest: Manifest) -> Plan:
         for c in b.context
         if t <= c
     ]
+    if manifest.embedding is not None:  # pooled hidden states: nothing is decoded
+        return Plan(manifest=manifest, graphs=tuple(graphs), world_size=manifest.parallel.tp)
     graphs += [GraphSpec.of(GraphKey(Phase.DECODE, n, 1, c)) for n in b.decode for c in b.context]
     spec = manifest.speculation
     if spec is not None:

@@ -189,6 +189,7 @@ class ModelLayout:
     lora: LoraRecord | None = None  # adapter slots (the manifest's `lora:`)
     # KV groups (contract/kv_groups.py); empty: every layer's cache has num_blocks blocks
     kv_groups: tuple[KVGroup, ...] = ()
+    pooling: str = ""  # embed bundles: how the graphs pool (abi.GraphShape.pooling)
 
 
 # --------------------------------------------------------------------------------------- traces

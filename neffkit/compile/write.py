@@ -34,6 +34,7 @@ from neffkit.contract.records import (
     LayoutRecord,
     ManifestRecord,
     ModelRecord,
+    PoolingRecord,
     SpeculationRecord,
     Versions,
     WeightsRecord,
@@ -168,7 +169,8 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         max_top_k=layout.max_top_k,
         max_logprobs=layout.max_logprobs,
         prompt_logprobs=layout.prompt_logprobs,
-        prefix_caching=manifest.kv_cache.prefix_caching,
+        # an embedding pools every token's state: none may come from another request's blocks
+        prefix_caching=manifest.kv_cache.prefix_caching and manifest.embedding is None,
         speculation=_speculation(manifest),
         kv_kind=layout.config.kv_kind,
         kv_dtype=layout.kv_dtype,
@@ -178,7 +180,15 @@ def layout_record(manifest: Manifest, layout: ModelLayout) -> LayoutRecord:
         bias_tokens=layout.bias_tokens,
         lora=layout.lora,
         kv_groups=layout.kv_groups,
+        pooling=_pooling(manifest, layout),
     )
+
+
+def _pooling(manifest: Manifest, layout: ModelLayout) -> PoolingRecord | None:
+    embed = manifest.embedding
+    if embed is None:
+        return None
+    return PoolingRecord(embed.pooling, embed.normalize, layout.config.hidden_size)
 
 
 def write_bundle(

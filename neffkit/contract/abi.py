@@ -47,8 +47,7 @@ TOKEN_BITMASK = "token_bitmask"
 # output, and the three penalties [B] (sampling.max_penalty_tokens: P)
 PENALTY_IDS, PENALTY_COUNTS = "penalty_ids", "penalty_counts"
 PENALTY_NAMES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-# [B, L] logit_bias pairs (-1 pads), min_tokens' stop tokens among them at -inf
-# (sampling.max_logit_bias: L)
+# [B, L] logit_bias pairs (-1 pads), min_tokens' stop tokens at -inf (sampling.max_logit_bias)
 BIAS_IDS, BIAS_VALUES = "bias_ids", "bias_values"
 LOGIT_INPUTS = (TOKEN_BITMASK, PENALTY_IDS, PENALTY_COUNTS, *PENALTY_NAMES, BIAS_IDS, BIAS_VALUES)
 RANK = "rank"  # [1] int64: this graph's rank, as data (one artifact serves every rank)
@@ -62,6 +61,9 @@ NUM_EMITTED = "num_emitted"  # [B] verify: tokens each row emits (accepted draft
 # float32, the last layer's output before the final norm (speculation.method mtp): decode [B, H],
 # verify [B, T, H], prefill [T, H] (every position of the packed row)
 HIDDEN_STATES = "hidden_states"
+# [B, hidden] float32 (embed bundles): each sequence's final states over its tokens in the
+# chunk, pooled (models/pooling.py; the host combines a long input's chunks)
+POOLED = "pooled"
 TOKEN_LOGPROBS = "token_logprobs"
 TOP_LOGPROB_IDS = "top_logprob_ids"
 TOP_LOGPROBS = "top_logprobs"
@@ -202,11 +204,9 @@ class TensorSpec:
 class GraphShape:
     """Static shape of one graph: B rows of T tokens attending to at most C context tokens."""
 
-    # prefill: T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence
-    # ids; each sequence has its own block table, length, last token and sampling values);
-    # decode: `rows` sequences, one token each; verify (speculative decoding): `rows` sequences
-    # of T = 1 + K tokens, the last sampled token and K drafts, every position sampled and the
-    # drafts accepted in the graph (PHASES says what each takes)
+    # prefill: T tokens of `rows` sequences packed in one row (rows > 1: per-token sequence ids);
+    # decode: `rows` sequences, one token each; verify: `rows` sequences of 1 + K tokens, the last
+    # sampled token and K drafts, the drafts accepted in the graph (PHASES: what each takes)
     phase: Phase
     rows: int
     tokens: int
@@ -217,21 +217,21 @@ class GraphShape:
     prompt_logprobs: bool = False  # prefill also returns each prompt token's logprobs
     # decode reads each row's token from the `last_tokens` state (manifest decode_state: device)
     device_state: bool = False
-    # width of the `hidden_states` output (the target of MTP speculation, and the MTP layer); 0:
-    # none
+    # width of the `hidden_states` output (the target of MTP speculation, and the MTP layer), or
+    # of the `pooled` one (embed bundles); 0: none
     hidden_out: int = 0
     # width of the `previous_hidden` input (the MTP layer's graphs); 0: none
     hidden_in: int = 0
-    # logit inputs (kernels/logits.py); 0: none. Bitmask words (ceil(vocab / 32)), penalty
-    # pairs and logit-bias pairs per row
+    # logit inputs (kernels/logits.py; 0: none): bitmask words, penalty and logit-bias pairs
     bitmask_words: int = 0
     penalty_tokens: int = 0
     bias_tokens: int = 0
     adapters: bool = False  # takes `lora_slots` (the bundle has adapter slots)
-    # KV groups (contract/kv_groups.py): each group's pool and each layer's group; empty: one
-    # group of `num_blocks`
+    # KV groups (kv_groups.py): each group's pool and each layer's group; empty: one group
     group_blocks: tuple[int, ...] = ()
     layer_group: tuple[int, ...] = ()
+    # embed bundles: "last", "mean" or "cls", `pooled` returned and nothing sampled; "": none
+    pooling: str = ""
 
     @property
     def rule(self) -> PhaseRule:
@@ -277,6 +277,8 @@ def metadata_inputs(shape: GraphShape) -> list[TensorSpec]:
         specs.append(TensorSpec(LAST_TOKEN_INDEX, (b,), "int64"))
     if shape.device_state:
         specs.append(TensorSpec(SEQ_SLOTS, (b,), "int64"))
+    if shape.pooling:  # pooled hidden states: nothing sampled
+        return specs
     specs += [TensorSpec(name, (b,), dtype) for name, dtype in SAMPLING_INPUTS]
     specs += logit_inputs(shape)
     if rule.packed and shape.prompt_logprobs:
@@ -311,6 +313,8 @@ def logit_inputs(shape: GraphShape) -> list[TensorSpec]:
 
 def graph_outputs(shape: GraphShape) -> list[TensorSpec]:
     """The user outputs, in order (the K/V mutations precede them in an exported program)."""
+    if shape.pooling:
+        return [TensorSpec(POOLED, (shape.rows, shape.hidden_out), "float32")]
     specs = _sampled_outputs(shape)
     if shape.hidden_out:
         specs.append(TensorSpec(HIDDEN_STATES, (*hidden_lead(shape), shape.hidden_out), "float32"))

@@ -162,6 +162,17 @@ class GraphRecord(Record):
 
 
 @dataclass(frozen=True)
+class PoolingRecord(Record):
+    """An embed bundle's (the manifest's `task: embed`): how its prefill graphs pool each
+    sequence's final hidden states (`pooled`, `width` wide) and whether the runtime scales the
+    result to unit length."""
+
+    pooling: str  # "last", "mean" or "cls" (abi.POOLED says what a chunk's graph returns)
+    normalize: bool
+    width: int
+
+
+@dataclass(frozen=True)
 class BucketLists(Record):
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
@@ -223,6 +234,7 @@ class LayoutRecord(Record):
     # the KV groups (contract/kv_groups.py), group 0's pool being num_blocks; empty: every layer
     # in one group of num_blocks (a bundle without sliding-window layers)
     kv_groups: tuple[KVGroup, ...] = ()
+    pooling: PoolingRecord | None = None  # an embed bundle: pooled states, nothing sampled
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:

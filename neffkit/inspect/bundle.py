@@ -75,6 +75,7 @@ def summarize(bundle: Bundle) -> dict[str, Any]:
             # the commit of a model read from a Hugging Face cache (manifest/hub.py)
             "revision": record.manifest.resolved.get("model_revision"),
         },
+        "task": "generate" if record.layout.pooling is None else "embed",
         "layout": record.layout.to_json(),
         "kv_cache": kv_cache_summary(record),
         "fp8": record.fp8.to_json() if record.fp8 else None,

@@ -38,6 +38,20 @@ def _verify_cell(result: dict[str, Any] | None) -> str:
     return f"{'ok' if result['ok'] else 'FAIL'} {result['max_kv_error']:.1e}"
 
 
+def _task_line(lay: dict[str, Any]) -> tuple[str, str]:
+    """What the graphs return: sampled tokens, or an embed bundle's pooled states."""
+    pooled = lay.get("pooling")
+    if pooled:
+        scaled = ", normalized" if pooled["normalize"] else ""
+        return ("embedding", f"{pooled['pooling']} pooling, {pooled['width']} values{scaled}")
+    return (
+        "sampling",
+        f"whole vocabulary; top-k/top-p among the {lay['max_top_k']} most likely tokens; "
+        f"logprobs up to {lay.get('max_logprobs', 0)}"
+        + (", prompt logprobs" if lay.get("prompt_logprobs") else ""),
+    )
+
+
 def _kv_line(kv: dict[str, Any]) -> str:
     line = (
         f"{kv['kind']} {kv['dtype']}: {kv['values_per_token_per_layer']} values per token per "
@@ -126,12 +140,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         *([("fp8", _fp8_line(summary["fp8"]))] if summary.get("fp8") else []),
         *([("quantized", quant_line(q))] if (q := summary.get("quantization")) else []),
         ("buckets", ", ".join(f"{k} {v}" for k, v in lay["buckets"].items())),
-        (
-            "sampling",
-            f"whole vocabulary; top-k/top-p among the {lay['max_top_k']} most likely tokens; "
-            f"logprobs up to {lay.get('max_logprobs', 0)}"
-            + (", prompt logprobs" if lay.get("prompt_logprobs") else ""),
-        ),
+        _task_line(lay),
         *([("speculation", _speculation_line(spec))] if (spec := lay.get("speculation")) else []),
         *([("adapters", _adapters_line(lora))] if (lora := lay.get("lora")) else []),
         ("weights", ", ".join(f"rank{w['rank']} {_mib(w['bytes'])}" for w in summary["weights"])),

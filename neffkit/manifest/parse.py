@@ -32,6 +32,7 @@ from neffkit.manifest.sections import (
     read_sampling,
     read_speculation,
 )
+from neffkit.manifest.task import read_task
 from neffkit.models.config import ModelConfig, check_static, max_length
 from neffkit.models.parallel import Parallelism
 from neffkit.models.registry import mtp_model_config, read_model_config
@@ -56,6 +57,8 @@ TOP_LEVEL = (
     "speculation",
     "lm_head",
     "lora",
+    "task",
+    "embedding",
 )
 DECODE_STATES = ("host", "device")
 
@@ -125,11 +128,14 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
     target = choice(data.get("target", "cpu"), TARGETS, "target")
     neuron = read_neuron(data, target)
     parallel = read_parallel(data.get("parallel", {}))
-    buckets = read_buckets(data["buckets"])
+    embedding = read_task(data)
+    buckets = read_buckets(data["buckets"], decode=embedding is None)
     sampling = read_sampling(data.get("sampling", {}))
     compiler = read_compiler(data.get("compiler", {}), "compiler")
     audit = read_audit(data.get("audit", {}))
     model_path, model_config = _model_dir(data["model"], base)
+    if embedding is not None:  # pooled hidden states: no LM head read, stored or required
+        model_config = replace(model_config, lm_head=False)
     _check_model(model_config, parallel, buckets, sampling)
     _check_length(model_config, buckets, model_path)
     return Manifest(
@@ -148,7 +154,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         audit=audit,
         mla_decode=read_mla(data.get("mla", {}), model_config),
         decode_state=choice(
-            data.get("decode_state", "device" if target == "neuron" else "host"),
+            data.get("decode_state", "device" if target == "neuron" and not embedding else "host"),
             DECODE_STATES,
             "decode_state",
         ),
@@ -158,6 +164,7 @@ def parse_manifest(data: Any, base: Path, name: str = "manifest") -> Manifest:
         lm_head_dtype=read_lm_head(data.get("lm_head", {}), model_config, model_path),
         quantization=read_quantization(data.get("quantization"), model_config, model_path),
         lora=read_lora(data.get("lora"), model_config),
+        embedding=embedding,
     )
 
 

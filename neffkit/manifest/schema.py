@@ -12,6 +12,7 @@ from typing import Any
 
 from neffkit.manifest.lora import Lora
 from neffkit.manifest.quantization import WeightQuantization
+from neffkit.manifest.task import Embedding
 from neffkit.models.config import ModelConfig
 from neffkit.models.parallel import Parallelism
 from neffkit.targets import fp8_max
@@ -189,6 +190,12 @@ class Manifest:
     quantization: WeightQuantization | None = None
     # adapter slots in every graph (manifest/lora.py); None: graphs without adapters
     lora: Lora | None = None
+    # task embed: prefill graphs returning pooled hidden states (manifest/task.py); None: generate
+    embedding: Embedding | None = None
+
+    @property
+    def task(self) -> str:
+        return "generate" if self.embedding is None else "embed"
 
     @property
     def max_model_len(self) -> int:
@@ -214,6 +221,7 @@ class Manifest:
         data.pop("model_config")
         data.pop("source")
         data["neffkit"] = SCHEMA_VERSION
+        data["task"] = self.task
         data["model"] = str(self.model)
         spec = data.get("speculation")
         if spec is not None:  # the draft checkpoint as a path; its config is the draft's own

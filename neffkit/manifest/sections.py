@@ -176,16 +176,16 @@ def read_sampling(value: Any) -> Sampling:
     )
 
 
-def read_buckets(value: Any) -> Buckets:
+def read_buckets(value: Any, decode: bool = True) -> Buckets:  # decode false: task embed
     raw = mapping(value, "buckets")
     keys = ("prefill", "decode", "context", "prefill_batch", "allow_long_context")
     no_unknown(raw, keys, "buckets")
-    for key in ("prefill", "decode", "context"):
+    for key in ("prefill", "decode", "context") if decode else ("prefill", "context"):
         if key not in raw:
             raise ManifestError(f"buckets.{key}: required field is missing")
     buckets = Buckets(
         prefill=bucket_list(raw["prefill"], "buckets.prefill"),
-        decode=bucket_list(raw["decode"], "buckets.decode"),
+        decode=bucket_list(raw["decode"], "buckets.decode") if decode else (),
         context=bucket_list(raw["context"], "buckets.context"),
         prefill_batch=bucket_list(raw.get("prefill_batch", [1]), "buckets.prefill_batch"),
         allow_long_context=read_flag(
@@ -246,9 +246,9 @@ def read_kv_cache(
                     f"buckets.{key}[{i}]: {b} is not a multiple of kv_cache.block_size "
                     f"({block_size})"
                 )
-    # Default: every decode row can hold the largest context, plus the reserved null block 0;
-    # or as many blocks as a per-rank memory budget holds at the cache dtype's width.
-    default_blocks = buckets.context[-1] * buckets.decode[-1] // block_size + 1
+    # Default: every decode row (embed: prefill row) holds the largest context, + null block 0
+    rows = (buckets.decode or buckets.prefill_batch)[-1]
+    default_blocks = buckets.context[-1] * rows // block_size + 1
     memory_mb = raw.get("memory_mb")
     if memory_mb is not None:
         memory_mb = positive_int(memory_mb, "kv_cache.memory_mb")

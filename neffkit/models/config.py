@@ -80,6 +80,9 @@ class ModelConfig:
     weight_quant: tuple[tuple[str, str], ...] = ()
     # the gated MLP's activation, by its HF name (ACTIVATIONS)
     hidden_act: str = "silu"
+    # false: the graphs read no LM head (an embed bundle's return pooled hidden states), so a
+    # checkpoint's untied head is neither stored nor required
+    lm_head: bool = True
 
     # the KV cache's kind: "mha" (a K and a V tensor per layer) or "mla" (one latent tensor)
     kv_kind = "mha"
@@ -93,6 +96,11 @@ class ModelConfig:
     def kv_width(self) -> int:
         """Values per token per KV head in the cache (MLA: the latent and its rope part)."""
         return self.head_dim
+
+    @property
+    def head_is_table(self) -> bool:
+        """The LM head projects onto the embedding table (tied, and the graphs have a head)."""
+        return self.tie_word_embeddings and self.lm_head
 
     @property
     def rope_params(self) -> dict[str, Any]:

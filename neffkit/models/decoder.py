@@ -35,6 +35,7 @@ from neffkit.models.config import ModelConfig
 from neffkit.models.forms import PLAIN, ProjectionPolicy, takes_projection_form
 from neffkit.models.key_offsets import KeyOffsets
 from neffkit.models.parallel import Parallelism
+from neffkit.models.pooling import pool
 from neffkit.models.projection import (
     BlockedFp8,
     fp8_graph_weights,
@@ -142,6 +143,8 @@ class DecoderGraph(KeyOffsets, SamplingHead, torch.nn.Module):
         step = self._step(m, w, rank, caches, h.dtype)
         for layer in range(cfg.num_layers):
             h = self.layer(h, layer, step)
+        if shape.pooling:  # an embed bundle: each sequence's final states, pooled
+            return (pool(self.final_norm(h, w)[0], m[abi.LAST_TOKEN_INDEX], shape.pooling),)
         sampled, prompt = self._sample(h, m, w, rank)
         if last_tokens is not None:  # the next decode step's input, stored on the device
             # padding rows all write the padding slot 0, which no sequence reads

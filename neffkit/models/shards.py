@@ -95,7 +95,7 @@ class Shards:
             yield from self.layer(layer)
         if self.final_norm:
             yield "model.norm.weight", self.need("model.norm.weight")
-        if not cfg.tie_word_embeddings:
+        if cfg.lm_head and not cfg.tie_word_embeddings:
             yield "lm_head.weight", self.vocab_shard(self.need("lm_head.weight"))
         # computed, not read: the rope frequencies as HF derives them (float32, never cast)
         yield ROPE_INV_FREQ, rope_frequencies(cfg.rope_params, cfg.head_dim)[0]

@@ -168,9 +168,7 @@ def _specs_and_schemes(
                 out.append((name + SCALE, grid, torch.float32))
             else:
                 shape = tuple(t.shape)
-                if blocks(
-                    name, shape, storage.lanes, storage.table_is_head(cfg.tie_word_embeddings)
-                ):
+                if blocks(name, shape, storage.lanes, storage.table_is_head(cfg.head_is_table)):
                     shape = blocked_shape(shape, storage.lanes)
                 out.append((name, shape, weight_dtype(name, storage.dtype)))
     finally:
@@ -214,7 +212,7 @@ def iter_rank_weights(
     scales = run(source.expanded_scale) if cfg.fp8_block else None
     tags = SchemeTags()
     parts = QuantParts(source, run, tags, values=True) if source.quantized else None
-    tied = storage.table_is_head(cfg.tie_word_embeddings)
+    tied = storage.table_is_head(cfg.head_is_table)
     named = (
         (name, tensor, next(scales)[1] if scales is not None else None)
         for name, tensor in run(codes_getter(source))

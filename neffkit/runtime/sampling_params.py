@@ -175,3 +175,5 @@ class SamplingParams:
 
 
 OFFLINE = SamplingParams(max_tokens=OFFLINE_MAX_TOKENS, temperature=OFFLINE_TEMPERATURE)
+# an embed bundle's request: its prompt prefilled and pooled, nothing generated
+EMBED = SamplingParams(max_tokens=0, temperature=0.0)

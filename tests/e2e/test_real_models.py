@@ -339,3 +339,39 @@ def test_gemma3_sliding_window_bites_past_512_tokens(gemma3, session_dir):
         "run", str(bundle), "--max-tokens", "16", "--prompt-ids", ",".join(map(str, prompt))
     )["outputs"][0]
     assert out["token_ids"] == _hf_chat_greedy(gemma3, [prompt], 16)[0]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_smollm2_embeddings_equal_hf_automodel(smollm2, session_dir, pooling):
+    """An embed bundle of SmolLM2 (float32, prefill 64 in rows of 1 or 4): each question and a
+    paragraph longer than the prefill bucket (chunked) against HF `AutoModel`'s
+    last_hidden_state pooled the same way, normalized."""
+    import transformers
+
+    from neffkit.runtime.tokenizer import Tokenizer
+
+    bundle = build_session_bundle(
+        session_dir,
+        smollm2,
+        f"smollm2_embed_{pooling}",
+        dtype="float32",
+        task="embed",
+        embedding={"pooling": pooling, "normalize": True},
+        sampling=None,
+        buckets={"prefill": [64], "prefill_batch": [1, 4], "context": [512]},
+    ).bundle
+    texts = [*QUESTIONS, " ".join(QUESTIONS * 4)]  # the last: over 100 tokens, two chunks
+    tok = Tokenizer.from_dir(smollm2)
+    assert len(tok.encode(texts[-1])) > 64
+    args = ["run", str(bundle)]
+    for text in texts:
+        args += ["--prompt", text]
+    got = [o["embedding"] for o in run_json(*args)["outputs"]]
+    model = transformers.AutoModel.from_pretrained(smollm2, dtype=torch.float32).eval()
+    for text, vector in zip(texts, got, strict=True):
+        with torch.no_grad():
+            states = model(torch.tensor([tok.encode(text)])).last_hidden_state[0].double()
+        want = states.mean(0) if pooling == "mean" else states[-1]
+        want = want / want.norm()
+        mine = torch.tensor(vector, dtype=torch.float64)
+        assert float(mine @ want / mine.norm()) >= 0.9999, text

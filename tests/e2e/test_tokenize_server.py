@@ -4,6 +4,7 @@ tokenizer of the same checkpoint (its ids for a text, and for its chat template'
 from __future__ import annotations
 
 import httpx
+import openai
 import pytest
 
 from tests.support.server import Server
@@ -78,3 +79,9 @@ def test_bad_tokenize_requests_are_400s_naming_the_field(server, route, body, pa
 def test_an_unknown_model_is_a_404(server):
     for route, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
         assert _post(server, route, {**body, "model": "other"}).status_code == 404
+
+
+def test_a_generate_bundle_refuses_embeddings_by_name(server):
+    with pytest.raises(openai.BadRequestError, match="computes no embeddings") as refused:
+        server.client().embeddings.create(model="tiny", input="hi")
+    assert refused.value.body["param"] == "model"

@@ -378,6 +378,7 @@ def write_manifest(path: Path, model_dir: Path, **overrides: Any) -> Path:
         "sampling": LEAN_SAMPLING,
     }
     data.update(overrides)
+    data = {k: v for k, v in data.items() if v is not None}  # None: a section left out
     tmp = path.with_name(f".{path.name}.{os.getpid()}")  # whole or not at all: workers share it
     tmp.write_text(yaml.safe_dump(data))
     os.replace(tmp, path)

@@ -19,6 +19,14 @@ VALID = {
 }
 
 
+EMBED = {
+    "neffkit": 1,
+    "model": "MODEL",
+    "task": "embed",
+    "buckets": {"prefill": [16], "context": [64]},
+}
+
+
 def _with(path: str, value):
     data = yaml.safe_load(yaml.safe_dump(VALID))
     node = data
@@ -225,6 +233,32 @@ BAD = [
         "lora target not a projection",
         _with("lora", {"targets": ["q_proj", "lm_head"]}),
         "lora.targets[1]: 'lm_head' is not a projection of LlamaForCausalLM",
+    ),
+    ("unknown task", _with("task", "classify"), "task: unknown value 'classify'"),
+    (
+        "embedding without task embed",
+        _with("embedding", {"pooling": "mean"}),
+        "embedding: only an embed manifest pools hidden states",
+    ),
+    (
+        "embed with decode buckets",
+        _with("task", "embed"),
+        "buckets.decode: an embed bundle has prefill graphs only",
+    ),
+    (
+        "embed with sampling",
+        {**EMBED, "sampling": {"max_top_k": 8}},
+        "sampling: an embed bundle generates no tokens",
+    ),
+    (
+        "embed with an unknown pooling",
+        {**EMBED, "embedding": {"pooling": "max"}},
+        "embedding.pooling: unknown value 'max'; available: last, mean, cls",
+    ),
+    (
+        "embed with prefix caching",
+        {**EMBED, "kv_cache": {"prefix_caching": True}},
+        "kv_cache.prefix_caching: an embedding pools the states of every token",
     ),
 ]
 

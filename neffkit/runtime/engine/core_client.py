@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from neffkit.errors import AdapterError, BundleError, NeffkitError, RequestError
 from neffkit.runtime.config import SchedulerConfig
@@ -69,6 +70,7 @@ class Event:
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # echo: prompt tokens after the first
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    embedding: Any = None  # an embed bundle's request, on its last event: np.ndarray float32
 
 
 @dataclass
@@ -353,6 +355,7 @@ class EngineClient:
             logprobs=logprobs,
             prompt_logprobs=out.prompt_logprobs,
             cached_tokens=out.cached_tokens,
+            embedding=out.embedding,
         )
         if finish is not None:
             if stopped:

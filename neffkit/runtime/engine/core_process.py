@@ -16,7 +16,7 @@ import multiprocessing
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from neffkit.errors import RequestError
 from neffkit.runtime.config import SchedulingOptions
@@ -41,6 +41,7 @@ class CoreOutput(NamedTuple):
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # the first output only
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    embedding: Any = None  # an embed bundle's request, finished: np.ndarray [width] float32
 
 
 def new_output(rid: int, seq: SequenceState, sent: int) -> CoreOutput:
@@ -48,7 +49,13 @@ def new_output(rid: int, seq: SequenceState, sent: int) -> CoreOutput:
     logprobs = seq.output_logprobs[sent:] if seq.params.logprobs is not None else None
     prompt = seq.prompt_logprobs if sent == 0 and seq.params.prompt_logprobs is not None else None
     return CoreOutput(
-        rid, seq.output_ids[sent:], seq.finish_reason, logprobs, prompt, seq.num_cached
+        rid,
+        seq.output_ids[sent:],
+        seq.finish_reason,
+        logprobs,
+        prompt,
+        seq.num_cached,
+        seq.embedding,
     )
 
 

@@ -21,6 +21,12 @@ def check_fits(config: SchedulerConfig, prompt_ids: list[int], params: SamplingP
     """Refuse what no bucket can serve, with the buckets in the message."""
     if not prompt_ids:
         raise RequestError("prompt is empty: at least one token is needed", param="prompt")
+    if config.layout.pooling is not None and params.max_tokens != 0:
+        raise RequestError(
+            "this bundle computes embeddings (task: embed) and generates no tokens",
+            hint="POST /v1/embeddings, or build a bundle with task: generate",
+            param="model",
+        )
     _check_vocabulary(config, prompt_ids, params)
     cap = config.max_top_k
     if params.top_k > cap:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from neffkit.errors import AdapterError, RequestError
 from neffkit.runtime.config import SchedulingOptions
 from neffkit.runtime.engine.adapters import adapter_manager
@@ -20,7 +22,7 @@ from neffkit.runtime.engine.core import EngineCore, engine_threads
 from neffkit.runtime.engine.governor import default_governor
 from neffkit.runtime.engine.limits import check_fits, check_priority
 from neffkit.runtime.engine.loading import attach_proposer, grammars_of
-from neffkit.runtime.sampling_params import OFFLINE, SamplingParams
+from neffkit.runtime.sampling_params import EMBED, OFFLINE, SamplingParams
 from neffkit.runtime.worker.batch import SequenceState
 from neffkit.runtime.worker.distributed import DEFAULT_TIMEOUT_S, run_on_ranks
 from neffkit.runtime.worker.loader import LoadedBundle
@@ -69,6 +71,22 @@ class LLM:
         if self.adapters is None:
             raise AdapterError(f"{self.loaded.bundle.root}: built without adapter slots (lora:)")
         self.adapters.register(name, path)
+
+    @property
+    def embeds(self) -> bool:
+        """An embed bundle (task: embed): `embed`, not `generate`."""
+        return self.core.scheduler.config.layout.pooling is not None
+
+    def embed(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Each prompt's embedding (float32; unit length where the bundle normalizes), in the
+        order given; prompts longer than the largest prefill bucket run in chunks."""
+        if not self.embeds:
+            raise RequestError(
+                f"{self.loaded.bundle.root}: this bundle generates text (task: generate) and "
+                "computes no embeddings",
+                hint="build a bundle with task: embed (docs/manifest.md#embed-bundles)",
+            )
+        return [s.embedding for s in self.generate(prompts, EMBED)]
 
     def generate(
         self,
@@ -163,20 +181,12 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
         threads=request.threads,
     )
     t0 = time.perf_counter()
-    seqs = llm.generate(prompts, request.params, request.lora[0] if request.lora else None)
+    outputs = _outputs(llm, prompts, request)
     wall = time.perf_counter() - t0
     t = loaded.runner.timings
     governor = llm.core.governor
     return {
-        "outputs": [
-            {
-                "token_ids": s.output_ids,
-                "text": tok.decode(s.output_ids) if tok else None,
-                "finish_reason": s.finish_reason,
-                "cached_tokens": s.num_cached,
-            }
-            for s in seqs
-        ],
+        "outputs": outputs,
         "timings": {
             "load_s": round(loaded.load_seconds, 4),
             "warm_up_s": round(loaded.warm_up_seconds, 4),  # of load_s: each graph's first call
@@ -188,7 +198,7 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
             # metadata a decode step rewrote (what a device executor uploads), bytes per step
             "decode_meta_bytes_per_step": round(t.decode_meta_bytes / max(t.decode_steps, 1), 1),
             "wall_s": round(wall, 4),
-            "cached_prompt_tokens": sum(s.num_cached for s in seqs),
+            "cached_prompt_tokens": sum(o.get("cached_tokens", 0) for o in outputs),
             "verify_steps": t.verify_steps,
             # the engine's intra-op threads at the end (the governor's choice, not a trial's)
             "threads": governor.held if governor else torch.get_num_threads(),
@@ -196,6 +206,26 @@ def _report(loaded: LoadedBundle, request: GenerateRequest) -> dict[str, Any]:
         },
         "speculation": _speculation_report(llm),
     }
+
+
+def _outputs(llm: LLM, prompts: list[list[int]], request: GenerateRequest) -> list[dict[str, Any]]:
+    """Each prompt's output: its generated text and tokens, or an embed bundle's embedding."""
+    if llm.embeds:
+        return [
+            {"embedding": vector.tolist(), "prompt_tokens": len(prompt)}
+            for vector, prompt in zip(llm.embed(prompts), prompts, strict=True)
+        ]
+    tok = llm.loaded.tokenizer
+    seqs = llm.generate(prompts, request.params, request.lora[0] if request.lora else None)
+    return [
+        {
+            "token_ids": s.output_ids,
+            "text": tok.decode(s.output_ids) if tok else None,
+            "finish_reason": s.finish_reason,
+            "cached_tokens": s.num_cached,
+        }
+        for s in seqs
+    ]
 
 
 def _speculation_report(llm: LLM) -> dict[str, Any] | None:

@@ -52,6 +52,7 @@ def reset_for_recompute(seq: SequenceState) -> None:
     of a prompt still prefilling are collected afresh."""
     seq.num_prefilled = seq.num_registered = 0  # num_cached: its first admission's, reported
     seq.drafting = DraftState()  # a draft model's cache lived in the same blocks
+    seq.pooled = None  # an embedding's chunks are pooled afresh
     if not seq.output_ids:
         seq.prompt_logprobs = []
     seq.preemptions += 1

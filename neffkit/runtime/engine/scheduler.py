@@ -299,12 +299,17 @@ class Scheduler:
             if top is not None and not seq.output_ids:  # p scores prompt token p + 1 (one row)
                 last = min(chunk.length, len(seq.prompt_ids) - 1 - chunk.start)
                 seq.prompt_logprobs += out.prompt_logprobs(range(0, last), top)
+            pooled = out.arrays.get(abi.POOLED)
+            if pooled is not None:  # an embed bundle: the chunk's pooled states
+                seq.pool(pooled[row], chunk.start, self.config.layout.pooling)
             seq.num_prefilled += chunk.length
             self._register(seq, seq.num_prefilled)
             if seq.num_prefilled < len(seq.prefill_ids):
                 continue
             self.prefilling.remove(seq)
             done.append(seq)
+            if seq.pooled is not None:
+                seq.embedding = seq.pooled.result(len(seq.prompt_ids))
             if seq.params.max_tokens == 0:  # echo / prompt logprobs only: nothing generated
                 seq.finish_reason = "length"
                 self._release(seq)

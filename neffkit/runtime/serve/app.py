@@ -47,6 +47,7 @@ from neffkit.runtime.serve.access import (
     error_body,
     read_body,
 )
+from neffkit.runtime.serve.embeddings import add_embeddings
 from neffkit.runtime.serve.lora import adapter_of, add_lora, model_cards
 from neffkit.runtime.serve.openai_responses import (
     RESPONSES_FIELDS,
@@ -328,6 +329,7 @@ def create_app(app_state: App) -> FastAPI:
     _add_routes(api, app_state)
     add_lora(api, app_state)
     add_tokenize(api, app_state)
+    add_embeddings(api, app_state)
     if app_state.api_key:
         open_paths = {"/health", "/metrics"} if app_state.public_metrics else {"/health"}
         api.add_middleware(ApiKey, key=app_state.api_key, open_paths=frozenset(open_paths))

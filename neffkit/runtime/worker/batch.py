@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from neffkit.contract.records import PoolingRecord
 from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.worker.logit_inputs import Penalties
+from neffkit.runtime.worker.pooled import PooledState
 from neffkit.runtime.worker.step_output import StepOutput, TokenLogprobs
 
 
@@ -65,6 +67,9 @@ class SequenceState:
     lora_slot: int = 0
     priority: int = 0  # --scheduling-policy priority: lower first, ties by arrival (request_id)
     preemptions: int = 0  # times its blocks were taken back; it recomputed its tokens after each
+    # an embed bundle's request: its chunks' pooled states so far (pooled.py), then its embedding
+    pooled: PooledState | None = None
+    embedding: Any = None  # np.ndarray [width] float32, once its last chunk is in
 
     @property
     def blocks(self) -> list[int]:
@@ -74,6 +79,13 @@ class SequenceState:
     @blocks.setter
     def blocks(self, blocks: list[int]) -> None:
         self.kv_blocks = [blocks, *self.kv_blocks[1:]]
+
+    def pool(self, row: Any, start: int, rule: PoolingRecord | None) -> None:
+        """Add the pooled row of its chunk from `start` (an embed bundle's request)."""
+        assert rule is not None  # only embed bundles' graphs return pooled states
+        if self.pooled is None:
+            self.pooled = PooledState(rule)
+        self.pooled.add(row, start)
 
     @property
     def processes_logits(self) -> bool:

@@ -199,7 +199,7 @@ def write_sampling(meta: dict[str, np.ndarray], row: int, seq: SequenceState) ->
     """A row's per-request inputs: each sampling one the request's `SamplingParams` field of
     the input's name, but the seed, which the engine draws for an unseeded request (the
     sequence's); its adapter slot where the graph takes one."""
-    for name in abi.SAMPLING_NAMES:
+    for name in abi.SAMPLING_NAMES if abi.SEED in meta else ():  # an embed graph samples none
         meta[name][row] = seq.seed if name == abi.SEED else getattr(seq.params, name)
     if abi.LORA_SLOTS in meta:
         meta[abi.LORA_SLOTS][row] = seq.lora_slot

@@ -32,7 +32,9 @@ class StepOutput:
     def __init__(self, arrays: dict[str, np.ndarray], graph: str = "") -> None:
         self.arrays = arrays
         self.graph = graph  # the graph that ran (the thread governor times each apart)
-        self.tokens: list[int] = arrays[abi.NEXT_TOKENS].tolist()
+        # an embed bundle's graphs sample nothing (abi.POOLED instead)
+        sampled = arrays.get(abi.NEXT_TOKENS)
+        self.tokens: list[int] = sampled.tolist() if sampled is not None else []
 
     def logprobs(self, row: int, top: int, position: int | None = None) -> TokenLogprobs:
         """Row `row`'s logprobs (a verify step's: at `position` of the row)."""
