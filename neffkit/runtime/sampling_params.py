@@ -83,6 +83,9 @@ class StructuredSpec:
     # the field a schema that does not compile is blamed on, where it is not `field` (a tool
     # choice's schema comes from `tools`)
     schema_field: str = ""
+    # a reasoning parser's end token (`</think>`): the grammar applies to the tokens after it,
+    # those up to it unconstrained (vLLM's rule), unless the prompt holds it already; None: all
+    after_token: int | None = None
 
 
 @dataclass(frozen=True)

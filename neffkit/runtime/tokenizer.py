@@ -68,6 +68,11 @@ class Tokenizer:
         # seconds even from a worker thread)
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the one token written `text` (an added token such as `</think>`), if any."""
+        found: int | None = self._tok.token_to_id(text)
+        return found
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 

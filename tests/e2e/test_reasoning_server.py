@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests.support import REPO
@@ -129,15 +128,40 @@ def test_stopped_inside_the_reasoning_it_is_all_reasoning(reasoning_server):
     assert message.content is None and REASONING.startswith(message.reasoning_content)
 
 
-def test_a_constraint_after_the_reasoning_is_refused_by_name(reasoning_server):
+CHOICE = {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
+def test_a_constraint_applies_after_the_reasoning_whole_and_streamed(reasoning_server):
+    """vLLM's rule: the reasoning is the model's own (the path's `Six sevens`, which the choice
+    would forbid), the answer after `</think>` one of the choices."""
+    server, tokens = reasoning_server
+    client = server.client()
+    args = dict(
+        model="tiny", messages=MESSAGES, max_tokens=tokens + 4, temperature=0, extra_body=CHOICE
+    )
+    whole = client.chat.completions.create(**args).choices[0]
+    assert whole.message.reasoning_content == REASONING
+    assert whole.message.content in ("yes", "no") and whole.finish_reason == "stop"
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (REASONING, whole.message.content)
+
+
+def test_a_prompt_that_ended_the_reasoning_is_constrained_from_the_first_token(reasoning_server):
     server, _ = reasoning_server
-    with pytest.raises(openai.BadRequestError, match="response_format"):
-        server.client().chat.completions.create(
-            model="tiny",
-            messages=MESSAGES,
-            max_tokens=4,
-            response_format={"type": "json_object"},
+    messages = [{"role": "user", "content": "<think>no need</think>6 x 7?"}]
+    message = (
+        server.client()
+        .chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body=CHOICE
         )
+        .choices[0]
+        .message
+    )
+    assert message.reasoning_content is None and message.content in ("yes", "no")
 
 
 def test_a_response_carries_the_reasoning_as_its_own_item(reasoning_server):

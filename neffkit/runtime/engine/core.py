@@ -107,6 +107,8 @@ class EngineCore:
         if adapter is not None:
             seq.adapter, seq.adapter_key = adapter, self.adapter_key(adapter)
         if params.structured is not None:
+            after = params.structured.after_token  # none if the prompt ended the reasoning
+            seq.grammar_after = after if after is not None and after not in prompt_ids else None
             if self.grammars is None:
                 raise RequestError(
                     "structured outputs need the bundle's tokenizer", param=params.structured.field

@@ -169,15 +169,15 @@ class App:
     async def check_constraints(self, parsed: ApiRequest) -> ApiRequest:
         """A 400 for what the engine could not follow: auto tool choice without a parser, a
         grammar that does not compile (compiled off the event loop, and cached)."""
-        spec = parsed.params.structured
-        check_parsers(parsed.tool_request, spec, self.tool_parser, self.reasoning_parser)
+        parsers = (self.tool_parser, self.reasoning_parser)  # after the reasoning, under one
+        spec = check_parsers(parsed.tool_request, parsed.params.structured, parsers, self.tokenizer)
         if spec is None:
             return parsed
         if self.grammars is None:
             raise RequestError("structured outputs need the bundle's tokenizer", param=spec.field)
         if spec.any_whitespace is None:  # the server's default
             spec = replace(spec, any_whitespace=not self.compact_json)
-            parsed = replace(parsed, params=replace(parsed.params, structured=spec))
+        parsed = replace(parsed, params=replace(parsed.params, structured=spec))
         await asyncio.to_thread(self.grammars.check, spec)
         return parsed
 

@@ -13,8 +13,6 @@ Tool calls are parsed out of the answer only.
 
 from __future__ import annotations
 
-from neffkit.runtime.serve.tools import partial_tag
-
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -65,3 +63,11 @@ class ReasoningStream:
             self.mode, self.sent = "answer", end + len(END)
         answer, self.sent = self.text[self.sent :], len(self.text)
         return reasoning, answer
+
+
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of text could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

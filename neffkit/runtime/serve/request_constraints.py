@@ -24,6 +24,8 @@ from neffkit.runtime.sampling_params import (
     is_int,
     shown,
 )
+from neffkit.runtime.serve.reasoning import END as REASONING_END
+from neffkit.runtime.tokenizer import Tokenizer
 
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")  # a token id as OpenAI's logit_bias keys spell it
 
@@ -272,12 +274,14 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
 def check_parsers(
     tools: ToolRequest | None,
     structured: StructuredSpec | None,
-    tool_parser: str | None,
-    reasoning_parser: str | None,
-) -> None:
-    """A 400 for what the server's parsers cannot follow: tool choice auto without a tool
-    parser; a grammar (structured outputs, a required or named tool) under a reasoning parser,
-    where vLLM applies it only after the reasoning ends, which this server does not do yet."""
+    parsers: tuple[str | None, str | None],
+    tokenizer: Tokenizer | None,
+) -> StructuredSpec | None:
+    """A 400 for what the server's (tool, reasoning) parsers cannot follow: tool choice auto
+    without a tool parser. A grammar (structured outputs, a required or named tool) under a
+    reasoning parser applies once the reasoning ends, as vLLM's does: the constraint returned
+    waits for `</think>`, which must then be one token of the bundle's tokenizer."""
+    tool_parser, reasoning_parser = parsers
     if tools is not None and tools.choice == "auto" and tool_parser is None:
         raise RequestError(
             'tool_choice "auto" needs the server started with --tool-call-parser',
@@ -285,10 +289,15 @@ def check_parsers(
             'tool_choice "required" or a named function',
             param="tool_choice",
         )
-    if reasoning_parser is not None and structured is not None:
+    if reasoning_parser is None or structured is None:
+        return structured
+    end = tokenizer.token_id(REASONING_END) if tokenizer is not None else None
+    if end is None:
         raise RequestError(
-            f"{structured.field}: a constrained output after the reasoning is not supported "
-            f"with --reasoning-parser {reasoning_parser}",
+            f"{structured.field}: a constrained output after the reasoning needs "
+            f"{REASONING_END} to be one token of this bundle's tokenizer (--reasoning-parser "
+            f"{reasoning_parser})",
             hint='leave the constraint out, or send tool_choice "auto"',
             param=structured.field,
         )
+    return replace(structured, after_token=end)

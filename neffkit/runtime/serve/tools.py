@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from neffkit.runtime.sampling_params import StructuredSpec
+from neffkit.runtime.serve.reasoning import partial_tag
 from neffkit.runtime.serve.request_constraints import ToolRequest
 
 PARSERS = ("hermes", "llama3_json")
@@ -199,11 +200,3 @@ class ToolStream:
             deltas += call_deltas(i, c)
         self.calls = calls
         return deltas, finish_reason(self.req, calls, reason)
-
-
-def partial_tag(text: str, tag: str) -> int:
-    """How many characters at the end of text could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

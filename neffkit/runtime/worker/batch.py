@@ -60,6 +60,9 @@ class SequenceState:
     penalties: Penalties | None = None
     # with a constraint: its grammar matcher (structured.py), advanced by each output token
     grammar: Any = None
+    # a constraint that applies after the reasoning (StructuredSpec.after_token): that token,
+    # until it is sampled; the grammar neither masks nor consumes the tokens up to it
+    grammar_after: int | None = None
     # with an adapter (bundles with `lora:`): its name, the key its blocks are hashed with (one
     # per registration of the name: engine/adapters.py) and its slot once admitted (0: base)
     adapter: str | None = None
@@ -86,6 +89,11 @@ class SequenceState:
         if self.pooled is None:
             self.pooled = PooledState(rule)
         self.pooled.add(row, start)
+
+    @property
+    def active_grammar(self) -> Any:
+        """The grammar that masks its next token: none while it waits for the reasoning's end."""
+        return self.grammar if self.grammar_after is None else None
 
     @property
     def processes_logits(self) -> bool:
@@ -137,7 +145,9 @@ class SequenceState:
         params = self.params
         if self.penalties is not None:
             self.penalties.add(token)
-        if self.grammar is not None:
+        if self.grammar_after is not None:  # the reasoning: unconstrained up to its end
+            self.grammar_after = None if token == self.grammar_after else self.grammar_after
+        elif self.grammar is not None:
             if not self.grammar.consume_token(token):
                 self.finish_reason = "error"  # the graph sampled what the mask forbade
             elif self.grammar.is_stopped():  # complete, nothing may follow: done, EOS or not

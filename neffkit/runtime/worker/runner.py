@@ -149,7 +149,7 @@ class DecodeBuffers:
             if self.rows[i] is not None:
                 self._pad(i)
                 rows_changed = True
-        matchers = [s.grammar for s in seqs]
+        matchers = [s.active_grammar for s in seqs]
         masked = any(m is not None for m in matchers)
         if masked or self._masked:
             fill_bitmasks(self.meta, matchers, grammars)
@@ -276,7 +276,7 @@ class ModelRunner:
             at += n
         # a chunk that is not its prompt's last samples nothing that is kept: no mask needed
         matchers = [
-            c.seq.grammar if c.start + c.length == len(c.seq.prefill_ids) else None
+            c.seq.active_grammar if c.start + c.length == len(c.seq.prefill_ids) else None
             for c in batch.chunks
         ]
         if any(m is not None for m in matchers):
@@ -323,7 +323,7 @@ class ModelRunner:
                 meta[abi.SEQ_SLOTS][i] = seq.state_slot
             write_sampling(meta, i, seq)
             write_row(meta, i, seq, self.config.eos_token_ids)
-        matchers = [s.grammar for s in batch.rows]
+        matchers = [s.active_grammar for s in batch.rows]
         if any(m is not None for m in matchers):  # fresh metadata allows every token already
             fill_bitmasks(meta, matchers, self.grammars)
         t0 = time.perf_counter()
