@@ -12,7 +12,7 @@ refused by name, never widened.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -149,6 +149,16 @@ def checkpoint_index(model_dir: Path) -> dict[str, Path]:
     return out
 
 
+def base_model_names(names: Iterable[str]) -> dict[str, str]:
+    """HF name → stored name where the checkpoint is a base model's (`embed_tokens.weight`, no
+    name under `model.`), as vLLM's pooling adapter reads `*Model` and `*ForCausalLM` alike;
+    empty where the names are HF's already."""
+    names = list(names)
+    if "embed_tokens.weight" not in names or any(n.startswith("model.") for n in names):
+        return {}
+    return {n if n.startswith("lm_head.") else f"model.{n}": n for n in names}
+
+
 class SafetensorsSource:
     """An HF safetensors checkpoint, its quantized weights decoded by `fmt` (None: none)."""
 
@@ -157,6 +167,12 @@ class SafetensorsSource:
         self.headers: dict[str, dict] = {}
         for file in set(self.index.values()):
             self.headers.update(read_header(file))
+        # a base model's checkpoint (`*Model`, as embedding models ship): its names as HF's
+        # `*ForCausalLM` spells them, `model.` first, each read under its stored name
+        self.stored = base_model_names(self.headers)
+        if self.stored:
+            self.headers = {name: self.headers[s] for name, s in self.stored.items()}
+            self.index = {name: self.index[s] for name, s in self.stored.items()}
         self.fmt = fmt
         self.quantized = fmt.entries(self.headers) if fmt is not None else {}
         hidden = {s for e in self.quantized.values() for s in e.stored}
@@ -181,7 +197,7 @@ class SafetensorsSource:
         file = self.index[name]
         if file not in self.readers:
             self.readers[file] = TensorReader(file)
-        return self.readers[file].get(name)
+        return self.readers[file].get(self.stored.get(name, name))
 
     def read(self, name: str) -> Tensor:
         entry = self.quantized.get(name)

@@ -7,6 +7,7 @@ generating routes by name (test_tokenize_server: a generate bundle refuses /v1/e
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -15,7 +16,9 @@ import openai
 import pytest
 
 from tests.support.bundles import build_session_bundle
+from tests.support.cache import cached_dir
 from tests.support.cli import run_cli
+from tests.support.models import model_dir_name
 from tests.support.server import Server
 
 pytestmark = pytest.mark.xdist_group("embeddings")
@@ -115,6 +118,29 @@ def test_tp2_embeddings_equal_hf(session_dir, hf_model_dir):
     outputs = json.loads(proc.stdout)["outputs"]
     assert [o["prompt_tokens"] for o in outputs] == [len(p) for p in prompts]
     assert_close([o["embedding"] for o in outputs], hf_embeddings(model, prompts, "mean"))
+
+
+def test_a_base_model_checkpoint_without_an_lm_head_embeds_the_same(session_dir, hf_model_dir):
+    """A `*Model` checkpoint, as embedding models ship (Qwen3-Embedding): names without
+    `model.`, no LM head; read as the causal LM's names, its embeddings HF's."""
+    from safetensors.torch import load_file, save_file
+
+    model = hf_model_dir("qwen3")
+
+    def strip(out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(model / name, out / name)
+        weights = load_file(model / "model.safetensors")
+        base = {k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"}
+        save_file(base, out / "model.safetensors")
+
+    base = cached_dir(f"{model_dir_name('qwen3')}-base", strip)
+    bundle = embed_bundle(session_dir, base, "qwen3_base_embed_last", "last")
+    from neffkit.runtime.engine.llm import LLM
+    from neffkit.runtime.engine.loading import load
+
+    assert_close(LLM(load(bundle)).embed(BATCH[8:12]), hf_embeddings(model, BATCH, "last")[8:12])
 
 
 @pytest.fixture(scope="module")
