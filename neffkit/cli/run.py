@@ -11,6 +11,7 @@ import click
 
 from neffkit.cli.app import cli, local_bundle
 from neffkit.cli.outputs import shown
+from neffkit.cli.serving import serve_bundle
 from neffkit.errors import NeffkitError
 from neffkit.runtime.config import POLICIES, SchedulingOptions
 from neffkit.runtime.sampling_params import OFFLINE
@@ -115,6 +116,14 @@ def _parse_ids(text: str) -> list[int]:
     default=None,
     help="Engine threads (default: $NEFFKIT_ENGINE_THREADS, else the CPUs this process may use: "
     "its affinity and cgroup quota).",
+)
+@click.option(
+    "--data-parallel",
+    "data_parallel",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Server: engine replicas, each on its share of the CPUs, behind the one server.",
 )
 @click.option(
     "--lora",
@@ -282,9 +291,10 @@ def run(
     scheduling = _scheduling(server)
     if not prompts and not prompt_ids and not chats:  # no prompt: serve the OpenAI API
         server["threads"], server["scheduling"] = threads, scheduling
-        sys.exit(_serve(bundle, executor, dist_timeout, no_prefix_caching, no_speculation, server))
-    if server["lora_modules"]:
-        raise click.UsageError(f"{LORA_MODULES} is the server's; with a prompt, use --lora")
+        sys.exit(
+            serve_bundle(bundle, executor, dist_timeout, no_prefix_caching, no_speculation, server)
+        )
+    _server_only(server)
 
     request = GenerateRequest(
         texts=list(prompts),
@@ -313,6 +323,14 @@ def run(
         return
     for out in report["outputs"]:
         click.echo(shown(out))
+
+
+def _server_only(server: dict[str, Any]) -> None:
+    """A usage error for a server option given with a prompt."""
+    if server["lora_modules"]:
+        raise click.UsageError(f"{LORA_MODULES} is the server's; with a prompt, use --lora")
+    if server["data_parallel"] > 1:
+        raise click.UsageError("--data-parallel is the server's; a prompt runs on one engine")
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -351,48 +369,3 @@ def _named_path(value: str, option: str) -> tuple[str, str]:
     except NeffkitError as exc:
         raise click.BadParameter(exc.message, param_hint=option) from None
     return module.name, module.path
-
-
-def _serve(
-    bundle: Path,
-    executor: str,
-    dist_timeout: float,
-    no_prefix_caching: bool,
-    no_speculation: bool,
-    server: dict[str, Any],
-) -> int:
-    """Serve until stopped; the exit status. `server`: the server-only options, by click's
-    names (host, port, api_key, ..., strict_requests)."""
-    from neffkit.runtime.serve.access import HttpLimits
-    from neffkit.runtime.serve.api_server import ChatOptions, serve
-
-    limits = HttpLimits(
-        max_request_bytes=server["max_request_bytes"],
-        header_timeout_s=server["header_timeout"],
-        keep_alive_s=server["timeout_keep_alive"],
-    )
-    return serve(
-        bundle,
-        executor=executor,
-        dist_timeout_s=dist_timeout,
-        host=server["host"],
-        port=server["port"],
-        api_key=server["api_key"],
-        model_name=server["served_model_name"],
-        max_waiting=server["max_waiting"],
-        prefix_caching=not no_prefix_caching,
-        speculation=not no_speculation,
-        strict_requests=server["strict_requests"],
-        access_log=not server["no_access_log"],
-        chat=ChatOptions(
-            server["tool_parser"], server["reasoning_parser"], server["chat_template"]
-        ),
-        compact_json=server["compact_json"],
-        grammar_timeout_s=server["grammar_timeout"],
-        threads=server["threads"],
-        http_limits=limits,
-        public_metrics=server["public_metrics"],
-        lora_modules=server["lora_modules"],
-        max_cpu_loras=server["max_cpu_loras"],
-        scheduling=server["scheduling"],
-    )

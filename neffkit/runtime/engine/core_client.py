@@ -87,6 +87,7 @@ class Stream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: bool = False
+    engine: int = 0  # the data-parallel replica serving it (replicas/group.py)
 
 
 class EngineClient:
@@ -151,6 +152,18 @@ class EngineClient:
     @property
     def healthy(self) -> bool:
         return self._error is None and self.core.is_alive()
+
+    @property
+    def status(self) -> str:
+        """What /health says while healthy."""
+        return "ok"
+
+    def outstanding_tokens(self) -> int:
+        """Tokens the live requests hold or will: each one's prompt and max_tokens (chat's
+        unset one counts none), a data-parallel router's measure of an engine's load."""
+        with self._lock:
+            streams = list(self._live.values())
+        return sum(len(s.prompt_ids) + (s.params.max_tokens or 0) for s in streams)
 
     @property
     def failure(self) -> str | None:

@@ -13,6 +13,7 @@ tp > 1 this process is rank 0 and starts the other ranks, as offline.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -156,10 +157,14 @@ def core_main(
     lora_modules: dict[str, str] | None = None,
     max_cpu_loras: int | None = None,
     scheduling: SchedulingOptions | None = None,
+    cpus: tuple[int, ...] | None = None,
 ) -> None:
     """Entry point of the core process (spawned by the server); `lora_modules` (name → PEFT
-    directory) are registered before it says READY, so a bad one stops the server's start."""
+    directory) are registered before it says READY, so a bad one stops the server's start.
+    `cpus`: the CPUs it (and its ranks) may use, a data-parallel replica's share."""
     try:
+        if cpus:  # before torch sizes its pools: the threads follow the share (cpus.py)
+            os.sched_setaffinity(0, cpus)
         import torch
 
         full = engine_threads(threads)
@@ -212,6 +217,7 @@ def start_core(
     lora_modules: dict[str, str] | None = None,
     max_cpu_loras: int | None = None,
     scheduling: SchedulingOptions | None = None,
+    cpus: tuple[int, ...] | None = None,
 ) -> tuple[multiprocessing.process.BaseProcess, Connection]:
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -228,6 +234,7 @@ def start_core(
             lora_modules,
             max_cpu_loras,
             scheduling,
+            cpus,
         ),
         name="neffkit-engine-core",
         daemon=True,

@@ -11,6 +11,7 @@ global one. `neffkit:lora_requests_total{lora_name}` counts each adapter's reque
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -39,10 +40,20 @@ _LATENCY_BUCKETS = (
 )
 
 
+class Exposition(Protocol):
+    """What /metrics renders: one engine's metrics, or data-parallel replicas' joined."""
+
+    def render(self) -> bytes: ...
+
+
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    """One engine's series; with `engine` (data-parallel replicas) every series also carries
+    `engine="i"`, as vLLM's do."""
+
+    def __init__(self, model_name: str, engine: str | None = None) -> None:
         self.registry = CollectorRegistry()
-        self._label = {"model_name": model_name}
+        self._label = {"model_name": model_name} | ({"engine": engine} if engine else {})
+        self._names = list(self._label)
         self._add_latencies()
         self._add_engine_gauges()
         self._add_token_counters()
@@ -52,7 +63,7 @@ class Metrics:
         self._success = Counter(
             "vllm:request_success",
             "Finished requests by reason.",
-            ["model_name", "finished_reason"],
+            [*self._names, "finished_reason"],
             registry=self.registry,
         )
 
@@ -61,7 +72,7 @@ class Metrics:
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(
-                name, doc, ["model_name"], registry=self.registry, buckets=_LATENCY_BUCKETS
+                name, doc, self._names, registry=self.registry, buckets=_LATENCY_BUCKETS
             ).labels(**self._label)
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
@@ -103,7 +114,7 @@ class Metrics:
         self.spec_per_position = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position.",
-            ["model_name", "position"],
+            [*self._names, "position"],
             registry=self.registry,
         )
 
@@ -113,14 +124,14 @@ class Metrics:
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
-            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            [*self._names, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=self.registry,
         )
         self._lora_series: OrderedDict[tuple[str, ...], None] = OrderedDict()  # last set last
         self.lora_requests = Counter(
             "neffkit:lora_requests",
             "Requests for each LoRA adapter.",
-            ["model_name", "lora_name"],
+            [*self._names, "lora_name"],
             registry=self.registry,
         )
 
@@ -131,7 +142,7 @@ class Metrics:
         """The series of these adapters set to now: as vLLM, each set of adapters seen keeps its
         series at the time it was last seen (the newest is the state now); unlike vLLM, only the
         LORA_INFO_SERIES last seen are kept, so the label sets cannot grow without end."""
-        labels = (self._label["model_name"], str(max_loras), ",".join(waiting), ",".join(running))
+        labels = (*self._label.values(), str(max_loras), ",".join(waiting), ",".join(running))
         self._lora_series[labels] = None
         self._lora_series.move_to_end(labels)
         while len(self._lora_series) > LORA_INFO_SERIES:
@@ -139,10 +150,10 @@ class Metrics:
         self.lora_info.labels(*labels).set_to_current_time()
 
     def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(**self._label)
+        return Gauge(name, doc, self._names, registry=self.registry).labels(**self._label)
 
     def _counter(self, name: str, doc: str) -> Counter:
-        return Counter(name, doc, ["model_name"], registry=self.registry).labels(**self._label)
+        return Counter(name, doc, self._names, registry=self.registry).labels(**self._label)
 
     def observe_stats(
         self,
@@ -186,3 +197,7 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def restarted(self) -> None:
+        """Its engine was started again: the running totals it sends begin at zero."""
+        self._seen.clear()

@@ -29,6 +29,7 @@ from neffkit.runtime.engine.core_client import EngineClient
 from neffkit.runtime.engine.core_process import start_core
 from neffkit.runtime.engine.metrics import Metrics
 from neffkit.runtime.engine.structured import GrammarLimits
+from neffkit.runtime.replicas.group import EngineGroup, Failed, Replica, replica_cpus
 from neffkit.runtime.serve.access import HttpLimits, enable_access_log
 from neffkit.runtime.serve.app import App, create_app
 from neffkit.runtime.serve.lora import LoraModule, runtime_updating
@@ -159,6 +160,53 @@ class ChatOptions:
     chat_template: str | None = None
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the server runs its engine cores (`neffkit run`'s flags): the executor, the ranks'
+    timeout, prefix caching, speculation, threads, adapters in memory, the scheduling policy,
+    and `data_parallel` replicas (> 1: each on its share of the CPUs, restarted when it dies:
+    replicas/)."""
+
+    executor: str = "auto"
+    dist_timeout_s: float = 60.0
+    prefix_caching: bool = True
+    speculation: bool = True
+    threads: int | None = None
+    max_cpu_loras: int | None = None
+    scheduling: SchedulingOptions | None = None
+    data_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class _Cores:
+    """Starts one engine core and its client: the server's only one, or a replica's."""
+
+    bundle: Path
+    options: EngineOptions
+    config: SchedulerConfig
+    tokenizer: Tokenizer | None
+    model_name: str
+    max_waiting: int
+
+    def start(
+        self, replica: Replica | None, adapters: dict[str, str], failed: Failed
+    ) -> EngineClient:
+        """A replica's client started (its core ready: the group's threads wait), or the
+        server's only one, to start."""
+        o = self.options
+        cpus, metrics = (
+            (replica.cpus, replica.metrics) if replica else (None, Metrics(self.model_name))
+        )
+        engine = (o.executor, o.dist_timeout_s, o.prefix_caching, o.speculation, o.threads)
+        core, conn = start_core(self.bundle, *engine, adapters, o.max_cpu_loras, o.scheduling, cpus)
+        client = EngineClient(
+            core, conn, self.config, self.tokenizer, metrics, self.max_waiting, failed, adapters
+        )
+        if replica is not None:
+            _started(client)
+        return client
+
+
 def serve(
     bundle_path: Path,
     host: str = "127.0.0.1",
@@ -166,40 +214,35 @@ def serve(
     api_key: str | None = None,
     model_name: str | None = None,
     max_waiting: int = 256,
-    executor: str = "auto",
-    dist_timeout_s: float = 60.0,
-    prefix_caching: bool = True,
-    speculation: bool = True,
     strict_requests: bool = False,
     access_log: bool = True,
     chat: ChatOptions = ChatOptions(),  # noqa: B008 (frozen)
     compact_json: bool = False,
     grammar_timeout_s: float = GrammarLimits.timeout_s,
-    threads: int | None = None,
     http_limits: HttpLimits | None = None,
     public_metrics: bool = False,
     lora_modules: list[LoraModule] | None = None,
-    max_cpu_loras: int | None = None,
-    scheduling: SchedulingOptions | None = None,
+    engine: EngineOptions = EngineOptions(),  # noqa: B008 (frozen)
 ) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0), or the engine's death (1, once requests got 5xx)."""
+    """Serve until SIGINT/SIGTERM (exit 0), or the engine's death (1, once requests got 5xx;
+    data-parallel replicas restart instead)."""
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
     record, name = bundle.record, model_name or bundle.record.name
     tokenizer, parsers = _chat_setup(bundle, chat)
-    metrics = Metrics(name)
     paths, parents = _adapters(lora_modules or [], name)
-    engine = (executor, dist_timeout_s, prefix_caching, speculation, threads)
-    lay = (scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))  # checked first
+    lay = (engine.scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))  # first
+    shares = replica_cpus(engine.data_parallel) if engine.data_parallel > 1 else []
     http = _HttpServer(host, port, http_limits or HttpLimits())  # the port first: fail fast
-    core, conn = start_core(bundle_path, *engine, paths, max_cpu_loras, scheduling)
-    client = EngineClient(core, conn, lay, tokenizer, metrics, max_waiting, http.shut_down, paths)
+    cores = _Cores(bundle_path, engine, lay, tokenizer, name, max_waiting)
+    group = EngineGroup(cores.start, shares, lay, name, max_waiting, paths) if shares else None
+    client = group or cores.start(None, paths, http.shut_down)
     try:
         client.start()
         app = App(
             bundle=bundle,
             tokenizer=tokenizer,
             engine_loop=client,
-            metrics=metrics,
+            metrics=group.metrics if group else client.metrics,
             model_name=name,
             api_key=api_key,
             strict_requests=strict_requests,
@@ -219,6 +262,16 @@ def serve(
     finally:
         client.stop()
     return 1 if client.failure is not None else 0
+
+
+def _started(client: EngineClient) -> None:
+    """Wait for a client's core to load the bundle; one that cannot is stopped (its process
+    reaped) before the error goes on."""
+    try:
+        client.start()
+    except BaseException:
+        client.stop()
+        raise
 
 
 def _chat_setup(

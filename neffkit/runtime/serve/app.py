@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import neffkit
 from neffkit.contract.bundle import Bundle
 from neffkit.errors import RequestError
-from neffkit.runtime.engine.core_client import EngineClient, EngineDead, Event, ServerBusy, Stream
+from neffkit.runtime.engine.core_client import EngineDead, Event, ServerBusy, Stream
 from neffkit.runtime.engine.limits import check_fits
-from neffkit.runtime.engine.metrics import Metrics
+from neffkit.runtime.engine.metrics import Exposition
 from neffkit.runtime.engine.structured import GrammarLimits, Grammars
 from neffkit.runtime.serve.access import (
     REQUEST_ID,
@@ -48,6 +48,7 @@ from neffkit.runtime.serve.access import (
     read_body,
 )
 from neffkit.runtime.serve.embeddings import add_embeddings
+from neffkit.runtime.serve.engine_api import ServingEngine
 from neffkit.runtime.serve.lora import adapter_of, add_lora, model_cards
 from neffkit.runtime.serve.openai_responses import (
     RESPONSES_FIELDS,
@@ -79,8 +80,7 @@ ParseBody = Callable[[dict[str, Any], str], T]  # a body and the served model's 
 # ---------------------------------------------------------------- the app
 
 
-# nginx's status for a request whose client went away before its answer
-CLIENT_CLOSED = 499
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away before its answer
 
 
 class ClientGone(Exception):
@@ -97,8 +97,8 @@ class App:
         *,
         bundle: Bundle,
         tokenizer: Tokenizer | None,
-        engine_loop: EngineClient,
-        metrics: Metrics,
+        engine_loop: ServingEngine,
+        metrics: Exposition,
         model_name: str,
         api_key: str | None = None,
         strict_requests: bool = False,
@@ -293,7 +293,7 @@ class Choices:
     n: int = 1  # choices per prompt
     streams: list[Stream] = field(default_factory=list)
 
-    def abort(self, client: EngineClient) -> None:
+    def abort(self, client: ServingEngine) -> None:
         for stream in self.streams:
             client.abort(stream)
 
@@ -370,7 +370,7 @@ def _add_routes(api: FastAPI, s: App) -> None:
     async def health() -> Response:
         if not s.loop.healthy:
             return PlainTextResponse("engine stopped", status_code=503)
-        return PlainTextResponse("ok")
+        return PlainTextResponse(s.loop.status)  # "ok"; replicas: "degraded: ..." while one is down
 
     @api.get("/version")
     async def version() -> dict[str, str]:

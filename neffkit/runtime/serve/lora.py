@@ -21,9 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from neffkit.errors import AdapterError, NeffkitError, RequestError
-from neffkit.runtime.engine.core_client import EngineClient, NotFound, unknown_model
+from neffkit.runtime.engine.core_client import NotFound, unknown_model
 from neffkit.runtime.sampling_params import shown
 from neffkit.runtime.serve.access import error_body
+from neffkit.runtime.serve.engine_api import ServingEngine
 
 RUNTIME_UPDATING_ENV = "NEFFKIT_ALLOW_RUNTIME_LORA_UPDATING"
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
@@ -122,7 +123,7 @@ def parse_unload(body: dict[str, Any], served: str) -> str:
 class LoraServer(Protocol):
     """What of the server's state (app.py's App) the adapters need."""
 
-    loop: EngineClient
+    loop: ServingEngine
     model_name: str
     created: int
     lora_parents: dict[str, str]

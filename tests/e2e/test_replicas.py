@@ -1,0 +1,119 @@
+"""`neffkit run --data-parallel 2` on a real server: greedy outputs equal one engine's, both
+replicas serve, a shared prefix follows its cached replica, every series carries its engine, and
+a replica killed with SIGKILL is routed around and restarted."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.server import Server
+
+pytestmark = pytest.mark.xdist_group("replicas")
+
+PROMPTS = [[(5 * i + j) % 900 + 3 for j in range(4 + i % 9)] for i in range(16)]
+SHARED = list(range(200, 232))  # two full blocks of 16
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def replicas(serve_bundle: Path):
+    srv = Server(serve_bundle, "--served-model-name", "tiny", "--data-parallel", "2")
+    yield srv
+    srv.stop()
+
+
+def _complete(server: Server, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of every prompt at once (16 concurrent requests); each one's ids."""
+
+    def one(prompt: list[int]) -> list[int]:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert out.status_code == 200, out.text
+        return out.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _series(server: Server, name: str) -> dict[str, float]:
+    """engine → value of a metric's series (summed over its other labels)."""
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", server.metrics(), re.M):
+        engine = re.search(r'engine="(\d+)"', m.group(1))
+        if engine:
+            out[engine.group(1)] = out.get(engine.group(1), 0) + float(m.group(2))
+    return out
+
+
+def test_replicas_equal_one_engine_and_both_serve(replicas, server):
+    assert _complete(replicas, PROMPTS) == _complete(server, PROMPTS)
+    routed = _series(replicas, "neffkit:replica_requests_total")
+    assert routed.get("0", 0) > 0 and routed.get("1", 0) > 0, routed
+    success = _series(replicas, "vllm:request_success_total")
+    assert sum(success.values()) >= len(PROMPTS) and set(success) == {"0", "1"}
+    assert set(_series(replicas, "vllm:kv_cache_usage_perc")) == {"0", "1"}
+
+
+def test_a_shared_prefix_follows_the_replica_that_cached_it(replicas):
+    before = _series(replicas, "neffkit:replica_requests_total")
+    hits_before = _series(replicas, "vllm:prefix_cache_hits_total")
+    _complete(replicas, [[*SHARED, 7, 8, 9, 10]])  # the first: computes and caches the prefix
+    tails = [[*SHARED, 11 + i, 40 + i, 70 + i] for i in range(6)]
+    _complete(replicas, tails)
+    after = _series(replicas, "neffkit:replica_requests_total")
+    moved = {e: after[e] - before.get(e, 0) for e in after}
+    engine = max(moved, key=moved.__getitem__)
+    assert moved[engine] == 1 + len(tails), moved  # every one on the same replica
+    hits = _series(replicas, "vllm:prefix_cache_hits_total")
+    gained = hits.get(engine, 0) - hits_before.get(engine, 0)
+    assert gained >= 0.8 * len(SHARED) * len(tails), (gained, hits)
+
+
+def _engine_pids(server: Server) -> list[int]:
+    """The server's engine core processes (multiprocessing's spawned children)."""
+    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text()
+    pids = []
+    for pid in map(int, children.split()):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:
+            pids.append(pid)
+    return pids
+
+
+def _health(server: Server) -> str:
+    return httpx.get(f"{server.url}/health", timeout=5).text
+
+
+def test_a_killed_replica_is_routed_around_and_restarted(replicas):
+    pids = _engine_pids(replicas)
+    assert len(pids) == 2, pids
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not _health(replicas).startswith("degraded") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _health(replicas).startswith("degraded")
+    _complete(replicas, PROMPTS[:8])  # every one a 200 meanwhile (the live replica's)
+    deadline = time.monotonic() + 60
+    while _health(replicas) != "ok" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _health(replicas) == "ok", "the replica was not back within 60 s"
+    assert sum(_series(replicas, "neffkit:replica_restarts_total").values()) == 1
+    before = _series(replicas, "neffkit:replica_requests_total")
+    _complete(replicas, PROMPTS)
+    after = _series(replicas, "neffkit:replica_requests_total")
+    assert all(after[e] > before.get(e, 0) for e in ("0", "1")), (before, after)
+    assert len(_engine_pids(replicas)) == 2
