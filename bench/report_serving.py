@@ -295,3 +295,26 @@ def kv_memory(d: dict[str, Any]) -> str:
         f"{d['context'] // 1024}k ones; the budget is split for sequences of the largest context, "
         "so at 4k the sliding pool is the limit.\n\n" + table(["bundle", *heads], rows)
     )
+
+
+def replicas(d: dict[str, Any]) -> str:
+    """bench/replicas.py: data-parallel replicas against one engine, and the routing's cost."""
+    rows = [
+        [
+            name,
+            f"{s['output_tokens_per_s']:.1f}",
+            f"{s['ttft_median_ms']:.0f}",
+            f"{s['tpot_median_ms']:.1f}",
+        ]
+        for name, s in d["summary"].items()
+    ]
+    header = ["server", "output tok/s", "median TTFT ms", "median TPOT ms"]
+    route = d["routing"]
+    return (
+        f"**Data-parallel replicas** (`bench/replicas.py`, {d['bundle']}, {d['cpus']} CPUs, "
+        f"concurrency {d['concurrency']}, {d['requests']} streamed requests of {d['input_len']} "
+        f"random tokens in, {d['output_len']} out, {d['rounds']} alternating rounds, medians): "
+        f"replicas / one engine = {d['data_parallel_vs_one']:.2f}×. The front's routing "
+        f"decision takes {route['p50_us']:.0f} µs (p50) and {route['p99_us']:.0f} µs (p99) a "
+        "request.\n\n" + table(header, rows)
+    )

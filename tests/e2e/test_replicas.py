@@ -117,3 +117,19 @@ def test_a_killed_replica_is_routed_around_and_restarted(replicas):
     after = _series(replicas, "neffkit:replica_requests_total")
     assert all(after[e] > before.get(e, 0) for e in ("0", "1")), (before, after)
     assert len(_engine_pids(replicas)) == 2
+
+
+def test_tp2_replicas_equal_the_tp2_engine_offline(tp_bundle):
+    """Two replicas of a tp=2 bundle (four ranks) answer as the bundle does offline."""
+    from tests.support.cli import run_json
+
+    bundle = tp_bundle("llama").bundle
+    prompts = PROMPTS[:4]
+    args = [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
+    offline = run_json("run", str(bundle), *args, "--max-tokens", str(MAX_TOKENS))["outputs"]
+    srv = Server(bundle, "--served-model-name", "tiny", "--data-parallel", "2")
+    try:
+        assert _complete(srv, prompts) == [o["token_ids"] for o in offline]
+        assert set(_series(srv, "neffkit:replica_requests_total")) == {"0", "1"}
+    finally:
+        srv.stop()
