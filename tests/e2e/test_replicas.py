@@ -4,6 +4,7 @@ a replica killed with SIGKILL is routed around and restarted."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -133,3 +134,46 @@ def test_tp2_replicas_equal_the_tp2_engine_offline(tp_bundle):
         assert set(_series(srv, "neffkit:replica_requests_total")) == {"0", "1"}
     finally:
         srv.stop()
+
+
+def _sse(server: Server, route: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", f"{server.url}{route}", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data:") and line.removeprefix("data:").strip() != "[DONE]":
+                chunks.append(json.loads(line.removeprefix("data:")))
+    return chunks
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_bench_serve_payloads_are_served_as_it_reads_them(replicas, route):
+    """The bodies `vllm bench serve --backend openai|openai-chat` sends (its
+    endpoint_request_func.py, with --ignore-eos and --temperature 0 as extra_body): every field
+    accepted, text in the choices' chunks, the usage chunk last with completion_tokens."""
+    common = {
+        "model": "tiny",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    if route == "/v1/completions":
+        body = {
+            **common,
+            "prompt": "the quick brown fox",
+            "repetition_penalty": 1.0,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": None,
+        }
+    else:
+        content = [{"type": "text", "text": "the quick brown fox"}]
+        body = {
+            **common,
+            "messages": [{"role": "user", "content": content}],
+            "max_completion_tokens": MAX_TOKENS,
+        }
+    chunks = _sse(replicas, route, body)
+    texts = [c for c in chunks if c.get("choices")]
+    assert texts and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert not chunks[-1]["choices"]
