@@ -105,6 +105,23 @@ def test_embed_bundle_records_its_task_and_has_no_decode_graphs(session_dir, hf_
     assert summary["task"] == "embed"
 
 
+def test_build_verify_holds_an_embed_bundle_to_its_eager_pooling(
+    session_dir, hf_model_dir, tmp_path
+):
+    """`build --verify`: each pooled graph against the eager model (its pooled states held to
+    the K/V tolerance; nothing sampled to compare)."""
+    from tests.support.cache import artifact_cache
+
+    embed_bundle(session_dir, hf_model_dir("qwen3"), "qwen3_embed_mean", "mean")  # the cache
+    out = tmp_path / "verified"
+    manifest = str(session_dir / "qwen3_embed_mean.yaml")
+    run_cli(
+        "build", manifest, "-o", str(out), "--cache", str(artifact_cache()), "--verify", check=True
+    )
+    for g in json.loads((out / "bundle.json").read_text())["graphs"]:
+        assert g["verify"]["ok"] and g["verify"]["max_logprob_error"] < 1e-3, g["name"]
+
+
 def _inputs(graph: dict) -> list[str]:
     return [i["name"] for i in graph["inputs"]]
 

@@ -30,26 +30,13 @@ def test_whole_and_streamed_outputs_split_alike(parser, text, want):
         assert (reasoning or None, answer or None) == want, (size, pieces)
 
 
-class _Recording:
-    """A grammar matcher that accepts every token and records what it was given."""
-
-    def __init__(self) -> None:
-        self.consumed: list[int] = []
-
-    def consume_token(self, token: int) -> bool:
-        self.consumed.append(token)
-        return True
-
-    def is_stopped(self) -> bool:
-        return False
-
-
 def test_a_grammar_after_the_reasoning_waits_for_its_end_token():
     from neffkit.runtime.sampling_params import SamplingParams
     from neffkit.runtime.worker.batch import SequenceState
+    from tests.support.matchers import OpenMatcher
 
     end = 9
-    grammar = _Recording()
+    grammar = OpenMatcher()
     seq = SequenceState(0, [1, 2], SamplingParams(max_tokens=10), seed=0)
     seq.grammar, seq.grammar_after = grammar, end
     for token in (5, 6):  # the reasoning: no mask, nothing consumed

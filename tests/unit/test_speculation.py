@@ -16,6 +16,7 @@ from neffkit.runtime.sampling_params import SamplingParams
 from neffkit.runtime.spec_decode.ngram import propose
 from neffkit.runtime.spec_decode.proposer import BACKOFF_STEPS, MISSES_BEFORE_BACKOFF
 from tests.fake_model import EOS, fake_runner, oracle
+from tests.support.matchers import OpenMatcher
 
 PERIOD = 5
 NGRAM = SpeculationRecord("ngram", num_tokens=3, max_batch=4)
@@ -216,20 +217,6 @@ def test_a_draft_model_catches_up_after_plain_decode_steps() -> None:
     assert any(n.startswith("decode_8x") for n, _ in model.calls)  # plain steps happened
 
 
-class _OpenMatcher:
-    """A grammar that allows everything and never completes (what the scheduler sees of one)."""
-
-    def __init__(self) -> None:
-        self.consumed: list[int] = []
-
-    def consume_token(self, token: int) -> bool:
-        self.consumed.append(token)
-        return True
-
-    def is_stopped(self) -> bool:
-        return False
-
-
 def test_rows_with_a_grammar_get_no_drafts_but_advance_it() -> None:
     """Drafts would need the grammar's state at every position: a constrained row decodes
     plainly (its matcher sees every token once), its neighbours still speculate."""
@@ -237,7 +224,7 @@ def test_rows_with_a_grammar_get_no_drafts_but_advance_it() -> None:
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     prompt = [7, 8, 9, 10, 11] * 3
     constrained = core.add_request(prompt, params)
-    constrained.grammar = matcher = _OpenMatcher()
+    constrained.grammar = matcher = OpenMatcher()
     assert not constrained.may_draft
     while core.has_work():
         core.step()
@@ -254,7 +241,7 @@ def test_rows_with_a_grammar_get_no_drafts_but_advance_it() -> None:
     core.scheduler.proposer = recording
     free = core.add_request(prompt, params)
     constrained = core.add_request(prompt, params)
-    constrained.grammar = matcher = _OpenMatcher()
+    constrained.grammar = matcher = OpenMatcher()
     while core.has_work():
         core.step()
     assert any(n.startswith("verify") for n, _ in model.calls)  # the free row speculates
