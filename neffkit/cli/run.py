@@ -126,6 +126,14 @@ def _parse_ids(text: str) -> list[int]:
     help="Server: engine replicas, each on its share of the CPUs, behind the one server.",
 )
 @click.option(
+    "--ray-address",
+    "ray_address",
+    default=None,
+    metavar="ADDR",
+    help="Server: place the --data-parallel replicas on the Ray cluster at ADDR, as a Ray Serve "
+    "application (BUNDLE a path every node sees, or a pack URL).",
+)
+@click.option(
     "--lora",
     default=None,
     metavar="[NAME=]PATH",
@@ -329,8 +337,10 @@ def _server_only(server: dict[str, Any]) -> None:
     """A usage error for a server option given with a prompt."""
     if server["lora_modules"]:
         raise click.UsageError(f"{LORA_MODULES} is the server's; with a prompt, use --lora")
-    if server["data_parallel"] > 1:
-        raise click.UsageError("--data-parallel is the server's; a prompt runs on one engine")
+    if server["data_parallel"] > 1 or server["ray_address"]:
+        raise click.UsageError(
+            "--data-parallel and --ray-address are the server's; a prompt runs on one engine"
+        )
 
 
 def _chat_template(value: str | None) -> str | None:

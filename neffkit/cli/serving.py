@@ -19,6 +19,10 @@ def serve_bundle(
     from neffkit.runtime.serve.access import HttpLimits
     from neffkit.runtime.serve.api_server import ChatOptions, EngineOptions, serve
 
+    if server["ray_address"]:
+        flags = (no_prefix_caching, no_speculation)
+        return _serve_on_ray(str(bundle), executor, dist_timeout, flags, server)
+
     limits = HttpLimits(
         max_request_bytes=server["max_request_bytes"],
         header_timeout_s=server["header_timeout"],
@@ -53,3 +57,55 @@ def serve_bundle(
         lora_modules=server["lora_modules"],
         engine=engine,
     )
+
+
+def _serve_on_ray(
+    bundle: str, executor: str, dist_timeout: float, flags: tuple[bool, bool], server: dict
+) -> int:
+    """The replicas as a Ray Serve application on the cluster at --ray-address."""
+    from neffkit.errors import NeffkitError
+
+    if server["lora_modules"]:
+        raise NeffkitError("--lora-modules: adapters are not served over Ray yet (--ray-address)")
+    try:
+        from neffkit.runtime.replicas.ray_serve import (
+            FrontOptions,
+            ReplicaOptions,
+            local_path,
+            serve_on_ray,
+        )
+    except ImportError as exc:
+        raise NeffkitError(
+            f"--ray-address needs Ray Serve ({exc.name} is not installed)",
+            hint="pip install 'neffkit[ray-serve]'",
+        ) from None
+    from neffkit.contract.read import read_bundle
+
+    name = server["served_model_name"] or read_bundle(local_path(bundle), verify=False).record.name
+    no_prefix_caching, no_speculation = flags
+    engine = ReplicaOptions(
+        bundle=bundle,
+        model_name=name,
+        max_waiting=server["max_waiting"],
+        executor=executor,
+        dist_timeout_s=dist_timeout,
+        threads=server["threads"],
+        prefix_caching=not no_prefix_caching,
+        speculation=not no_speculation,
+        scheduling=server["scheduling"],
+    )
+    front = FrontOptions(
+        bundle=bundle,
+        model_name=name,
+        max_waiting=server["max_waiting"],
+        api_key=server["api_key"],
+        tool_parser=server["tool_parser"],
+        reasoning_parser=server["reasoning_parser"],
+        chat_template=server["chat_template"],
+        strict_requests=server["strict_requests"],
+        compact_json=server["compact_json"],
+        grammar_timeout_s=server["grammar_timeout"],
+        public_metrics=server["public_metrics"],
+    )
+    host, port = server["host"], server["port"]
+    return serve_on_ray(server["ray_address"], host, port, server["data_parallel"], engine, front)

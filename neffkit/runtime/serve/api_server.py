@@ -228,7 +228,7 @@ def serve(
     data-parallel replicas restart instead)."""
     bundle = read_bundle(bundle_path, verify=False)  # the core verifies hashes as it loads
     record, name = bundle.record, model_name or bundle.record.name
-    tokenizer, parsers = _chat_setup(bundle, chat)
+    tokenizer, parsers = chat_setup(bundle, chat)
     paths, parents = _adapters(lora_modules or [], name)
     lay = (engine.scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))  # first
     shares = replica_cpus(engine.data_parallel) if engine.data_parallel > 1 else []
@@ -274,7 +274,7 @@ def _started(client: EngineClient) -> None:
         raise
 
 
-def _chat_setup(
+def chat_setup(
     bundle: Bundle, chat: ChatOptions
 ) -> tuple[Tokenizer | None, tuple[str | None, str | None]]:
     """The bundle's tokenizer, its chat template replaced by --chat-template, and the (tool
