@@ -331,6 +331,8 @@ class EngineClient:
         with self._lock:
             streams, self._live = list(self._live.values()), {}
             calls, self._calls = list(self._calls.values()), {}
+            for stream in streams:  # ended: an abort later sends nothing (a replica's next
+                stream.done = True  # client numbers its requests afresh)
         for stream in streams:
             stream.emit(Event(detail, [], finish_reason="error"))
         for future, _, _ in calls:

@@ -225,7 +225,12 @@ class BoardMetrics:
 
         while True:
             families: dict[str, Any] = {}
-            for text in self.board.all.remote().result():
+            try:
+                texts = self.board.all.remote().result()
+            except Exception:  # noqa: BLE001 - the board restarting: the last render stands
+                time.sleep(POST_INTERVAL_S)
+                continue
+            for text in texts:
                 for family in text_string_to_metric_families(text):
                     joined = families.setdefault(family.name, family)
                     if joined is not family:
