@@ -56,3 +56,48 @@ def test_cpu_shares_are_contiguous_and_cover_the_mask():
     assert all(len(share) == 1 for share in shares)
     with pytest.raises(NeffkitError, match="each replica needs one at least"):
         replica_cpus(len(cpus) + 1)
+
+
+class _DeadCore:
+    """A core process that has exited (what the client's reader thread finds)."""
+
+    exitcode = -9
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_a_dead_clients_streams_are_done_and_aborting_one_sends_nothing():
+    """A replica restarts with a new client whose request ids start again: an abort of a
+    stream the dead client ended must not reach it (it would abort another request)."""
+    import threading
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from neffkit.contract.records import BucketLists
+    from neffkit.runtime.engine.core_client import EngineClient
+    from neffkit.runtime.engine.metrics import Metrics
+    from neffkit.runtime.sampling_params import SamplingParams
+    from tests.fake_model import scheduler_config
+
+    config = scheduler_config(8, 33, BucketLists((8,), (1,), (32,)))
+    ours, theirs = Pipe()
+    failed = threading.Event()
+    client = EngineClient(
+        _DeadCore(), ours, config, None, Metrics("m"), on_failure=lambda _: failed.set()
+    )  # type: ignore[arg-type]
+    theirs.send(("ready", 32))
+    client.start()
+    events: list = []
+    stream = client.submit([1, 2, 3], SamplingParams(max_tokens=2), (), events.append)
+    assert theirs.recv()[0] == "add"
+    theirs.close()  # the core is gone
+    assert failed.wait(10)
+    assert stream.done and events[-1].finish_reason == "error"
+    sent: list = []
+    client.conn = SimpleNamespace(send=sent.append)  # type: ignore[assignment]
+    client.abort(stream)
+    assert sent == []
