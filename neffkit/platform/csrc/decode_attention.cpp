@@ -65,7 +65,9 @@ inline float dot(const float* q, const T* key, int64_t n) {
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes) acc = fmadd(load(q + d), load(key + d), acc);
   float sum = reduce_add(acc);
-  for (; d < n; ++d) sum += q[d] * to_float(key[d]);
+  // std::fma, not `sum += a * b`: whether the compiler contracts that differs between the
+  // native and class builds (the class's tails must equal the native ones bit for bit)
+  for (; d < n; ++d) sum = std::fma(q[d], to_float(key[d]), sum);
   return sum;
 }
 
@@ -127,7 +129,9 @@ inline void weighted_sum(const float* probs, const T* vc, const int64_t* rows, i
   }
   for (; d < Dv; ++d) {
     float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) sum += probs[j] * to_float(vc[rows[j] * Dv + d]);
+    for (int64_t j = 0; j < n; ++j) {
+      sum = std::fma(probs[j], to_float(vc[rows[j] * Dv + d]), sum);
+    }
     out[d] = sum;
   }
 }
