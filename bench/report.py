@@ -31,7 +31,7 @@ from report_accuracy import bf16_agreement, fp8, lm_eval  # noqa: E402
 from report_build import build, build_large, startup  # noqa: E402
 from report_classes import classes  # noqa: E402
 from report_engine import batch, burst, decode, matrix, mla, moe, overhead, roofline, tp  # noqa: E402
-from report_peers import llamacpp, peers  # noqa: E402
+from report_peers import llamacpp, peers, vllm_cpu  # noqa: E402
 from report_serving import (  # noqa: E402
     kv_memory,
     lora,
@@ -76,6 +76,7 @@ SECTIONS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("peers_intel", peers),
     ("llamacpp", llamacpp),
     ("llamacpp_intel", llamacpp),
+    ("vllm_cpu", vllm_cpu),
     ("classes_avx512", classes),
     ("classes_avx2", classes),
     ("fp8", fp8),

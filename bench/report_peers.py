@@ -147,3 +147,37 @@ def llamacpp(d: dict[str, Any]) -> str:
             "prompts identical: " + ", ".join(parts) + "."
         )
     return text
+
+
+def vllm_cpu(d: dict[str, Any]) -> str:
+    """bench/vllm_cpu.py: neffkit's server and vLLM's CPU server under `vllm bench serve`."""
+    medians = d["medians"]
+    rows = []
+    for c in map(str, d["concurrency"]):
+        row = [c]
+        for name in ("neffkit", "vLLM CPU"):
+            m = medians.get(name, {}).get(c)
+            row += (
+                [
+                    f"{m['output_tokens_per_s']:.1f}",
+                    f"{m['median_ttft_ms']:.0f}",
+                    f"{m['median_tpot_ms']:.1f}",
+                ]
+                if m
+                else ["—", "—", "—"]
+            )
+        rows.append(row)
+    header = ["concurrency"] + [
+        f"{name} {what}" for name in ("neffkit", "vLLM") for what in ("tok/s", "TTFT ms", "TPOT ms")
+    ]
+    refused = "".join(
+        f" {name} could not run on this host: {(why.strip().splitlines() or [''])[-1]}."
+        for name, why in d.get("refused", {}).items()
+    )
+    return (
+        f"**Beside vLLM's CPU server** (`bench/vllm_cpu.py`: `vllm bench serve --backend openai "
+        f"--dataset-name random --random-input-len {d['input_len']} --random-output-len "
+        f"{d['output_len']} --ignore-eos --temperature 0` against each server, {d['model']} "
+        f"{d['dtype']}, {d['rounds']} alternating rounds, medians; CPU flags "
+        f"{', '.join(d['cpu_flags'])}).{refused}\n\n" + table(header, rows)
+    )
