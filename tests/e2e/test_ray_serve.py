@@ -5,7 +5,6 @@ machine, started and stopped here), driven through the OpenAI routes by real cli
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.support import REPO
+from tests.support.replicas import complete_all, per_engine
 from tests.support.server import Server
 
 pytestmark = [pytest.mark.xdist_group("ray_serve"), pytest.mark.full]
@@ -62,7 +62,7 @@ def ray_server(serve_bundle: Path) -> Iterator[str]:
             time.sleep(1)
         else:
             raise AssertionError("the Ray Serve application did not become healthy")
-        _complete(url, PROMPTS[:1])  # the front's handle has learnt both replicas after
+        complete_all(url, PROMPTS[:1])  # the front's handle has learnt both replicas after
         time.sleep(2)
         yield url
     finally:
@@ -72,42 +72,18 @@ def ray_server(serve_bundle: Path) -> Iterator[str]:
         cluster.shutdown()
 
 
-def _complete(url: str, prompts: list[list[int]]) -> list[list[int]]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(prompt: list[int]) -> list[int]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-        body["return_token_ids"] = True
-        out = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-        assert out.status_code == 200, out.text
-        return out.json()["choices"][0]["token_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-def _per_engine(url: str, name: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        engine = re.search(r'engine="([^"]+)"', m.group(1))
-        if engine:
-            out[engine.group(1)] = out.get(engine.group(1), 0) + float(m.group(2))
-    return out
-
-
 def test_ray_replicas_equal_one_engine_and_follow_prefixes(ray_server, server: Server):
-    assert _complete(ray_server, PROMPTS) == _complete(server.url, PROMPTS)
+    assert complete_all(ray_server, PROMPTS) == complete_all(server.url, PROMPTS)
     time.sleep(2.5)  # the replicas post their metrics each second
-    success = _per_engine(ray_server, "vllm:request_success_total")
+    success = per_engine(ray_server, "vllm:request_success_total")
     assert len(success) == 2 and sum(success.values()) >= len(PROMPTS), success
-    hits_before = _per_engine(ray_server, "vllm:prefix_cache_hits_total")
-    _complete(ray_server, [[*SHARED, 7, 8, 9]])
+    hits_before = per_engine(ray_server, "vllm:prefix_cache_hits_total")
+    complete_all(ray_server, [[*SHARED, 7, 8, 9]])
     tails = [[*SHARED, 11 + i, 40 + i, 70 + i] for i in range(6)]
     for tail in tails:  # one at a time: each finds the prefix where the first left it
-        _complete(ray_server, [tail])
+        complete_all(ray_server, [tail])
     time.sleep(2.5)
-    hits = _per_engine(ray_server, "vllm:prefix_cache_hits_total")
+    hits = per_engine(ray_server, "vllm:prefix_cache_hits_total")
     gained = max(hits[e] - hits_before.get(e, 0) for e in hits)
     assert gained >= 0.8 * len(SHARED) * len(tails), (hits_before, hits)
 
@@ -134,7 +110,7 @@ def test_a_killed_engine_is_replaced_by_ray(ray_server):
     assert len(cores) == 2, cores
     os.kill(cores[0], signal.SIGKILL)
     time.sleep(3)  # the replica ends with its engine; Ray routes around it
-    _complete(ray_server, PROMPTS)  # every one a 200
+    complete_all(ray_server, PROMPTS)  # every one a 200
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         now = [p for p in _replica_cores() if p != cores[0]]
@@ -142,4 +118,4 @@ def test_a_killed_engine_is_replaced_by_ray(ray_server):
             break
         time.sleep(1)
     assert len(now) == 2, "no replacement within 60 s"
-    assert _complete(ray_server, PROMPTS) == _complete(ray_server, PROMPTS)
+    assert complete_all(ray_server, PROMPTS) == complete_all(ray_server, PROMPTS)

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.replicas import complete_all, per_engine
 from tests.support.server import Server
 
 pytestmark = pytest.mark.xdist_group("replicas")
@@ -31,55 +30,28 @@ def replicas(serve_bundle: Path):
     srv.stop()
 
 
-def _complete(server: Server, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy completions of every prompt at once (16 concurrent requests); each one's ids."""
-
-    def one(prompt: list[int]) -> list[int]:
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
-        assert out.status_code == 200, out.text
-        return out.json()["choices"][0]["token_ids"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-def _series(server: Server, name: str) -> dict[str, float]:
-    """engine → value of a metric's series (summed over its other labels)."""
-    out: dict[str, float] = {}
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", server.metrics(), re.M):
-        engine = re.search(r'engine="(\d+)"', m.group(1))
-        if engine:
-            out[engine.group(1)] = out.get(engine.group(1), 0) + float(m.group(2))
-    return out
-
-
 def test_replicas_equal_one_engine_and_both_serve(replicas, server):
-    assert _complete(replicas, PROMPTS) == _complete(server, PROMPTS)
-    routed = _series(replicas, "neffkit:replica_requests_total")
+    assert complete_all(replicas.url, PROMPTS) == complete_all(server.url, PROMPTS)
+    routed = per_engine(replicas.url, "neffkit:replica_requests_total")
     assert routed.get("0", 0) > 0 and routed.get("1", 0) > 0, routed
-    success = _series(replicas, "vllm:request_success_total")
+    success = per_engine(replicas.url, "vllm:request_success_total")
     assert sum(success.values()) >= len(PROMPTS) and set(success) == {"0", "1"}
-    assert set(_series(replicas, "vllm:kv_cache_usage_perc")) == {"0", "1"}
+    assert set(per_engine(replicas.url, "vllm:kv_cache_usage_perc")) == {"0", "1"}
 
 
 def test_a_shared_prefix_follows_the_replica_that_cached_it(replicas):
-    before = _series(replicas, "neffkit:replica_requests_total")
-    hits_before = _series(replicas, "vllm:prefix_cache_hits_total")
-    _complete(replicas, [[*SHARED, 7, 8, 9, 10]])  # the first: computes and caches the prefix
+    before = per_engine(replicas.url, "neffkit:replica_requests_total")
+    hits_before = per_engine(replicas.url, "vllm:prefix_cache_hits_total")
+    complete_all(
+        replicas.url, [[*SHARED, 7, 8, 9, 10]]
+    )  # the first: computes and caches the prefix
     tails = [[*SHARED, 11 + i, 40 + i, 70 + i] for i in range(6)]
-    _complete(replicas, tails)
-    after = _series(replicas, "neffkit:replica_requests_total")
+    complete_all(replicas.url, tails)
+    after = per_engine(replicas.url, "neffkit:replica_requests_total")
     moved = {e: after[e] - before.get(e, 0) for e in after}
     engine = max(moved, key=moved.__getitem__)
     assert moved[engine] == 1 + len(tails), moved  # every one on the same replica
-    hits = _series(replicas, "vllm:prefix_cache_hits_total")
+    hits = per_engine(replicas.url, "vllm:prefix_cache_hits_total")
     gained = hits.get(engine, 0) - hits_before.get(engine, 0)
     assert gained >= 0.8 * len(SHARED) * len(tails), (gained, hits)
 
@@ -107,15 +79,15 @@ def test_a_killed_replica_is_routed_around_and_restarted(replicas):
     while not _health(replicas).startswith("degraded") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _health(replicas).startswith("degraded")
-    _complete(replicas, PROMPTS[:8])  # every one a 200 meanwhile (the live replica's)
+    complete_all(replicas.url, PROMPTS[:8])  # every one a 200 meanwhile (the live replica's)
     deadline = time.monotonic() + 60
     while _health(replicas) != "ok" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _health(replicas) == "ok", "the replica was not back within 60 s"
-    assert sum(_series(replicas, "neffkit:replica_restarts_total").values()) == 1
-    before = _series(replicas, "neffkit:replica_requests_total")
-    _complete(replicas, PROMPTS)
-    after = _series(replicas, "neffkit:replica_requests_total")
+    assert sum(per_engine(replicas.url, "neffkit:replica_restarts_total").values()) == 1
+    before = per_engine(replicas.url, "neffkit:replica_requests_total")
+    complete_all(replicas.url, PROMPTS)
+    after = per_engine(replicas.url, "neffkit:replica_requests_total")
     assert all(after[e] > before.get(e, 0) for e in ("0", "1")), (before, after)
     assert len(_engine_pids(replicas)) == 2
 
@@ -130,8 +102,8 @@ def test_tp2_replicas_equal_the_tp2_engine_offline(tp_bundle):
     offline = run_json("run", str(bundle), *args, "--max-tokens", str(MAX_TOKENS))["outputs"]
     srv = Server(bundle, "--served-model-name", "tiny", "--data-parallel", "2")
     try:
-        assert _complete(srv, prompts) == [o["token_ids"] for o in offline]
-        assert set(_series(srv, "neffkit:replica_requests_total")) == {"0", "1"}
+        assert complete_all(srv.url, prompts) == [o["token_ids"] for o in offline]
+        assert set(per_engine(srv.url, "neffkit:replica_requests_total")) == {"0", "1"}
     finally:
         srv.stop()
 
