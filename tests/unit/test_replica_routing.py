@@ -101,3 +101,76 @@ def test_a_dead_clients_streams_are_done_and_aborting_one_sends_nothing():
     client.conn = SimpleNamespace(send=sent.append)  # type: ignore[assignment]
     client.abort(stream)
     assert sent == []
+
+
+class _FakeClient:
+    """An engine client whose core the test kills: its live streams then end with "error"."""
+
+    def __init__(self) -> None:
+        self.streams: list = []
+        self.aborted: list = []
+        self.failure: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
+    def outstanding_tokens(self) -> int:
+        return sum(not s.done for s in self.streams)
+
+    def submit(self, prompt_ids, params, stop, emit, include_stop, adapter, priority):
+        from neffkit.runtime.engine.core_client import Stream
+
+        stream = Stream(
+            rid=len(self.streams), prompt_ids=prompt_ids, params=params, emit=emit, detok=None
+        )
+        self.streams.append(stream)
+        return stream
+
+    def abort(self, stream, reason="abort") -> None:
+        self.aborted.append(stream)
+
+    def die(self) -> None:
+        from neffkit.runtime.engine.core_client import Event
+
+        self.failure = "killed"
+        for s in self.streams:
+            s.done = True
+            s.emit(Event("killed", [], finish_reason="error"))
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_request_that_lost_its_replica_before_a_token_moves_and_one_after_fails():
+    from neffkit.contract.records import BucketLists
+    from neffkit.runtime.engine.core_client import Event, ServerBusy
+    from neffkit.runtime.replicas.group import EngineGroup
+    from neffkit.runtime.sampling_params import SamplingParams
+    from tests.fake_model import scheduler_config
+
+    config = scheduler_config(8, 33, BucketLists((8,), (1,), (32,)))
+    group = EngineGroup(lambda *_: _FakeClient(), [(0,), (1,)], config, "m", 8, {})
+    group.start()
+    params = SamplingParams(max_tokens=4)
+    try:
+        a, b = group.replicas[0].client, group.replicas[1].client
+        moved: list = []
+        lost: list = []
+        first = group.submit([1] * 20, params, (), moved.append)
+        second = group.submit([2] * 20, params, (), lost.append)
+        third = group.submit([3] * 20, params, (), lambda e: None)
+        assert (first.engine, second.engine, third.engine) == (0, 1, 0)
+        b.streams[0].emit(Event("z", [7]))  # `second` produced a token on replica 1
+        a.die()  # replica 0 dies before `first` and `third` produced one: both move
+        assert moved == [] and [s.prompt_ids[0] for s in b.streams] == [2, 1, 3]
+        group.abort(third)  # the caller's stream: its request's current one is aborted
+        assert b.aborted == [b.streams[2]]
+        b.streams[1].emit(Event("y", [6], finish_reason="length"))
+        assert [e.token_ids for e in moved] == [[6]]  # the caller hears the new replica
+        b.die()  # `second`'s caller saw a token: it ends with the cause
+        assert [e.finish_reason for e in lost] == [None, "error"]
+        with pytest.raises(ServerBusy):  # no replica serving
+            group.submit([4] * 20, params, (), lambda e: None)
+    finally:
+        group.stop()

@@ -2,7 +2,8 @@
 picks, adapter loads and unloads to every replica, and a replica that dies restarted.
 
 A replica's death is its client's: the reader thread sees the core's pipe close and ends the
-requests in flight on it (their clients get a 5xx, as a single engine's would); the group then
+requests in flight on it; those that had not produced a token go to another replica, the others'
+clients get a 5xx, as a single engine's would. The group then
 routes around it, /health says "degraded", and a thread starts a new core in its place after a
 backoff (1 s, doubling up to 30 s while starts fail), registering the adapters served now. The
 server stops only when asked: a replica that keeps failing keeps being retried.
@@ -57,6 +58,23 @@ def replica_cpus(replicas: int) -> list[tuple[int, ...]]:
     return shares
 
 
+MAX_RETRIES = 2  # times a request that lost its replica before its first token is sent again
+
+
+@dataclass
+class _Request:
+    """A request as the group relays it: its submit arguments, the caller's callback, and the
+    stream on the replica serving it now."""
+
+    args: tuple[list[int], SamplingParams, tuple[str, ...], bool, str | None, int]
+    emit: Callable[[Event], None]
+    stream: Stream | None = None
+    produced: bool = False  # a token reached the caller: it can no longer move
+    retries: int = 0
+    key: int = 0  # the caller's stream (the first one's id), by which it aborts
+    done: bool = False
+
+
 @dataclass
 class Replica:
     """One engine core and its client; `client` is replaced when it restarts."""
@@ -101,6 +119,7 @@ class EngineGroup:
         )
         self.router = PrefixRouter(len(shares), config.block_size)
         self._lock = threading.Lock()
+        self._requests: dict[int, _Request] = {}  # by the caller's stream's id
         self._stopping = False
         self.failure: str | None = None  # replicas restart: the group itself never fails
 
@@ -158,9 +177,19 @@ class EngineGroup:
         priority: int = 0,
     ) -> Stream:
         """To the replica the router picks among those serving (503 where none is)."""
+        if adapter is not None and adapter not in self.adapters:
+            raise unknown_model(adapter)
+        request = _Request((prompt_ids, params, stop, include_stop, adapter, priority), emit)
+        first = self._send(request)
+        with self._lock:  # it may have ended already (the relay holds the lock to say so)
+            request.key = id(first)
+            if not request.done:
+                self._requests[request.key] = request
+        return first
+
+    def _send(self, request: _Request) -> Stream:
+        prompt_ids, params, stop, include_stop, adapter, priority = request.args
         with self._lock:
-            if adapter is not None and adapter not in self.adapters:
-                raise unknown_model(adapter)
             loads = [
                 r.client.outstanding_tokens() if r.serving and r.client else None
                 for r in self.replicas
@@ -169,17 +198,54 @@ class EngineGroup:
                 raise ServerBusy("no engine is serving: every replica is restarting")
             replica = self.replicas[self.router.choose(prompt_ids, loads, adapter)]
         assert replica.client is not None
+        index = replica.index
+
+        def relay(event: Event) -> None:
+            self._relay(request, event, index)
+
         stream = replica.client.submit(
-            prompt_ids, params, stop, emit, include_stop, adapter, priority
+            prompt_ids,
+            params,
+            stop,
+            relay,
+            include_stop,
+            adapter,
+            priority,
         )
         stream.engine = replica.index
+        request.stream = stream
         self.front.engine(self.front.routed, replica.index).inc()
         return stream
 
+    def _relay(self, request: _Request, event: Event, replica: int) -> None:
+        """A replica's event for `request` (its client's reader thread): passed on, but where
+        `replica` died before the request produced a token (its client has seen nothing of
+        it), the request goes to another replica instead, up to MAX_RETRIES times."""
+        client = self.replicas[replica].client
+        died = client is not None and client.failure is not None
+        if event.finish_reason == "error" and died and not request.produced and not self._stopping:
+            if request.retries < MAX_RETRIES:
+                request.retries += 1
+                try:
+                    self._send(request)
+                    return
+                except NeffkitError:  # none serving: the request ends with the cause
+                    pass
+        request.produced = request.produced or bool(event.token_ids)
+        if event.finish_reason is not None:
+            with self._lock:
+                request.done = True
+                self._requests.pop(request.key, None)
+        request.emit(event)
+
     def abort(self, stream: Stream, reason: str = "abort") -> None:
-        client = self.replicas[stream.engine].client
-        if client is not None and not stream.done:
-            client.abort(stream, reason)
+        """The request `stream` began as, wherever it runs now."""
+        with self._lock:
+            request = self._requests.pop(id(stream), None)
+        current = request.stream if request is not None and request.stream else stream
+        client = self.replicas[current.engine].client
+        if client is not None and not current.done:
+            client.abort(current, reason)
 
     # ------------------------------------------------------------ adapters
     def load_adapter(self, name: str, path: str) -> Future[None]:
