@@ -11,7 +11,6 @@ The request's first argument is its prompt's token ids (ray_serve.py's `EngineRe
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import (
@@ -24,19 +23,17 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from neffkit.runtime.engine.kv_blocks import BlockHash, extend_hashes
-from neffkit.runtime.replicas.routing import CACHE_THRESHOLD, REMEMBERED_BLOCKS
+from neffkit.runtime.engine.kv_blocks import BlockHash
+from neffkit.runtime.replicas.routing import CACHE_THRESHOLD, SeenBlocks, prompt_chain
 
 
 def _chain(pending: PendingRequest | None, block_size: int) -> tuple[list[BlockHash], int]:
-    """The prompt's block hashes (keyed by its adapter, the second argument's `adapter`) and its
+    """The prompt's block hashes (keyed by its adapter, the call's `adapter` argument) and its
     length; none where the request carries no prompt."""
     if pending is None or not pending.args or not isinstance(pending.args[0], list):
         return [], 0
-    prompt, key = pending.args[0], pending.kwargs.get("adapter")
-    chain: list[BlockHash] = []
-    extend_hashes(chain, prompt, block_size, key)
-    return chain, len(prompt)
+    prompt = pending.args[0]
+    return prompt_chain(prompt, block_size, pending.kwargs.get("adapter")), len(prompt)
 
 
 class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
@@ -44,7 +41,7 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
 
     def initialize_state(self, block_size: int = 16, **kwargs: Any) -> None:
         self.block_size = block_size
-        self.seen: dict[ReplicaID, OrderedDict[BlockHash, None]] = {}
+        self.seen: dict[ReplicaID, SeenBlocks] = {}
 
     async def choose_replicas(
         self,
@@ -56,7 +53,8 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         chain, length = _chain(pending_request, self.block_size)
         best, matched = None, 0
         for replica in candidate_replicas:
-            n = self._matched(replica.replica_id, chain)
+            seen = self.seen.get(replica.replica_id)
+            n = seen.matched(chain) if seen is not None else 0
             if n > matched:
                 best, matched = replica, n
         others = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
@@ -68,22 +66,8 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         chain, _ = _chain(pending_request, self.block_size)
-        seen = self.seen.setdefault(replica_id, OrderedDict())
-        for h in reversed(chain):  # a prompt's first blocks the most recent: evicted last
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > REMEMBERED_BLOCKS:
-            seen.popitem(last=False)
+        self.seen.setdefault(replica_id, SeenBlocks()).remember(chain)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         self.seen.pop(replica_id, None)
         super().on_replica_actor_died(replica_id)
-
-    def _matched(self, replica_id: ReplicaID, chain: list[BlockHash]) -> int:
-        seen = self.seen.get(replica_id)
-        if seen is None:
-            return 0
-        for n, h in enumerate(chain):
-            if h not in seen:
-                return n
-        return len(chain)

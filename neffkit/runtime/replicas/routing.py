@@ -25,53 +25,66 @@ BALANCE_RATIO = 4.0
 REMEMBERED_BLOCKS = 1 << 16  # block hashes kept per replica
 
 
+def prompt_chain(prompt_ids: Sequence[int], block_size: int, key: str | None) -> list[BlockHash]:
+    """The chained hashes of a prompt's full blocks (run with adapter `key`), as the engine's
+    prefix cache hashes them."""
+    chain: list[BlockHash] = []
+    extend_hashes(chain, prompt_ids, block_size, key)
+    return chain
+
+
+class SeenBlocks:
+    """One replica's remembered prompts: their block hashes, the most recent last, at most
+    REMEMBERED_BLOCKS (the least recent dropped)."""
+
+    def __init__(self) -> None:
+        self.hashes: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def matched(self, chain: list[BlockHash]) -> int:
+        """Leading blocks of `chain` seen here (a block's hash holds its prefix)."""
+        for n, h in enumerate(chain):
+            if h not in self.hashes:
+                return n
+        return len(chain)
+
+    def remember(self, chain: list[BlockHash]) -> None:
+        for h in reversed(chain):  # a prompt's first blocks the most recent: evicted last
+            self.hashes[h] = None
+            self.hashes.move_to_end(h)
+        while len(self.hashes) > REMEMBERED_BLOCKS:
+            self.hashes.popitem(last=False)
+
+
 class PrefixRouter:
     """Routing state over `replicas` engines of block size `block_size`; not thread-safe (the
     group holds its lock around `choose`)."""
 
     def __init__(self, replicas: int, block_size: int) -> None:
         self.block_size = block_size
-        self.seen: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(replicas)]
+        self.seen = [SeenBlocks() for _ in range(replicas)]
 
     def choose(
         self, prompt_ids: Sequence[int], loads: Sequence[int | None], key: str | None
     ) -> int:
         """The replica for a prompt (run with adapter `key`, which the cache keys by), given
         each replica's outstanding tokens (None: down; one at least is up)."""
-        chain: list[BlockHash] = []
-        extend_hashes(chain, prompt_ids, self.block_size, key)
+        chain = prompt_chain(prompt_ids, self.block_size, key)
         live = [i for i, load in enumerate(loads) if load is not None]
         least = min(live, key=lambda i: (loads[i], i))
         best, matched = least, 0
         for i in live:
-            n = self._matched(i, chain)
+            n = self.seen[i].matched(chain)
             if n > matched:
                 best, matched = i, n
         cached = matched * self.block_size >= CACHE_THRESHOLD * len(prompt_ids) and matched
         if not cached or self._imbalanced(loads[best] or 0, loads[least] or 0):
             best = least
-        self._remember(best, chain)
+        self.seen[best].remember(chain)
         return best
 
     def forget(self, replica: int) -> None:
-        self.seen[replica].clear()
-
-    def _matched(self, replica: int, chain: list[BlockHash]) -> int:
-        """Leading blocks of `chain` the replica has seen (a block's hash holds its prefix)."""
-        seen = self.seen[replica]
-        for n, h in enumerate(chain):
-            if h not in seen:
-                return n
-        return len(chain)
+        self.seen[replica] = SeenBlocks()
 
     @staticmethod
     def _imbalanced(busy: int, least: int) -> bool:
         return busy - least > BALANCE_TOKENS and busy > BALANCE_RATIO * least
-
-    def _remember(self, replica: int, chain: list[BlockHash]) -> None:
-        seen = self.seen[replica]
-        for h in reversed(chain):  # a prompt's first blocks the most recent: evicted last
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > REMEMBERED_BLOCKS:
-            seen.popitem(last=False)
