@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from neffkit.runtime.serve.api_server import EngineOptions
 
 
 def serve_bundle(
@@ -19,15 +22,6 @@ def serve_bundle(
     from neffkit.runtime.serve.access import HttpLimits
     from neffkit.runtime.serve.api_server import ChatOptions, EngineOptions, serve
 
-    if server["ray_address"]:
-        flags = (no_prefix_caching, no_speculation)
-        return _serve_on_ray(str(bundle), executor, dist_timeout, flags, server)
-
-    limits = HttpLimits(
-        max_request_bytes=server["max_request_bytes"],
-        header_timeout_s=server["header_timeout"],
-        keep_alive_s=server["timeout_keep_alive"],
-    )
     engine = EngineOptions(
         executor=executor,
         dist_timeout_s=dist_timeout,
@@ -37,6 +31,13 @@ def serve_bundle(
         max_cpu_loras=server["max_cpu_loras"],
         scheduling=server["scheduling"],
         data_parallel=server["data_parallel"],
+    )
+    if server["ray_address"]:
+        return _serve_on_ray(str(bundle), engine, server)
+    limits = HttpLimits(
+        max_request_bytes=server["max_request_bytes"],
+        header_timeout_s=server["header_timeout"],
+        keep_alive_s=server["timeout_keep_alive"],
     )
     return serve(
         bundle,
@@ -59,9 +60,7 @@ def serve_bundle(
     )
 
 
-def _serve_on_ray(
-    bundle: str, executor: str, dist_timeout: float, flags: tuple[bool, bool], server: dict
-) -> int:
+def _serve_on_ray(bundle: str, engine: EngineOptions, server: dict[str, Any]) -> int:
     """The replicas as a Ray Serve application on the cluster at --ray-address."""
     from neffkit.errors import NeffkitError
 
@@ -82,17 +81,8 @@ def _serve_on_ray(
     from neffkit.contract.read import read_bundle
 
     name = server["served_model_name"] or read_bundle(local_path(bundle), verify=False).record.name
-    no_prefix_caching, no_speculation = flags
-    engine = ReplicaOptions(
-        bundle=bundle,
-        model_name=name,
-        max_waiting=server["max_waiting"],
-        executor=executor,
-        dist_timeout_s=dist_timeout,
-        threads=server["threads"],
-        prefix_caching=not no_prefix_caching,
-        speculation=not no_speculation,
-        scheduling=server["scheduling"],
+    replica = ReplicaOptions(
+        bundle=bundle, model_name=name, max_waiting=server["max_waiting"], engine=engine
     )
     front = FrontOptions(
         bundle=bundle,
@@ -108,4 +98,4 @@ def _serve_on_ray(
         public_metrics=server["public_metrics"],
     )
     host, port = server["host"], server["port"]
-    return serve_on_ray(server["ray_address"], host, port, server["data_parallel"], engine, front)
+    return serve_on_ray(server["ray_address"], host, port, engine.data_parallel, replica, front)

@@ -4,7 +4,8 @@ to each replica, its restarts, and the replicas serving."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -41,24 +42,36 @@ class FrontMetrics:
         return counter.labels(model_name=self.model_name, engine=str(replica))
 
 
+@dataclass(frozen=True)
+class _Collected:
+    """Families as prometheus_client's exposition reads a registry."""
+
+    families: list[Metric]
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def render_joined(families: Iterable[Metric]) -> bytes:
+    """One exposition of families from several sources: each name's samples under one family
+    (new ones: the sources' are left as they are)."""
+    joined: dict[str, Metric] = {}
+    for family in families:
+        into = joined.get(family.name)
+        if into is None:
+            into = joined[family.name] = Metric(
+                family.name, family.documentation, family.type, family.unit
+            )
+        into.samples += family.samples
+    return generate_latest(_Collected(list(joined.values())))
+
+
 class JoinedMetrics:
-    """Renders several registries as one exposition: a family's samples from every registry
-    under its one name (`registries` is asked each time: a restarted replica keeps its own)."""
+    """Renders several registries as one exposition (`registries` is asked each time: a
+    restarted replica keeps its own)."""
 
     def __init__(self, registries: Callable[[], list[CollectorRegistry]]) -> None:
         self.registries = registries
 
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for registry in self.registries():
-            for family in registry.collect():
-                joined = families.get(family.name)
-                if joined is None:
-                    joined = families[family.name] = Metric(
-                        family.name, family.documentation, family.type, family.unit
-                    )
-                joined.samples += family.samples
-        yield from families.values()
-
     def render(self) -> bytes:
-        return generate_latest(self)
+        return render_joined(f for registry in self.registries() for f in registry.collect())

@@ -26,12 +26,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from neffkit.contract.read import read_bundle
-from neffkit.runtime.config import SchedulerConfig, SchedulingOptions
+from neffkit.runtime.config import SchedulerConfig
 from neffkit.runtime.engine.core_client import EngineClient, Event, Stream
-from neffkit.runtime.engine.core_process import start_core
 from neffkit.runtime.engine.metrics import Metrics
 from neffkit.runtime.engine.structured import GrammarLimits
+from neffkit.runtime.replicas.exposition import render_joined
 from neffkit.runtime.sampling_params import SamplingParams
+from neffkit.runtime.serve.api_server import EngineOptions
 from neffkit.runtime.tokenizer import Tokenizer
 
 BOARD = "neffkit-metrics"  # the named actor replicas post their metrics to
@@ -71,12 +72,7 @@ class ReplicaOptions:
     bundle: str
     model_name: str
     max_waiting: int = 256
-    executor: str = "auto"
-    dist_timeout_s: float = 60.0
-    threads: int | None = None
-    prefix_caching: bool = True
-    speculation: bool = True
-    scheduling: SchedulingOptions | None = None
+    engine: EngineOptions = EngineOptions()  # noqa: RUF009 (frozen)
 
 
 class EngineReplica:
@@ -88,10 +84,8 @@ class EngineReplica:
         tokenizer = Tokenizer.from_dir(path / record.tokenizer) if record.tokenizer else None
         self.replica = serve.get_replica_context().replica_id.unique_id
         metrics = Metrics(options.model_name, engine=self.replica)
-        o = options
-        engine = (o.executor, o.dist_timeout_s, o.prefix_caching, o.speculation, o.threads)
-        core, conn = start_core(path, *engine, scheduling=o.scheduling)
-        config = (o.scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))
+        core, conn = options.engine.start_core(path, {})
+        config = options.engine.scheduler_config(record)
         self.client = EngineClient(
             core, conn, config, tokenizer, metrics, options.max_waiting, self._died
         )
@@ -221,33 +215,18 @@ class BoardMetrics:
         threading.Thread(target=self._refresh, daemon=True, name="neffkit-metrics").start()
 
     def _refresh(self) -> None:
-        from prometheus_client import generate_latest
-
         while True:
-            families: dict[str, Any] = {}
             try:
                 texts = self.board.all.remote().result()
             except Exception:  # noqa: BLE001 - the board restarting: the last render stands
                 time.sleep(POST_INTERVAL_S)
                 continue
-            for text in texts:
-                for family in text_string_to_metric_families(text):
-                    joined = families.setdefault(family.name, family)
-                    if joined is not family:
-                        joined.samples += family.samples
-            self.text = generate_latest(_Families(list(families.values())))
+            families = (f for text in texts for f in text_string_to_metric_families(text))
+            self.text = render_joined(families)
             time.sleep(POST_INTERVAL_S)
 
     def render(self) -> bytes:
         return self.text
-
-
-@dataclass(frozen=True)
-class _Families:
-    families: list[Any]
-
-    def collect(self) -> Any:
-        return iter(self.families)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,13 @@ from neffkit.runtime.serve.tool_prompt import choose_parser, template_takes_tool
 from neffkit.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
+
     import uvicorn
     from fastapi import FastAPI
+
+    from neffkit.contract.records import BundleRecord
 
 
 def _graceful_server_class() -> type:
@@ -176,6 +181,20 @@ class EngineOptions:
     scheduling: SchedulingOptions | None = None
     data_parallel: int = 1
 
+    def scheduler_config(self, record: BundleRecord) -> SchedulerConfig:
+        """The bundle's buckets and blocks under this scheduling (a bad policy or pool size:
+        refused before any engine starts)."""
+        return (self.scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))
+
+    def start_core(
+        self, bundle: Path, adapters: dict[str, str], cpus: tuple[int, ...] | None = None
+    ) -> tuple[BaseProcess, Connection]:
+        """An engine core process on `bundle` (on `cpus`, else every CPU) and its pipe."""
+        engine = (self.executor, self.dist_timeout_s, self.prefix_caching, self.speculation)
+        return start_core(
+            bundle, *engine, self.threads, adapters, self.max_cpu_loras, self.scheduling, cpus
+        )
+
 
 @dataclass(frozen=True)
 class _Cores:
@@ -193,12 +212,10 @@ class _Cores:
     ) -> EngineClient:
         """A replica's client started (its core ready: the group's threads wait), or the
         server's only one, to start."""
-        o = self.options
         cpus, metrics = (
             (replica.cpus, replica.metrics) if replica else (None, Metrics(self.model_name))
         )
-        engine = (o.executor, o.dist_timeout_s, o.prefix_caching, o.speculation, o.threads)
-        core, conn = start_core(self.bundle, *engine, adapters, o.max_cpu_loras, o.scheduling, cpus)
+        core, conn = self.options.start_core(self.bundle, adapters, cpus)
         client = EngineClient(
             core, conn, self.config, self.tokenizer, metrics, self.max_waiting, failed, adapters
         )
@@ -230,7 +247,7 @@ def serve(
     record, name = bundle.record, model_name or bundle.record.name
     tokenizer, parsers = chat_setup(bundle, chat)
     paths, parents = _adapters(lora_modules or [], name)
-    lay = (engine.scheduling or SchedulingOptions()).apply(SchedulerConfig.of(record))  # first
+    lay = engine.scheduler_config(record)  # checked first
     shares = replica_cpus(engine.data_parallel) if engine.data_parallel > 1 else []
     http = _HttpServer(host, port, http_limits or HttpLimits())  # the port first: fail fast
     cores = _Cores(bundle_path, engine, lay, tokenizer, name, max_waiting)
